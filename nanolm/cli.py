@@ -1,0 +1,210 @@
+"""`nanolm <command>`: one dispatcher that parses arguments and calls the library.
+
+Every user-facing failure is a `UserError`: printed as one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from nanolm.errors import UserError
+
+
+def _cmd_data(args: argparse.Namespace) -> None:
+    from nanolm import datasets
+    if args.data_cmd == "list":
+        print(datasets.describe())
+    else:
+        for name in args.names:
+            print(datasets.fetch(name))
+
+
+def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
+    from nanolm.datasets import resolve_sources
+    from nanolm.tokenizer import compression_report, train_tokenizer
+
+    files = resolve_sources(args.sources)
+    tok = train_tokenizer(_iter_texts(files, args.skip_bad), Path(args.out), args.vocab_size)
+    zh, en = _sample_texts(files)
+    print(f"tokenizer: {tok.vocab_size} tokens -> {Path(args.out).resolve()}")
+    print(compression_report(tok, zh, en))
+
+
+def _iter_texts(files: Sequence[Path], skip_bad: bool):
+    from nanolm.data.formats import iter_documents
+    for f in files:
+        yield from iter_documents(f, skip_bad=skip_bad)
+
+
+def _sample_texts(files: Sequence[Path], limit: int = 200_000) -> tuple[list[str], list[str]]:
+    """Up to `limit` characters each of mostly-Chinese and mostly-English documents, for the compression report."""
+    zh: list[str] = []
+    en: list[str] = []
+    nzh = nen = 0
+    for text in _iter_texts(files, skip_bad=True):
+        cjk = sum(1 for c in text[:2000] if "\u4e00" <= c <= "\u9fff")
+        if cjk > len(text[:2000]) * 0.3 and nzh < limit:
+            zh.append(text[:limit - nzh])
+            nzh += len(zh[-1])
+        elif cjk == 0 and nen < limit:
+            en.append(text[:limit - nen])
+            nen += len(en[-1])
+        if nzh >= limit and nen >= limit:
+            break
+    return zh, en
+
+
+def _cmd_prepare(args: argparse.Namespace) -> None:
+    from nanolm.data.prepare import prepare
+    from nanolm.datasets import resolve_sources
+
+    files = resolve_sources(args.sources)
+    prepare(files, Path(args.tokenizer), Path(args.out), val_fraction=args.val_fraction,
+            workers=args.workers, skip_bad=args.skip_bad)
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    from nanolm.config import override_fields
+    g = p.add_argument_group("config fields (override the preset and the config file)")
+    for name, typ in override_fields().items():
+        kind = getattr(typ, "__name__", str(typ))
+        if typ is bool:
+            g.add_argument(f"--{name}", dest=name, nargs="?", const="true", default=argparse.SUPPRESS,
+                           metavar="BOOL")
+        else:
+            g.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar=kind.upper())
+
+
+# Common fields with a short spelling too.
+_SHORTCUTS = {"data": "data.path", "out": "train.out_dir", "stage": "train.stage", "init_from": "train.init_from"}
+
+
+def _config_from_args(args: argparse.Namespace):
+    from nanolm.config import load_config, override_fields
+    overrides = {k: v for k, v in vars(args).items() if k in override_fields()}
+    for short, full in _SHORTCUTS.items():
+        value = getattr(args, short, None)
+        if value is not None:
+            overrides[full] = value
+    return load_config(args.preset, args.config, overrides)
+
+
+def _cmd_train(args: argparse.Namespace) -> None:
+    from nanolm.train.loop import train
+    cfg = _config_from_args(args)
+    train(cfg, resume=args.resume)
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from nanolm.infer.engine import Engine, SamplingParams
+    from nanolm.infer.generate import complete
+    from nanolm.runtime import resolve_device
+    from nanolm.tokenizer import Tokenizer
+    from nanolm.train.checkpoint import load_model
+
+    device = resolve_device(args.device)
+    model, _, src = load_model(args.checkpoint, "last" if args.last else "best", device)
+    tok = Tokenizer.load(src)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as e:
+        raise UserError(f"generate: {e}") from None
+    print(f"[{src}]", file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    complete(Engine(model, device), tok, args.prompt, params)
+    sys.stdout.write("\n")
+
+
+def _cmd_quickstart(args: argparse.Namespace) -> None:
+    from nanolm.quickstart import quickstart
+    quickstart(Path(args.out), minutes=args.minutes, corpora=args.corpora, vocab_size=args.vocab_size,
+               preset_name=args.preset, max_chars=args.max_chars)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
+                                "from raw text to chat.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    q = sub.add_parser("quickstart", help="every stage at tiny scale on the built-in corpora, in minutes")
+    q.add_argument("--minutes", type=float, default=5.0, help="total time budget (default 5)")
+    q.add_argument("--out", default="runs/quickstart", help="where every artefact goes")
+    q.add_argument("--corpora", nargs="+", default=["sanguo", "shakespeare", "sotu"],
+                   help="built-in corpora or your own files/directories")
+    q.add_argument("--vocab-size", type=int, default=6400)
+    q.add_argument("--preset", default="tiny")
+    q.add_argument("--max-chars", type=int, default=0,
+                   help="use at most this many characters of each corpus (0 = all; for quick tests)")
+    q.set_defaults(func=_cmd_quickstart)
+
+    d = sub.add_parser("data", help="built-in corpora: list, fetch")
+    dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
+    dsub.add_parser("list", help="show the registry of built-in corpora")
+    f = dsub.add_parser("fetch", help="download and verify built-in corpora into the cache")
+    f.add_argument("names", nargs="+")
+    d.set_defaults(func=_cmd_data)
+
+    t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    tsub = t.add_subparsers(dest="tok_cmd", required=True, metavar="ACTION")
+    tt = tsub.add_parser("train", help="train on built-in corpora and/or .txt/.jsonl files or directories")
+    tt.add_argument("sources", nargs="+")
+    tt.add_argument("--out", required=True, help="directory for tokenizer.json + tokenizer_config.json")
+    tt.add_argument("--vocab-size", type=int, default=6400)
+    tt.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines instead of stopping")
+    tt.set_defaults(func=_cmd_tokenizer_train)
+
+    pr = sub.add_parser("prepare", help="tokenize text into memory-mapped training shards")
+    pr.add_argument("sources", nargs="+", help="built-in corpora and/or .txt/.jsonl files or directories")
+    pr.add_argument("--tokenizer", required=True, help="tokenizer directory (or tokenizer.json)")
+    pr.add_argument("--out", required=True, help="output directory for shards + manifest.json")
+    pr.add_argument("--val-fraction", type=float, default=0.01)
+    pr.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    pr.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines and report the count")
+    pr.set_defaults(func=_cmd_prepare)
+
+    tr = sub.add_parser("train", help="train a model (one loop for every stage)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tr.add_argument("--preset", default=None, help="tiny, minimind-26m, minimind-104m, gpt2-124m")
+    tr.add_argument("--config", default=None, help="a TOML or JSON file with model/data/optim/train sections")
+    tr.add_argument("--data", default=None, help="prepared data directory (data.path)")
+    tr.add_argument("--out", default=None, help="run directory (train.out_dir)")
+    tr.add_argument("--stage", default=None, help="train.stage")
+    tr.add_argument("--init-from", dest="init_from", default=None, help="start from this checkpoint's weights")
+    tr.add_argument("--resume", action="store_true", help="continue the newest checkpoint in the run directory")
+    _add_overrides(tr)
+    tr.set_defaults(func=_cmd_train)
+
+    g = sub.add_parser("generate", help="continue a prompt with a trained model, streaming")
+    g.add_argument("checkpoint", help="a run directory or a checkpoint directory")
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=_cmd_generate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

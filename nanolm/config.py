@@ -1,0 +1,357 @@
+"""Typed configuration: one dataclass per concern, presets, files and overrides.
+
+A run's configuration is a `Config` made of `ModelConfig`, `DataConfig`,
+`OptimConfig` and `TrainConfig`. It is built in layers, each overriding the one
+before: a preset (a plain function below), a TOML or JSON file, then
+command-line overrides such as `--model.n_layer 4` whose names and types are
+generated from the dataclass fields. Every dataclass validates itself in
+`__post_init__` and names the field and what is allowed when a value is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from nanolm.errors import UserError
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise UserError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+
+    vocab_size: int = 6400
+    d_model: int = 512
+    n_layer: int = 8
+    n_head: int = 8
+    n_kv_head: int = 2  # grouped-query attention; == n_head is plain multi-head attention
+    n_hidden: int = 0  # SwiGLU hidden size; 0 = 8/3 * d_model rounded up to a multiple of 64
+    max_seq_len: int = 512  # longest context the model is trained and served at
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "max_seq_len"):
+            _check(getattr(self, name) > 0, f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        _check(self.d_model % self.n_head == 0,
+               f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        _check((self.d_model // self.n_head) % 2 == 0,
+               f"model.d_model / model.n_head = {self.d_model // self.n_head} must be even for RoPE")
+        _check(self.n_head % self.n_kv_head == 0,
+               f"model.n_head ({self.n_head}) must be a multiple of model.n_kv_head ({self.n_kv_head})")
+        _check(self.n_hidden >= 0, f"model.n_hidden must be >= 0 (0 = automatic), got {self.n_hidden}")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        if self.n_hidden == 0:
+            self.n_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared token shards are (the output of `nanolm prepare`)."""
+
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.path, str), "data.path must be a string (a directory made by `nanolm prepare`)")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 5e-4
+    min_lr: float = 5e-5
+    schedule: str = "cosine"  # cosine: linear warmup then cosine decay to min_lr; constant: warmup then lr
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        _check(self.schedule in ("cosine", "constant"),
+               f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+               f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        _check(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+
+
+STAGES = ("pretrain",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: batch shape, budget, evaluation, checkpoints, precision."""
+
+    stage: str = "pretrain"
+    out_dir: str = "runs/nanolm"
+    batch_size: int = 8  # sequences per micro-batch (per process)
+    seq_len: int = 512
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 1000  # optimizer steps; the schedule decays over these
+    max_tokens: int = 0  # stop after this many training tokens (0 = no token budget)
+    max_minutes: float = 0.0  # stop after this much wall-clock time (0 = no time budget)
+    eval_interval: int = 100  # steps between validation passes (0 = only at the end)
+    eval_batches: int = 20  # micro-batches per validation pass
+    log_interval: int = 10
+    save_interval: int = 100  # steps between `last` checkpoints (0 = only at the end)
+    keep_last: int = 2  # step checkpoints to keep (the best one is always kept)
+    dtype: str = "auto"  # auto: bfloat16 autocast on CUDA with bf16 support, else float32
+    device: str = "auto"
+    compile: bool = False
+    seed: int = 1337
+    init_from: str = ""  # a checkpoint to start from (weights only)
+
+    def __post_init__(self) -> None:
+        _check(self.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
+        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last"):
+            _check(getattr(self, name) > 0, f"train.{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("max_tokens", "eval_interval", "save_interval"):
+            _check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.max_minutes >= 0, f"train.max_minutes must be >= 0, got {self.max_minutes}")
+        _check(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.device in DEVICES, f"train.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+@dataclass
+class Config:
+    """Everything a training run needs; saved as config.json in the run directory."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.train.seq_len <= self.model.max_seq_len,
+               f"train.seq_len ({self.train.seq_len}) must not exceed model.max_seq_len ({self.model.max_seq_len})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Config":
+        return _build(cls, d, source, prefix="")
+
+
+# ----------------------------------------------------------------------------- presets
+
+def _preset_tiny() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=128, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=256),
+        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
+        train=TrainConfig(batch_size=8, seq_len=256, max_steps=300, eval_interval=50, eval_batches=8,
+                          save_interval=100),
+    )
+
+
+def _preset_minimind_26m() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=512, n_layer=8, n_head=8, n_kv_head=2, max_seq_len=512),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(batch_size=32, seq_len=512, max_steps=10000),
+    )
+
+
+def _preset_minimind_104m() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=768, n_layer=16, n_head=8, n_kv_head=2, max_seq_len=512),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=500),
+        train=TrainConfig(batch_size=32, seq_len=512, max_steps=20000),
+    )
+
+
+def _preset_gpt2_124m() -> Config:
+    # GPT-2-small sized (124M parameters with a 50304-token vocabulary), in the Llama layout.
+    return Config(
+        model=ModelConfig(vocab_size=50304, d_model=768, n_layer=12, n_head=12, n_kv_head=12, n_hidden=2048,
+                          max_seq_len=1024, rope_theta=1e4),
+        optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=700),
+        train=TrainConfig(batch_size=16, seq_len=1024, grad_accum=32, max_steps=20000),
+    )
+
+
+PRESETS: dict[str, Callable[[], Config]] = {
+    "tiny": _preset_tiny,
+    "minimind-26m": _preset_minimind_26m,
+    "minimind-104m": _preset_minimind_104m,
+    "gpt2-124m": _preset_gpt2_124m,
+}
+
+
+def preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ----------------------------------------------------------------------------- building from dicts
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check/convert a JSON/TOML/CLI value to the field's declared type."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise UserError(f"{where}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise UserError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if ("e" in value.lower() and float(value).is_integer()) else int(value)
+            except ValueError:
+                pass
+        raise UserError(f"{where}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"{where}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise UserError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _build(cls: type, d: Any, source: str, prefix: str) -> Any:
+    if not isinstance(d, dict):
+        raise UserError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a table/object, got {type(d).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise UserError(f"{source}: unknown field {prefix}{unknown[0]}; known fields: "
+                        f"{', '.join(prefix + k for k in known)}")
+    kwargs = {}
+    for name, value in d.items():
+        typ = _field_type(cls, known[name])
+        if dataclasses.is_dataclass(typ):
+            kwargs[name] = _build(typ, value, source, prefix + name + ".")
+        else:
+            kwargs[name] = _coerce(value, typ, f"{source}: {prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON config file into a nested dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found; pass an existing .toml or .json file")
+    text = p.read_bytes()
+    if p.suffix == ".json":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{p}: invalid JSON ({e}); fix the file") from None
+    elif p.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        try:
+            d = tomllib.loads(text.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{p}: invalid TOML ({e}); fix the file") from None
+    else:
+        raise UserError(f"{p}: config files must end in .toml or .json")
+    if not isinstance(d, dict):
+        raise UserError(f"{p}: the top level must be a table/object with model/data/optim/train sections")
+    return d
+
+
+def override_fields(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """All dotted override names (`model.n_layer`, ...) with their field types, from the dataclasses."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        typ = _field_type(cls, f)
+        if dataclasses.is_dataclass(typ):
+            out.update(override_fields(typ, prefix + f.name + "."))
+        else:
+            out[prefix + f.name] = typ
+    return out
+
+
+def overrides_to_dict(overrides: dict[str, Any]) -> dict[str, Any]:
+    """{'model.n_layer': '4'} -> {'model': {'n_layer': '4'}} (values are coerced when the Config is built)."""
+    nested: dict[str, Any] = {}
+    known = override_fields()
+    for key, value in overrides.items():
+        if key not in known:
+            raise UserError(f"unknown option --{key}; see `nanolm train --help` for the list")
+        node = nested
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return nested
+
+
+def load_config(preset_name: str | None = None, config_file: str | Path | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """preset -> file -> overrides, validated once at the end."""
+    d = preset(preset_name).to_dict() if preset_name else Config().to_dict()
+    source = f"preset {preset_name}" if preset_name else "defaults"
+    if config_file:
+        d = _deep_merge(d, read_config_file(config_file))
+        source = str(config_file)
+    if overrides:
+        d = _deep_merge(d, overrides_to_dict(overrides))
+        source = "command line" if not config_file else f"{config_file} + command line"
+    return Config.from_dict(d, source)

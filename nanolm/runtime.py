@@ -1,0 +1,56 @@
+"""Device, precision and seeding choices shared by training and inference.
+
+`auto` means: CUDA when present (bf16 autocast where the GPU supports it,
+else fp16 with a gradient scaler), Apple MPS next, else the CPU in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+from nanolm.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but no CUDA GPU is visible; use --train.device cpu or auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UserError("train.device=mps but Apple MPS is not available; use --train.device cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for autocast; float32 means no autocast."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    dtype = DTYPES[name]
+    if dtype == torch.float16 and device.type == "cpu":
+        raise UserError("train.dtype=float16 is for CUDA (it needs a gradient scaler); on CPU use bfloat16 or float32")
+    return dtype
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed precision for matmuls in `dtype`; weights and optimizer stay float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

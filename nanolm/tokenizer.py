@@ -1,0 +1,314 @@
+"""Train, save and load nanolm's byte-level BPE tokenizer, and render ChatML.
+
+The tokenizer is a HuggingFace `tokenizers` byte-level BPE (as in GPT-2 and
+MiniMind): no normalizer, the ByteLevel pre-tokenizer (GPT-2 split regex, no
+prefix space) and decoder, and all 256 bytes in the initial alphabet, so
+`decode(encode(text)) == text` for any Unicode string and no token is unknown.
+
+Three special tokens have fixed ids that the rest of nanolm relies on:
+`<|endoftext|>` = 0 (ends every pretraining document; also padding),
+`<|im_start|>` = 1 and `<|im_end|>` = 2 (ChatML turn markers).
+`encode` maps these strings to their ids wherever they occur in the text, so a
+chat transcript rendered with `render_chat` encodes to the right control ids;
+the flip side is that user text containing them becomes control tokens too.
+
+A trained tokenizer is a directory holding `tokenizer.json` (what `tokenizers`
+reads) and `tokenizer_config.json` (what `transformers.AutoTokenizer` also
+needs: the class, the special-token roles and the ChatML chat template). The
+roles follow Qwen2-Instruct and MiniMind: eos is `<|im_end|>`, because a chat
+model ends its turn with it and `generate` should stop there; pad is
+`<|endoftext|>`; there is no bos (nothing is prepended in training) and no unk
+(a byte-level BPE can spell every input).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from nanolm.errors import UserError
+from nanolm.progress import fmt_count, fmt_duration
+
+SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOT_ID = 0
+IM_START_ID = 1
+IM_END_ID = 2
+
+# One line with no newline between tags, so the output does not depend on the
+# trim_blocks/lstrip_blocks settings of whoever renders it (transformers sets both).
+CHAT_TEMPLATE: str = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Written into tokenizer_config.json. The tokenizer does not know the model's
+# context length; this is MiniMind's value, and an export may overwrite it with
+# the model's own.
+MODEL_MAX_LENGTH = 32768
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1  # every byte, the specials and one merge
+MAX_VOCAB_SIZE = 2**32  # ids are 32-bit in `tokenizers` and in nanolm's shards
+
+
+def _byte_alphabet() -> set[str]:
+    """The 256 printable characters GPT-2's byte-level scheme uses for the 256 bytes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [256 + i for i in range(256 - len(keep))]  # the other bytes, moved past 255
+    return {chr(c) for c in keep + shifted}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    """tokenizer_config.json for transformers' PreTrainedTokenizerFast."""
+    added = {
+        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [SPECIAL_TOKENS[IM_START_ID], SPECIAL_TOKENS[IM_END_ID]],
+        "bos_token": None,
+        "eos_token": SPECIAL_TOKENS[IM_END_ID],
+        "pad_token": SPECIAL_TOKENS[EOT_ID],
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        # True would let transformers delete spaces before punctuation on decode.
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_MAX_LENGTH,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _save_files(data: dict[str, Any], out_dir: Path) -> Path:
+    """Write tokenizer.json (`data`) and tokenizer_config.json into out_dir; return tokenizer.json's path."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out_dir / CONFIG_FILE, json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+    _write_atomic(out_dir / TOKENIZER_FILE, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return out_dir / TOKENIZER_FILE
+
+
+def _check_messages(messages: Sequence[dict]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UserError(f"chat message {i}: expected {{\"role\": str, \"content\": str}}, got {m!r:.80}; "
+                            "give every message a string role and a string content")
+
+
+class Tokenizer:
+    """A loaded nanolm tokenizer: encode/decode, special ids, chat rendering.
+
+    Build one with `Tokenizer.load` or `train_tokenizer`. `path` is the
+    tokenizer.json file it was loaded from.
+    """
+
+    def __init__(self, tok: HFTokenizer, data: dict[str, Any], path: Path) -> None:
+        self._tok = tok
+        self._data = data  # the parsed tokenizer.json, so `save` writes back exactly what was loaded
+        self.path = path
+        self.fingerprint: str = hashlib.sha256(_canonical_json(data).encode("ascii")).hexdigest()
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = EOT_ID
+        self.im_start_id = IM_START_ID
+        self.im_end_id = IM_END_ID
+        self._byte_lengths: np.ndarray | None = None
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Tokenizer":
+        """Load from a directory holding tokenizer.json, or from the file itself."""
+        path = Path(path)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise UserError(f"{file}: no tokenizer file here; run `nanolm tokenizer train` first, "
+                            "or pass the directory that holds tokenizer.json")
+        try:
+            text = file.read_text(encoding="utf-8")
+            data = json.loads(text)
+        except UnicodeDecodeError as e:
+            raise UserError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                            "retrain it with `nanolm tokenizer train`") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{file}:{e.lineno}: not valid JSON ({e.msg}); "
+                            "the file is damaged, retrain it with `nanolm tokenizer train`") from None
+        try:
+            tok = HFTokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises plain Exception with a serde message
+            raise UserError(f"{file}: not a tokenizer.json that `tokenizers` can read ({e}); "
+                            "retrain it with `nanolm tokenizer train`") from None
+        for want_id, name in enumerate(SPECIAL_TOKENS):
+            got = tok.token_to_id(name)
+            if got != want_id:
+                raise UserError(f"{file}: special token {name} has id {got}, nanolm needs {want_id}; "
+                                "use a tokenizer made by `nanolm tokenizer train`")
+        return cls(tok, data, file.resolve())
+
+    def save(self, out_dir: Path | str) -> Path:
+        """Write tokenizer.json and tokenizer_config.json into out_dir, each atomically."""
+        return _save_files(self._data, Path(out_dir))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no special tokens are added, but special-token strings in it map to their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` for many texts at once, in parallel on tokenizers' thread pool."""
+        # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we never use.
+        fast = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
+        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; special tokens are kept as their strings."""
+        ids = [int(i) for i in ids]  # accepts numpy/torch integers too
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """int32 [vocab_size]: how many UTF-8 bytes each token stands for; 0 for special tokens.
+
+        Summing it over a text's tokens gives the text's byte count, which turns a
+        loss in nats per token into bits per byte, comparable across tokenizers.
+        """
+        if self._byte_lengths is None:
+            alphabet = _byte_alphabet()
+            special = set(self._tok.get_added_tokens_decoder())
+            lengths = np.zeros(self.vocab_size, dtype=np.int32)
+            for i in range(self.vocab_size):
+                token = self._tok.id_to_token(i)
+                if token is None or i in special:
+                    continue
+                if all(c in alphabet for c in token):
+                    lengths[i] = len(token)  # one alphabet character per byte
+                else:  # a non-byte-level token (e.g. added by hand) stands for its own text
+                    lengths[i] = len(token.encode("utf-8"))
+            lengths.setflags(write=False)
+            self._byte_lengths = lengths
+        return self._byte_lengths
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """ChatML text of `messages`, exactly what CHAT_TEMPLATE renders."""
+        _check_messages(messages)
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return (text + "<|im_start|>assistant\n") if add_generation_prompt else text
+
+    def compression(self, texts: Iterable[str]) -> float:
+        """Characters per token over `texts` (higher means fewer tokens for the same text)."""
+        texts = list(texts)
+        n_chars = sum(len(t) for t in texts)
+        n_tokens = sum(len(ids) for ids in self.encode_batch(texts))
+        if n_tokens == 0:
+            raise ValueError("compression needs at least one non-empty text")
+        return n_chars / n_tokens
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, path={str(self.path)!r}, fingerprint={self.fingerprint[:12]})"
+
+
+def _validate_train_args(vocab_size: int, min_frequency: int) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise UserError(f"vocab_size={vocab_size!r}: must be an integer from {MIN_VOCAB_SIZE} to {MAX_VOCAB_SIZE} "
+                        f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens + at least one merge); "
+                        "6400 is MiniMind's choice")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
+        raise UserError(f"min_frequency={min_frequency!r}: must be an integer >= 1 "
+                        "(a pair is merged only if it occurs at least this often)")
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 6400, *,
+                    min_frequency: int = 2, quiet: bool = False) -> Tokenizer:
+    """Train a byte-level BPE on `texts`, save it into out_dir and return it loaded from there.
+
+    The vocabulary can come out smaller than vocab_size when the text has too
+    few distinct pairs occurring min_frequency times; `Tokenizer.vocab_size`
+    tells the real size.
+    """
+    _validate_train_args(vocab_size, min_frequency)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,  # added first, so they get ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # tokenizers' bars draw only on a terminal, yet print blank lines to stdout
+        # even when hidden; ask for them only where they show.
+        show_progress=not quiet and sys.stderr.isatty(),
+    )
+
+    stats = {"texts": 0, "chars": 0}
+    special = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
+
+    def pieces() -> Iterator[str]:
+        for t in texts:
+            stats["texts"] += 1
+            stats["chars"] += len(t)
+            # The trainer does not split on special tokens as encode does; without
+            # this, "<|im_end|>" in chat text would spend merges on "<|", "im", ...
+            yield from special.split(t) if "<|" in t else (t,)
+
+    start = time.perf_counter()
+    tok.train_from_iterator(pieces(), trainer=trainer)
+    elapsed = time.perf_counter() - start
+    if stats["chars"] == 0:
+        raise UserError(f"tokenizer training got no text ({stats['texts']} texts, all empty); "
+                        "check that the input files hold text")
+
+    file = _save_files(json.loads(tok.to_str()), out_dir)
+    loaded = Tokenizer.load(file)
+    if not quiet:
+        short = "" if loaded.vocab_size == vocab_size else f" (asked for {vocab_size}: the text has too few frequent pairs)"
+        print(f"trained tokenizer: vocab {loaded.vocab_size}{short} on {fmt_count(stats['texts'])} texts, "
+              f"{fmt_count(stats['chars'])} chars in {fmt_duration(elapsed)} -> {file}", file=sys.stdout)
+    return loaded
+
+
+def compression_report(tok: Tokenizer, zh_texts: Iterable[str], en_texts: Iterable[str]) -> str:
+    """One line: characters per token on Chinese and English samples (a language with no text is left out)."""
+    parts = []
+    for lang, texts in (("zh", list(zh_texts)), ("en", list(en_texts))):
+        if any(texts):
+            parts.append(f"{lang} {tok.compression(texts):.2f} chars/token")
+    return "compression: " + (", ".join(parts) if parts else "no sample text")

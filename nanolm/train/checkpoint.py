@@ -1,0 +1,244 @@
+"""Checkpoints that describe themselves, written atomically and loaded strictly.
+
+A run directory holds `checkpoints/step-XXXXXXXX/`, each a complete checkpoint:
+
+    model.safetensors   the weights (tied tensors stored once)
+    config.json         the full run Config (model, data, optim, train)
+    state.json          step, tokens seen, data position, RNG states, best validation loss
+    optimizer.pt        AdamW state (torch.save; loaded with weights_only=True)
+    tokenizer.json, tokenizer_config.json   when the run knows its tokenizer
+
+A checkpoint is written into a hidden temporary directory and renamed into
+place, so a step directory exists only once it is whole: a crash during a save
+leaves the previous checkpoints untouched. `best.json` names the step with the
+lowest validation loss; the newest step directory is `last`. Old step
+directories beyond `keep_last` are pruned, except the best one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from nanolm.config import Config
+from nanolm.errors import UserError
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+WEIGHTS = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """Torch RNG states as base64 strings, so they fit in JSON."""
+    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode("ascii")  # noqa: E731
+    state = {"torch": enc(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [enc(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(dec(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([dec(s) for s in state["cuda"]])
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (safetensors refuses shared storage)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen and t.numel() > 0:
+            continue  # e.g. lm_head.weight tied to embed_tokens.weight
+        seen[t.data_ptr()] = name
+        out[name] = t.detach().contiguous().cpu()
+    return out
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    ckdir = Path(run_dir) / "checkpoints"
+    if not ckdir.is_dir():
+        return []
+    return sorted(p for p in ckdir.iterdir() if p.is_dir() and STEP_RE.match(p.name))
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    cfg: Config, state: dict[str, Any], *, tokenizer_dir: Path | None = None,
+                    keep_last: int = 2, is_best: bool = False) -> Path:
+    """Write checkpoint `step` atomically, update best.json, prune old ones. Returns its directory."""
+    ckdir = Path(run_dir) / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    final = ckdir / f"step-{step:08d}"
+    tmp = ckdir / f".tmp-step-{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+        write_json_atomic(tmp / "config.json", cfg.to_dict())
+        write_json_atomic(tmp / "state.json", {"step": step, **state})
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(ckdir).free
+        raise UserError(f"{final}: could not write checkpoint ({e.strerror or e}); {free / 2**20:.0f} MiB free on "
+                        f"that disk; the previous checkpoints are untouched; free some space and resume "
+                        f"with --resume") from None
+    if final.exists():  # re-saving a step after a resume: swap the old copy out, then delete it
+        old = ckdir / f".old-step-{step:08d}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(ckdir)
+
+    best_file = ckdir / "best.json"
+    if is_best:
+        write_json_atomic(best_file, {"step": step, "val_loss": state.get("best_val_loss")})
+    best_step = _read_best_step(ckdir)
+    for old_dir in step_dirs(run_dir)[:-keep_last]:
+        if int(STEP_RE.match(old_dir.name).group(1)) != best_step:
+            shutil.rmtree(old_dir, ignore_errors=True)
+    return final
+
+
+def _read_best_step(ckdir: Path) -> int | None:
+    try:
+        return int(json.loads((ckdir / "best.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
+    """A checkpoint directory from a run directory (its `last` or `best`) or a checkpoint directory itself."""
+    p = Path(path)
+    if (p / WEIGHTS).is_file():
+        return p
+    if not p.exists():
+        raise UserError(f"{p}: no such run or checkpoint directory")
+    steps = step_dirs(p)
+    if not steps:
+        raise UserError(f"{p}: no checkpoint found (expected {p}/checkpoints/step-*/{WEIGHTS}); "
+                        f"train first with `nanolm train`")
+    if which == "best":
+        best = _read_best_step(p / "checkpoints")
+        if best is not None and (p / "checkpoints" / f"step-{best:08d}").is_dir():
+            return p / "checkpoints" / f"step-{best:08d}"
+    return steps[-1]
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing {what}; the checkpoint is incomplete, use another one") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt {what} ({e}); use another checkpoint") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path}: corrupt {what} (not a JSON object); use another checkpoint")
+    return d
+
+
+def load_run_config(ckpt: Path) -> Config:
+    return Config.from_dict(read_json(Path(ckpt) / "config.json", "config"), source=str(Path(ckpt) / "config.json"))
+
+
+def load_weights(model: nn.Module, ckpt: Path) -> None:
+    """Load model.safetensors strictly; a corrupt file or a mismatch with the model is a one-line UserError."""
+    path = Path(ckpt) / WEIGHTS
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing weights; the checkpoint is incomplete, use another one") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: corrupt or truncated weights ({e}); use another checkpoint") from None
+    expected = model.state_dict()
+    # Tied weights are stored once; fill the alias from its twin before the strict check.
+    for name, t in expected.items():
+        if name not in tensors:
+            twin = next((n for n, u in expected.items() if n in tensors and u.data_ptr() == t.data_ptr()), None)
+            if twin is not None:
+                tensors[name] = tensors[twin]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    shapes = [f"{n} {tuple(tensors[n].shape)} vs model {tuple(t.shape)}" for n, t in expected.items()
+              if n in tensors and tensors[n].shape != t.shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if shapes:
+            parts.append(f"{len(shapes)} shape mismatch(es), first: {shapes[0]}")
+        if missing:
+            parts.append(f"{len(missing)} missing, first: {missing[0]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected, first: {unexpected[0]}")
+        raise UserError(f"{path}: checkpoint does not match the model config ({'; '.join(parts)}); "
+                        f"use the config the checkpoint was trained with (its config.json)")
+    model.load_state_dict(tensors, strict=True)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, ckpt: Path) -> None:
+    path = Path(ckpt) / "optimizer.pt"
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(sd)
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing optimizer state; cannot resume exactly from this checkpoint") from None
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise UserError(f"{path}: corrupt or mismatched optimizer state ({type(e).__name__}: {e}); "
+                        f"resume from another checkpoint") from None
+
+
+def load_model(path: str | Path, which: str = "best", device: torch.device | str = "cpu"
+               ) -> tuple[nn.Module, Config, Path]:
+    """A model ready for inference from a run or checkpoint directory: (model, run config, checkpoint dir)."""
+    from nanolm.model.transformer import Transformer
+
+    src = resolve_checkpoint(path, which)
+    cfg = load_run_config(src)
+    model = Transformer(cfg.model)
+    load_weights(model, src)
+    return model.to(device).eval(), cfg, src

@@ -1,0 +1,75 @@
+"""Config layering (preset -> file -> overrides) and validation messages."""
+
+import json
+
+import pytest
+
+from nanolm.config import Config, ModelConfig, load_config, override_fields, preset
+from nanolm.errors import UserError
+
+
+def test_presets_are_complete_and_valid():
+    cfg = preset("minimind-26m")
+    assert (cfg.model.d_model, cfg.model.n_layer, cfg.model.n_head, cfg.model.n_kv_head) == (512, 8, 8, 2)
+    assert cfg.model.vocab_size == 6400 and cfg.model.n_hidden == 1408
+    assert preset("minimind-104m").model.d_model == 768 and preset("minimind-104m").model.n_layer == 16
+    with pytest.raises(UserError, match="unknown preset 'nope'; choose one of: tiny"):
+        preset("nope")
+
+
+def test_layering_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nn_layer = 3\nd_model = 64\n[train]\nmax_steps = 7\n')
+    cfg = load_config("tiny", f, {"model.n_layer": "5", "optim.lr": "1e-3", "train.compile": "true"})
+    assert cfg.model.n_layer == 5 and cfg.model.d_model == 64
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-3 and cfg.train.compile is True
+    assert cfg.model.n_head == preset("tiny").model.n_head
+
+
+def test_json_config_and_round_trip(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"train": {"batch_size": 3}}))
+    cfg = load_config(None, f)
+    assert cfg.train.batch_size == 3
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.n_head": "5"}, "model.d_model (128) must be divisible by model.n_head (5)"),
+    ({"model.n_kv_head": "3"}, "must be a multiple of model.n_kv_head (3)"),
+    ({"model.n_layer": "four"}, "model.n_layer: expected an integer, got 'four'"),
+    ({"optim.schedule": "linear"}, "optim.schedule must be 'cosine' or 'constant'"),
+    ({"optim.min_lr": "1"}, "optim.min_lr must be in [0, optim.lr="),
+    ({"train.seq_len": "1024"}, "train.seq_len (1024) must not exceed model.max_seq_len (256)"),
+    ({"train.dtype": "fp8"}, "train.dtype must be one of auto, float32, bfloat16, float16"),
+    ({"model.nlayers": "2"}, "unknown option --model.nlayers"),
+])
+def test_bad_values_name_the_field(overrides, message):
+    with pytest.raises(UserError) as e:
+        load_config("tiny", overrides=overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(UserError, match="bad.toml: invalid TOML"):
+        load_config("tiny", bad)
+    unknown = tmp_path / "u.json"
+    unknown.write_text('{"model": {"layers": 2}}')
+    with pytest.raises(UserError, match="u.json: unknown field model.layers; known fields: model.vocab_size"):
+        load_config("tiny", unknown)
+    with pytest.raises(UserError, match="missing.toml: config file not found"):
+        load_config("tiny", tmp_path / "missing.toml")
+
+
+def test_override_names_come_from_the_dataclasses():
+    names = override_fields()
+    assert {"model.n_layer", "optim.lr", "train.max_steps", "data.path"} <= set(names)
+    assert names["model.n_layer"] is int and names["train.compile"] is bool
+
+
+def test_auto_hidden_size():
+    assert ModelConfig(d_model=512).n_hidden == 1408
+    assert ModelConfig(d_model=768).n_hidden == 2048

@@ -1,0 +1,82 @@
+"""The generation engine: KV-cached decoding equals recomputation; sampling filters."""
+
+import math
+
+import pytest
+import torch
+
+from nanolm.config import ModelConfig
+from nanolm.infer.engine import Engine, SamplingParams, sample_next, top_k_filter, top_p_filter
+from nanolm.model.transformer import Transformer
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=64)
+    return Transformer(cfg).eval()
+
+
+def greedy_by_recompute(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_kv_cache_greedy_equals_full_recompute():
+    model = _model()
+    prompt = [3, 14, 15, 9, 26, 5]
+    got = Engine(model).generate_all(prompt, SamplingParams(max_new_tokens=30, temperature=0))
+    assert got == greedy_by_recompute(model, prompt, 30)
+
+
+def test_stops_at_stop_token_and_at_context_end():
+    model = _model()
+    prompt = [1, 2, 3]
+    full = Engine(model).generate_all(prompt, SamplingParams(max_new_tokens=20, temperature=0))
+    stop = full[5]
+    cut = Engine(model).generate_all(prompt, SamplingParams(max_new_tokens=20, temperature=0), stop_ids=[stop])
+    assert cut == full[:full.index(stop)]
+    long = Engine(model).generate_all(list(range(60)), SamplingParams(max_new_tokens=50, temperature=0))
+    assert len(long) == 4  # the context is 64 tokens
+
+
+def test_seeded_sampling_is_reproducible():
+    model = _model()
+    p = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=10, top_p=0.9, seed=7)
+    a = Engine(model).generate_all([5, 6], p)
+    b = Engine(model).generate_all([5, 6], p)
+    c = Engine(model).generate_all([5, 6], SamplingParams(max_new_tokens=20, temperature=1.0, seed=8))
+    assert a == b and a != c
+
+
+def test_top_k_filter_exact():
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    out = top_k_filter(logits, 2)
+    assert out.tolist() == [-math.inf, 5.0, -math.inf, 4.0, -math.inf]
+    assert torch.equal(top_k_filter(logits, 0), logits)
+
+
+def test_top_p_filter_exact():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    # 0.5 alone < 0.8; 0.5+0.3 reaches 0.8 -> keep two tokens
+    kept = torch.isfinite(top_p_filter(logits, 0.8)).tolist()
+    assert kept == [True, True, False, False]
+    assert torch.isfinite(top_p_filter(logits, 0.81)).tolist() == [True, True, True, False]
+    assert torch.isfinite(top_p_filter(logits, 0.1)).tolist() == [True, False, False, False]  # top-1 always kept
+
+
+def test_sampling_respects_filters():
+    logits = torch.tensor([[0.0, 10.0, 9.0, -5.0]])
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample_next(logits, SamplingParams(temperature=2.0, top_k=2), g)) for _ in range(200)}
+    assert picks == {1, 2}
+    assert int(sample_next(logits, SamplingParams(temperature=0), g)) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=-1)])
+def test_bad_sampling_params(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
