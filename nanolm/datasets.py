@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from nanolm import __version__
+from nanolm.data.formats import expand_sources
 from nanolm.errors import UserError
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 
@@ -314,8 +315,6 @@ def resolve_sources(specs: Sequence[str | Path]) -> list[Path]:
     searched recursively for them, sorted, hidden entries skipped); otherwise
     a string naming a built-in corpus is fetched and gives its .jsonl.
     """
-    from nanolm.data.formats import expand_sources
-
     if not specs:
         raise UserError("no data given; pass .txt/.jsonl files, directories of them, "
                         f"or built-in corpus names ({', '.join(REGISTRY)})")

@@ -86,7 +86,7 @@ def _token_bytes(tok_dir: Path | None, vocab_size: int) -> torch.Tensor | None:
         return None
     from nanolm.tokenizer import Tokenizer
     lengths = torch.zeros(vocab_size, dtype=torch.float64)
-    tb = torch.from_numpy(Tokenizer.load(tok_dir).token_byte_lengths()).double()
+    tb = torch.tensor(Tokenizer.load(tok_dir).token_byte_lengths(), dtype=torch.float64)
     lengths[: len(tb)] = tb[:vocab_size]
     return lengths
 
