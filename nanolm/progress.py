@@ -32,7 +32,7 @@ def fmt_count(n: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.1f}{unit}"
-    return f"{n:.0f}" if float(n).is_integer() else f"{n:.2f}"
+    return f"{n:.0f}" if float(n).is_integer() or abs(n) >= 100 else f"{n:.3g}"
 
 
 def fmt_bytes(n: float) -> str:

