@@ -10,8 +10,9 @@ Both are read as UTF-8 (a leading byte-order mark is dropped) and streamed, so
 no file is ever held in memory whole. In `.txt` files CRLF and CR line ends
 become LF; in `.jsonl` files a CRLF line end is accepted and blank lines are
 skipped. A `.jsonl` line that is not valid UTF-8, not valid JSON, not an object,
-or has no string "text" raises a `UserError` naming `file:line`; with
-`skip_bad=True` the line is skipped instead and counted in a `ReadStats`.
+or has no string "text" (and a `.txt` line that is not valid UTF-8) raises a
+`UserError` naming `file:line`; with `skip_bad=True` the line is skipped
+instead and counted in a `ReadStats`.
 Documents with empty text are skipped (they would train nothing) and counted.
 
 The unit the readers yield is a `Piece`: a document's text, or part of it, and
@@ -115,7 +116,8 @@ def _text_of(obj: Any) -> str:
         raise _BadRecord(f'"text" must be a string, got {_json_type(text)}')
     m = _SURROGATE.search(text)
     if m:
-        raise _BadRecord(f'"text" holds an unpaired surrogate escape \\u{ord(m.group()):04x}, which is not valid Unicode')
+        raise _BadRecord(f'"text" holds an unpaired surrogate escape \\u{ord(m.group()):04x}, '
+                         "which is not valid Unicode")
     return text
 
 
@@ -153,7 +155,9 @@ def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise _BadRecord(f"invalid JSON ({e.msg} at column {e.colno})") from None
+                    # Past the end of the text means at its end, not after the line break.
+                    col = min(e.pos, len(line.rstrip("\r\n"))) + 1
+                    raise _BadRecord(f"invalid JSON ({e.msg} at column {col})") from None
                 value = parse(obj)
             except _BadRecord as e:
                 where = f"{path}:{lineno}: {e}"

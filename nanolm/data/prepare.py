@@ -49,7 +49,10 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -219,6 +222,13 @@ class _SplitWriter:
             self._close()
             start, j = stop, i + 1
 
+    def discard(self) -> None:
+        """Close the open shard's files after a failure (the temp directory is removed anyway)."""
+        for f in (self._bin, self._idx):
+            if f is not None:
+                f.close()
+        self._bin = self._idx = None
+
     def finish(self) -> dict[str, Any]:
         if self._bin is not None:
             self._close()
@@ -226,10 +236,13 @@ class _SplitWriter:
                 "n_docs": sum(s["n_docs"] for s in self.shards)}
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, stop: threading.Event | None = None) -> str:
+    """Hex sha256 of the file; "" if `stop` is set before it is done."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
+            if stop is not None and stop.is_set():
+                return ""
             h.update(chunk)
     return h.hexdigest()
 
@@ -268,7 +281,7 @@ def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, opt
                 and _shards_intact(out_dir, old))
         # size and mtime can stay the same across an edit; the content hash cannot.
         return same and all(s["sha256"] == _sha256(Path(s["path"])) for s in old["sources"])  # type: ignore[index]
-    except (KeyError, TypeError, ValueError, OSError):
+    except (AttributeError, KeyError, TypeError, ValueError, OSError):
         return False
 
 
@@ -326,20 +339,31 @@ def _tokenize(files: list[Path], sizes: list[int], tokenizer_file: Path, dtype: 
         return
     # spawn, not fork: a forked child would inherit the parent's tokenizers
     # thread pool and torch state; spawn is also what macOS and Windows use.
+    # ProcessPoolExecutor rather than Pool: if a worker dies (or its initializer
+    # fails) it raises BrokenProcessPool where Pool would respawn workers forever.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_file), dtype.str)) as pool:
-        # Pool.imap would read the whole input ahead; a bounded queue of
-        # apply_async results keeps memory flat and the output in input order.
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(str(tokenizer_file), dtype.str))
+    try:
+        # Submitting everything up front (or Pool.imap) would read the whole
+        # input ahead; a bounded queue of futures keeps memory flat and the
+        # output in input order.
         pending: collections.deque = collections.deque()
         for batch in batches:
             if len(pending) >= INFLIGHT_PER_WORKER * workers:
-                done, result = pending.popleft()
-                consume(done, *result.get())
-            pending.append((batch, pool.apply_async(_worker_encode, (batch.texts, batch.lasts))))
-            batch.texts = []  # the worker has its own copy; free ours
+                done, future = pending.popleft()
+                consume(done, *future.result())
+            pending.append((batch, pool.submit(_worker_encode, batch.texts, batch.lasts)))
+            batch.texts = []  # the submitted call holds the list until it is sent; free it after
         while pending:
-            done, result = pending.popleft()
-            consume(done, *result.get())
+            done, future = pending.popleft()
+            consume(done, *future.result())
+    except BrokenProcessPool:
+        raise UserError("a tokenizer worker process died (its error is printed above); when calling prepare() "
+                        "from your own script, call it under `if __name__ == \"__main__\":`, "
+                        "or pass workers=0") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val_fraction: float = 0.01,
@@ -348,8 +372,9 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
     """Tokenize `sources` (.txt/.jsonl files or directories of them) into shards in out_dir.
 
     tokenizer_path: tokenizer.json or the directory holding it. workers: tokenizer
-    processes (0 tokenizes in this process). Returns the manifest; when out_dir is
-    already up to date, returns the existing manifest without doing anything.
+    processes, one thread each (0 tokenizes in this process, on the thread pool of
+    `tokenizers`). Returns the manifest; when out_dir is already up to date,
+    returns the existing manifest without doing anything.
     """
     k = val_every(val_fraction)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -374,17 +399,20 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
     total = sum(sizes)
     log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, tokenizer vocab {tok.vocab_size} ({dtype.name}), "
         f"{workers} worker(s) -> {out_dir}")
-    hashes = [_sha256(f) for f in files]
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    # Hash the sources on a thread while tokenizing (hashlib and file reads release the GIL).
+    hasher, stop_hashing = ThreadPoolExecutor(1), threading.Event()
+    stats = ReadStats()
+    writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
     try:
-        stats = ReadStats()
-        writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
+        hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
         start = time.perf_counter()
         with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
             _tokenize(files, sizes, tok.path, dtype, k, skip_bad, stats, writers, workers, progress)
         seconds = time.perf_counter() - start
         splits = {split: w.finish() for split, w in writers.items()}
+        hashes = hashes_future.result()
         for f, b in zip(files, before):
             if _stat(f) != b:
                 raise UserError(f"{f}: changed while prepare was reading it; run `nanolm prepare` again "
@@ -405,7 +433,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
             "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
             "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
             "options": options,
-            "split_policy": {"val_every": k, "rule": "document i goes to val when val_every > 0 and i % val_every == 1"},
+            "split_policy": {"val_every": k,
+                             "rule": "document i goes to val when val_every > 0 and i % val_every == 1"},
             "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
             "throughput": {"seconds": round(seconds, 3), "workers": workers,
                            "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
@@ -413,6 +442,10 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
         }
         _install(tmp, out_dir, manifest)
     finally:
+        stop_hashing.set()
+        hasher.shutdown(wait=True)
+        for w in writers.values():
+            w.discard()
         shutil.rmtree(tmp, ignore_errors=True)
 
     tr, va = splits["train"], splits["val"]

@@ -1,0 +1,137 @@
+"""Readers for .txt and .jsonl sources: what counts as a document, and every rejection message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nanolm.data.formats import ReadStats, expand_sources, iter_documents, iter_pieces
+from nanolm.errors import UserError
+
+HINT = "; fix the line or pass --skip-bad to skip such lines"
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+def test_jsonl_one_document_per_line_other_keys_ignored(tmp_path):
+    p = write(tmp_path / "a.jsonl", "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in [
+        {"text": "hello world"}, {"text": "二 lines\nhere", "id": 7}, {"meta": 1, "text": "tab\tend "}]))
+    assert list(iter_documents(p)) == ["hello world", "二 lines\nhere", "tab\tend "]
+
+
+def test_jsonl_bom_crlf_blank_lines_and_missing_final_newline(tmp_path):
+    p = write(tmp_path / "a.jsonl", b'\xef\xbb\xbf{"text": "a"}\r\n\r\n   \n{"text": "b\\r\\nc"}\r\n\n{"text": "d"}')
+    assert list(iter_documents(p)) == ["a", "b\r\nc", "d"]
+
+
+def test_jsonl_empty_text_is_skipped_and_counted(tmp_path):
+    p = write(tmp_path / "a.jsonl", '{"text": ""}\n{"text": "x"}\n{"text": ""}\n')
+    stats = ReadStats()
+    assert list(iter_documents(p, stats=stats)) == ["x"]
+    assert (stats.empty_docs, stats.bad_lines) == (2, 0)
+
+
+@pytest.mark.parametrize("line, problem", [
+    (b'{"text": "a"', "invalid JSON (Expecting ',' delimiter at column 13)"),
+    (b'{"text": "a"} x', "invalid JSON (Extra data at column 15)"),
+    (b'["a"]', 'expected a JSON object like {"text": "..."}, got an array'),
+    (b'"just a string"', 'expected a JSON object like {"text": "..."}, got a string'),
+    (b'{"content": "a", "id": 1}', 'no "text" field (keys: content, id)'),
+    (b'{"text": 3}', '"text" must be a string, got a number'),
+    (b'{"text": null}', '"text" must be a string, got null'),
+    (b'{"text": ["a"]}', '"text" must be a string, got an array'),
+    (b'{"text": "a\xffb"}', "invalid UTF-8 (byte 0xff at column 12)"),
+    (b'{"text": "\\ud83d"}', '"text" holds an unpaired surrogate escape \\ud83d, which is not valid Unicode'),
+])
+def test_jsonl_malformed_line_names_file_line_and_fix(tmp_path, line, problem):
+    # Blank line 2 still counts, so the bad line is line 4.
+    p = write(tmp_path / "bad.jsonl", b'{"text": "ok"}\n\n{"text": "ok2"}\n' + line + b'\n{"text": "after"}\n')
+    with pytest.raises(UserError) as e:
+        list(iter_documents(p))
+    assert str(e.value) == f"{p}:4: {problem}{HINT}"
+
+
+def test_skip_bad_skips_counts_and_keeps_first_locations(tmp_path):
+    lines = ['{"text": "d0"}'] + ["not json"] * 7 + ['{"text": "d1"}', '{"x": 1}', '{"text": "d2"}']
+    p = write(tmp_path / "bad.jsonl", "\n".join(lines) + "\n")
+    stats = ReadStats()
+    assert list(iter_documents(p, skip_bad=True, stats=stats)) == ["d0", "d1", "d2"]
+    assert stats.bad_lines == 8
+    assert stats.examples == [f"{p}:{i}: invalid JSON (Expecting value at column 1)" for i in range(2, 7)]
+
+
+def test_jsonl_pieces_report_bytes_read(tmp_path):
+    p = write(tmp_path / "a.jsonl", "".join(json.dumps({"text": "x" * 50_000}) + "\n" for _ in range(4)))
+    pieces = list(iter_pieces(p))
+    assert [pc.last for pc in pieces] == [True] * 4
+    assert sum(pc.nbytes for pc in pieces) == p.stat().st_size
+
+
+def test_txt_whole_file_is_one_document_bom_and_crlf_normalised(tmp_path):
+    p = write(tmp_path / "a.txt", b"\xef\xbb\xbfFirst line\r\nsecond\r\n\r\nlast\rold-mac\n")
+    assert list(iter_documents(p)) == ["First line\nsecond\n\nlast\nold-mac\n"]
+
+
+def test_txt_empty_file_is_no_document(tmp_path):
+    p = write(tmp_path / "a.txt", b"")
+    stats = ReadStats()
+    assert list(iter_documents(p, stats=stats)) == []
+    assert stats.empty_docs == 1
+
+
+def test_txt_invalid_utf8_names_line_and_can_be_skipped(tmp_path):
+    p = write(tmp_path / "a.txt", b"good\nalso good\nbad \xc3\x28 here\nend\n")
+    with pytest.raises(UserError) as e:
+        list(iter_documents(p))
+    assert str(e.value) == f"{p}:3: invalid UTF-8 (byte 0xc3 at column 5){HINT}"
+    stats = ReadStats()
+    assert list(iter_documents(p, skip_bad=True, stats=stats)) == ["good\nalso good\nend\n"]
+    assert stats.examples == [f"{p}:3: invalid UTF-8 (byte 0xc3 at column 5)"]
+
+
+def test_txt_large_file_comes_in_pieces_cut_before_a_newline_after_a_letter(tmp_path):
+    lines = ["  indented line 1", "(punct) ...", "", "word", "数字 123", "mixed, end.", "x"] * 40
+    text = "\n".join(lines) + "\n"
+    p = write(tmp_path / "a.txt", text)
+    pieces = list(iter_pieces(p, txt_piece_chars=64))
+    assert len(pieces) > 10
+    assert "".join(pc.text for pc in pieces) == text
+    assert [pc.last for pc in pieces] == [False] * (len(pieces) - 1) + [True]
+    for before, after in zip(pieces, pieces[1:]):
+        assert before.text[-1].isalnum() and after.text[0] == "\n"
+    assert sum(pc.nbytes for pc in pieces) == p.stat().st_size
+
+
+def test_txt_without_safe_cut_is_still_bounded(tmp_path):
+    p = write(tmp_path / "a.txt", "." * 1000)  # no newline, no letter: cut inside the line
+    pieces = list(iter_pieces(p, txt_piece_chars=64))
+    assert max(len(pc.text) for pc in pieces) <= 4 * 64
+    assert "".join(pc.text for pc in pieces) == "." * 1000
+
+
+def test_unsupported_suffix(tmp_path):
+    p = write(tmp_path / "a.csv", "text\n")
+    with pytest.raises(UserError, match=r"a\.csv: unsupported file type '\.csv'; use \.txt"):
+        iter_pieces(p)
+    with pytest.raises(UserError, match=r"a\.csv: unsupported file type"):
+        expand_sources([p])
+
+
+def test_expand_sources_files_and_directories(tmp_path):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / ".hidden").mkdir()
+    for name in ["b.jsonl", "a.txt", "sub/c.TXT", "notes.md", ".hidden/x.txt"]:
+        write(d / name, "x")
+    single = write(tmp_path / "z.jsonl", "")
+    assert expand_sources([single, d]) == [single, d / "a.txt", d / "b.jsonl", d / "sub" / "c.TXT"]
+    with pytest.raises(UserError, match="missing.txt: no such file or directory"):
+        expand_sources([tmp_path / "missing.txt"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="empty: directory holds no .txt or .jsonl files"):
+        expand_sources([tmp_path / "empty"])
