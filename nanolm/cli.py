@@ -24,38 +24,15 @@ def _cmd_data(args: argparse.Namespace) -> None:
 
 
 def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
+    from nanolm.data.formats import iter_texts
     from nanolm.datasets import resolve_sources
-    from nanolm.tokenizer import compression_report, train_tokenizer
+    from nanolm.tokenizer import compression_report, split_by_script, train_tokenizer
 
     files = resolve_sources(args.sources)
-    tok = train_tokenizer(_iter_texts(files, args.skip_bad), Path(args.out), args.vocab_size)
-    zh, en = _sample_texts(files)
+    tok = train_tokenizer(iter_texts(files, skip_bad=args.skip_bad), Path(args.out), args.vocab_size)
+    zh, en = split_by_script(iter_texts(files, skip_bad=True))
     print(f"tokenizer: {tok.vocab_size} tokens -> {Path(args.out).resolve()}")
     print(compression_report(tok, zh, en))
-
-
-def _iter_texts(files: Sequence[Path], skip_bad: bool):
-    from nanolm.data.formats import iter_documents
-    for f in files:
-        yield from iter_documents(f, skip_bad=skip_bad)
-
-
-def _sample_texts(files: Sequence[Path], limit: int = 200_000) -> tuple[list[str], list[str]]:
-    """Up to `limit` characters each of mostly-Chinese and mostly-English documents, for the compression report."""
-    zh: list[str] = []
-    en: list[str] = []
-    nzh = nen = 0
-    for text in _iter_texts(files, skip_bad=True):
-        cjk = sum(1 for c in text[:2000] if "\u4e00" <= c <= "\u9fff")
-        if cjk > len(text[:2000]) * 0.3 and nzh < limit:
-            zh.append(text[:limit - nzh])
-            nzh += len(zh[-1])
-        elif cjk == 0 and nen < limit:
-            en.append(text[:limit - nen])
-            nen += len(en[-1])
-        if nzh >= limit and nen >= limit:
-            break
-    return zh, en
 
 
 def _cmd_prepare(args: argparse.Namespace) -> None:

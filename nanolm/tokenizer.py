@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -38,6 +36,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from nanolm.errors import UserError
+from nanolm.io import write_text_atomic
 from nanolm.progress import fmt_count, fmt_duration
 
 SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -73,20 +72,6 @@ def _byte_alphabet() -> set[str]:
     return {chr(c) for c in keep + shifted}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
 
@@ -120,8 +105,8 @@ def _save_files(data: dict[str, Any], out_dir: Path) -> Path:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out_dir / CONFIG_FILE, json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(out_dir / TOKENIZER_FILE, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(out_dir / CONFIG_FILE, json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(out_dir / TOKENIZER_FILE, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return out_dir / TOKENIZER_FILE
 
 
@@ -303,6 +288,25 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 6400,
         print(f"trained tokenizer: vocab {loaded.vocab_size}{short} on {fmt_count(stats['texts'])} texts, "
               f"{fmt_count(stats['chars'])} chars in {fmt_duration(elapsed)} -> {file}", file=sys.stdout)
     return loaded
+
+
+def split_by_script(texts: Iterable[str], limit: int = 200_000) -> tuple[list[str], list[str]]:
+    """Up to `limit` characters each of mainly-Chinese and of CJK-free (English) texts, for the compression report."""
+    zh: list[str] = []
+    en: list[str] = []
+    nzh = nen = 0
+    for text in texts:
+        head = text[:2000]
+        cjk = sum(1 for c in head if "\u4e00" <= c <= "\u9fff")
+        if cjk > 0.3 * len(head) and nzh < limit:
+            zh.append(text[: limit - nzh])
+            nzh += len(zh[-1])
+        elif cjk == 0 and nen < limit:
+            en.append(text[: limit - nen])
+            nen += len(en[-1])
+        if nzh >= limit and nen >= limit:
+            break
+    return zh, en
 
 
 def compression_report(tok: Tokenizer, zh_texts: Iterable[str], en_texts: Iterable[str]) -> str:

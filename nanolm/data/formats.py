@@ -253,6 +253,13 @@ def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | Non
             parts = []
 
 
+def iter_texts(files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
+    """The text of every file in order, in pieces of bounded size: what tokenizer training reads."""
+    for f in files:
+        for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
+            yield piece.text
+
+
 def expand_sources(paths: Sequence[Path]) -> list[Path]:
     """The input files: files as given, directories replaced by their .txt/.jsonl files (recursive, sorted)."""
     files: list[Path] = []

@@ -63,6 +63,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from nanolm.data.formats import ReadStats, expand_sources, iter_pieces
 from nanolm.errors import UserError
+from nanolm.io import fsync_dir, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import EOT_ID, Tokenizer
 
@@ -285,19 +286,6 @@ def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, opt
         return False
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not possible on every platform; the renames are still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
     """Move the new shards from tmp into out_dir, replacing the old ones, manifest last."""
     names = {s[key] for split in manifest["splits"].values() for s in split["shards"] for key in ("bin", "idx")}
@@ -308,12 +296,8 @@ def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
             p.unlink()
     for name in sorted(names):
         os.replace(tmp / name, out_dir / name)
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        f.write(json.dumps(manifest, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp / MANIFEST, out_dir / MANIFEST)
-    _fsync_dir(out_dir)
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    fsync_dir(out_dir)
 
 
 def _tokenize(files: list[Path], sizes: list[int], tokenizer_file: Path, dtype: np.dtype, k: int,

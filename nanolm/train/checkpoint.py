@@ -32,33 +32,11 @@ from safetensors.torch import load_file, save_file
 
 from nanolm.config import Config
 from nanolm.errors import UserError
+from nanolm.io import fsync_dir, write_json_atomic
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:
@@ -134,7 +112,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(ckdir)
+    fsync_dir(ckdir)
 
     best_file = ckdir / "best.json"
     if is_best:

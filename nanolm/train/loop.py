@@ -25,6 +25,7 @@ import torch
 from nanolm.config import Config
 from nanolm.data.loader import Loader, PackedData, iter_eval_batches
 from nanolm.errors import UserError
+from nanolm.io import write_json_atomic
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import autocast, resolve_device, resolve_dtype, seed_everything
@@ -177,7 +178,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     peak, peak_src = peak_flops(device, dtype)
     params = count_params(model)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    write_json_atomic(run_dir / "config.json", cfg.to_dict())
     say(f"run dir: {run_dir.resolve()}")
     say(f"device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | compile: {tc.compile}")
     say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "

@@ -1,0 +1,76 @@
+"""The `nanolm` command line, run as a user runs it (a subprocess), on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def nanolm(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanolm", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+@pytest.mark.slow
+def test_tokenizer_prepare_train_generate(tmp_path, corpus):
+    tok = tmp_path / "tok"
+    r = nanolm("tokenizer", "train", str(corpus), "--out", str(tok), "--vocab-size", "400")
+    assert r.returncode == 0, r.stderr
+    assert "compression: zh" in r.stdout and "en" in r.stdout
+    assert (tok / "tokenizer.json").is_file() and (tok / "tokenizer_config.json").is_file()
+
+    data = tmp_path / "data"
+    r = nanolm("prepare", str(corpus), "--tokenizer", str(tok), "--out", str(data), "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["n_tokens"] > 0
+
+    run = tmp_path / "run"
+    r = nanolm("train", "--preset", "tiny", "--data", str(data), "--out", str(run), "--model.vocab_size", "400",
+               "--model.d_model", "32", "--model.n_layer", "1", "--train.max_steps", "6", "--train.seq_len", "32",
+               "--train.batch_size", "2", "--train.eval_interval", "3", "--train.log_interval", "2")
+    assert r.returncode == 0, r.stderr
+    assert "model: " in r.stdout and "tokens/step" in r.stdout and "MFU" in r.stdout
+    assert "step      6/6" in r.stdout
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["n_layer"] == 1 and saved["train"]["max_steps"] == 6
+
+    r = nanolm("generate", str(run), "--prompt", "To be", "--max-new-tokens", "10", "--seed", "1",
+               "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("To be") and len(r.stdout) > len("To be\n")
+    again = nanolm("generate", str(run), "--prompt", "To be", "--max-new-tokens", "10", "--temperature", "0")
+    assert again.stdout == r.stdout  # greedy is deterministic
+
+
+def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": 3}\n', encoding="utf-8")
+    r = nanolm("tokenizer", "train", str(bad), "--out", str(tmp_path / "t"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no traceback
+    assert f"{bad}:2:" in r.stderr and "--skip-bad" in r.stderr
+
+    r = nanolm("train", "--preset", "tiny", "--model.n_head", "5", "--data", str(tmp_path))
+    assert r.returncode == 2 and "model.d_model (128) must be divisible by model.n_head (5)" in r.stderr
+
+    r = nanolm("train", "--preset", "tiny", "--data", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "nanolm prepare" in r.stderr and "Traceback" not in r.stderr
+
+    r = nanolm("generate", str(tmp_path), "--prompt", "x")
+    assert r.returncode == 2 and "no checkpoint found" in r.stderr
+
+    r = nanolm("data", "fetch", "no-such-corpus")
+    assert r.returncode == 2 and "sanguo" in r.stderr
+
+
+def test_help_lists_generated_config_overrides():
+    r = nanolm("train", "--help")
+    assert r.returncode == 0
+    for name in ("--model.n_layer", "--model.n_kv_head", "--optim.lr", "--train.max_steps", "--train.dtype"):
+        assert name in r.stdout
