@@ -101,3 +101,19 @@ def test_sequence_longer_than_context_is_refused():
         assert "max_seq_len=8" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_packed_segments_equal_separate_sequences():
+    """Two sequences packed in one row with seg/pos give the logits each gives alone."""
+    torch.manual_seed(0)
+    model = Transformer(tiny()).eval()
+    a, b = torch.randint(0, 97, (1, 7)), torch.randint(0, 97, (1, 5))
+    packed = torch.cat([a, b], dim=1)
+    seg = torch.tensor([[0] * 7 + [1] * 5])
+    pos = torch.tensor([list(range(7)) + list(range(5))])
+    with torch.no_grad():
+        got = model(packed, pos=pos, seg=seg)
+        torch.testing.assert_close(got[:, :7], model(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[:, 7:], model(b), atol=1e-5, rtol=1e-5)
+        # without the segment mask the second sequence would see the first
+        assert not torch.allclose(model(packed, pos=pos)[:, 7:], model(b), atol=1e-3)

@@ -46,7 +46,7 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, n, T, hs); cos/sin: (T, hs)."""
+    """x: (B, n, T, hs); cos/sin: (T, hs), or (B, 1, T, hs) when positions differ per row."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -83,7 +83,8 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: optional (B, 1, T, T) boolean, True where a query may attend a key (packed sequences)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
@@ -105,7 +106,9 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
 
         dropout = self.dropout if self.training else 0.0
-        if start == 0:
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
         elif T == 1:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # one new token sees the whole cache
@@ -140,8 +143,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
+                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask))
         x = x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
         return x
 
@@ -174,17 +177,32 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, V). With a cache, idx are the tokens after cache.pos."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, pos: torch.Tensor | None = None,
+                seg: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, V).
+
+        With a cache, idx are the tokens after cache.pos. For packed sequences
+        (several conversations in one row), `seg` (B, T) gives each token's
+        segment id, and tokens attend only to earlier tokens of their own
+        segment; `pos` (B, T) gives each token's position within its segment.
+        """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
-        cos = self.rope_cos[start:start + T]  # (T, hs)
-        sin = self.rope_sin[start:start + T]
+        if pos is None:
+            cos = self.rope_cos[start:start + T]  # (T, hs)
+            sin = self.rope_sin[start:start + T]
+        else:
+            cos = self.rope_cos[pos].unsqueeze(1)  # (B, 1, T, hs)
+            sin = self.rope_sin[pos].unsqueeze(1)
+        mask = None
+        if seg is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = ((seg[:, :, None] == seg[:, None, :]) & causal).unsqueeze(1)  # (B, 1, T, T)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, cos, sin, cache, i, mask)
         if cache is not None:
             cache.pos += T
         return self.lm_head(self.norm(x))  # (B, T, V)
