@@ -76,25 +76,54 @@ def _cmd_train(args: argparse.Namespace) -> None:
     train(cfg, resume=args.resume)
 
 
-def _cmd_generate(args: argparse.Namespace) -> None:
+def _add_inference_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("checkpoint", help="a run directory or a checkpoint directory")
+    p.add_argument("--adapter", default=None, help="a LoRA run or checkpoint to apply to the model, unmerged")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 = off")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
+    p.add_argument("--device", default="auto")
+
+
+def _engine_from_args(args: argparse.Namespace):
+    """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments."""
     from nanolm.infer.engine import Engine, SamplingParams
-    from nanolm.infer.generate import complete
     from nanolm.runtime import resolve_device
     from nanolm.tokenizer import Tokenizer
     from nanolm.train.checkpoint import load_model
 
-    device = resolve_device(args.device)
-    model, _, src = load_model(args.checkpoint, "last" if args.last else "best", device)
-    tok = Tokenizer.load(src)
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except ValueError as e:
-        raise UserError(f"generate: {e}") from None
-    print(f"[{src}]", file=sys.stderr)
+        raise UserError(f"{args.command}: {e}") from None
+    device = resolve_device(args.device)
+    model, _, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter)
+    print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}]", file=sys.stderr)
+    return Engine(model, device), Tokenizer.load(src), params, src
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from nanolm.infer.generate import complete
+    engine, tok, params, _ = _engine_from_args(args)
     sys.stdout.write(args.prompt)
-    complete(Engine(model, device), tok, args.prompt, params)
+    complete(engine, tok, args.prompt, params)
     sys.stdout.write("\n")
+
+
+def _cmd_chat(args: argparse.Namespace) -> None:
+    from nanolm.infer.chat import ChatSession, run_chat
+    engine, tok, params, _ = _engine_from_args(args)
+    run_chat(ChatSession(engine, tok, params, system=args.system))
+
+
+def _cmd_lora_merge(args: argparse.Namespace) -> None:
+    from nanolm.train.checkpoint import merge_adapter_checkpoint
+    out = merge_adapter_checkpoint(args.adapter, Path(args.out), base=args.base)
+    print(f"merged model written to {out}")
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> None:
@@ -158,16 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_cmd_train)
 
     g = sub.add_parser("generate", help="continue a prompt with a trained model, streaming")
-    g.add_argument("checkpoint", help="a run directory or a checkpoint directory")
+    _add_inference_args(g, max_new_tokens=200)
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
-    g.add_argument("--device", default="auto")
     g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("chat", help="multi-turn chat in the terminal (or scripted: one user turn per stdin line)")
+    _add_inference_args(c, max_new_tokens=256)
+    c.add_argument("--system", default="", help="system prompt")
+    c.set_defaults(func=_cmd_chat)
+
+    lo = sub.add_parser("lora", help="LoRA adapters: merge into a full model")
+    losub = lo.add_subparsers(dest="lora_cmd", required=True, metavar="ACTION")
+    lm = losub.add_parser("merge", help="write base + adapter as one full checkpoint")
+    lm.add_argument("adapter", help="a LoRA run or checkpoint directory")
+    lm.add_argument("--out", required=True, help="directory for the merged checkpoint")
+    lm.add_argument("--base", default=None, help="the base checkpoint (default: the one the adapter was trained from)")
+    lo.set_defaults(func=_cmd_lora_merge)
     return p
 
 

@@ -100,7 +100,24 @@ class OptimConfig:
         _check(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
 
 
-STAGES = ("pretrain",)
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters for `train.stage = "lora"`: W x + (alpha / rank) * B A x on the target projections."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self) -> None:
+        _check(self.rank > 0, f"lora.rank must be a positive integer, got {self.rank}")
+        _check(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        self.targets = tuple(self.targets)
+        _check(len(self.targets) > 0, "lora.targets must name at least one module (e.g. q_proj,v_proj)")
+
+
+STAGES = ("pretrain", "sft", "lora")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -147,6 +164,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.max_seq_len,
@@ -205,6 +223,22 @@ PRESETS: dict[str, Callable[[], Config]] = {
 }
 
 
+def stage_defaults(stage: str, base: Config) -> dict[str, Any]:
+    """What a stage changes in a preset before the user's file and overrides apply.
+
+    Fine-tuning starts from trained weights, so it takes smaller steps than
+    pretraining: SFT at a tenth of the preset's pretraining lr, decaying to a
+    hundredth; LoRA trains only small fresh adapters, which tolerate half the
+    pretraining lr. Short warmups, as fine-tuning runs are short.
+    """
+    lr = base.optim.lr
+    if stage == "sft":
+        return {"optim": {"lr": lr / 10, "min_lr": lr / 100, "warmup_steps": 20, "weight_decay": 0.0}}
+    if stage == "lora":
+        return {"optim": {"lr": lr / 2, "min_lr": lr / 20, "warmup_steps": 20, "weight_decay": 0.0}}
+    return {}
+
+
 def preset(name: str) -> Config:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
@@ -258,6 +292,11 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if isinstance(value, str):
             return value
         raise UserError(f"{where}: expected a string, got {value!r}")
+    if origin is tuple:  # tuple[str, ...]: a list in files, comma-separated on the command line
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
+            raise UserError(f"{where}: expected a list of names (comma-separated on the command line), got {value!r}")
+        return tuple(i.strip() for i in items)
     return value
 
 
@@ -346,12 +385,19 @@ def overrides_to_dict(overrides: dict[str, Any]) -> dict[str, Any]:
 def load_config(preset_name: str | None = None, config_file: str | Path | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:
     """preset -> file -> overrides, validated once at the end."""
-    d = preset(preset_name).to_dict() if preset_name else Config().to_dict()
+    base = preset(preset_name) if preset_name else Config()
+    d = base.to_dict()
     source = f"preset {preset_name}" if preset_name else "defaults"
+    file_d = read_config_file(config_file) if config_file else {}
+    over_d = overrides_to_dict(overrides) if overrides else {}
+    # The stage (from the overrides, else the file, else the preset) brings its defaults first.
+    stage = (over_d.get("train", {}).get("stage") or file_d.get("train", {}).get("stage")
+             or base.train.stage)
+    d = _deep_merge(d, stage_defaults(stage, base) if stage in STAGES else {})
     if config_file:
-        d = _deep_merge(d, read_config_file(config_file))
+        d = _deep_merge(d, file_d)
         source = str(config_file)
     if overrides:
-        d = _deep_merge(d, overrides_to_dict(overrides))
+        d = _deep_merge(d, over_d)
         source = "command line" if not config_file else f"{config_file} + command line"
     return Config.from_dict(d, source)

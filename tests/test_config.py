@@ -73,3 +73,28 @@ def test_override_names_come_from_the_dataclasses():
 def test_auto_hidden_size():
     assert ModelConfig(d_model=512).n_hidden == 1408
     assert ModelConfig(d_model=768).n_hidden == 2048
+
+
+def test_stage_defaults_come_before_file_and_overrides(tmp_path):
+    pre = preset("minimind-26m").optim.lr
+    sft = load_config("minimind-26m", overrides={"train.stage": "sft"})
+    assert sft.optim.lr == pytest.approx(pre / 10) and sft.optim.min_lr == pytest.approx(pre / 100)
+    lora = load_config("minimind-26m", overrides={"train.stage": "lora", "optim.lr": "1e-3"})
+    assert lora.optim.lr == 1e-3 and lora.optim.min_lr == pytest.approx(pre / 20)
+    f = tmp_path / "s.toml"
+    f.write_text('[train]\nstage = "sft"\n')
+    assert load_config("minimind-26m", f).optim.lr == pytest.approx(pre / 10)
+
+
+def test_lora_targets_from_command_line_and_file(tmp_path):
+    cfg = load_config("tiny", overrides={"lora.targets": "q_proj, v_proj", "lora.rank": "4"})
+    assert cfg.lora.targets == ("q_proj", "v_proj") and cfg.lora.rank == 4
+    f = tmp_path / "l.toml"
+    f.write_text('[lora]\ntargets = ["o_proj"]\nalpha = 8\n')
+    cfg = load_config("tiny", f)
+    assert cfg.lora.targets == ("o_proj",) and cfg.lora.alpha == 8.0
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(UserError, match="lora.targets: expected a list of names"):
+        load_config("tiny", overrides={"lora.targets": ","})
+    with pytest.raises(UserError, match="lora.rank must be a positive integer"):
+        load_config("tiny", overrides={"lora.rank": "0"})

@@ -2,7 +2,8 @@
 
 A run directory holds `checkpoints/step-XXXXXXXX/`, each a complete checkpoint:
 
-    model.safetensors   the weights (tied tensors stored once)
+    model.safetensors   the weights (tied tensors stored once), or for a LoRA run
+    adapter.safetensors + adapter_config.json   only the adapter, with the fingerprint of its base
     config.json         the full run Config (model, data, optim, train)
     state.json          step, tokens seen, data position, RNG states, best validation loss
     optimizer.pt        AdamW state (torch.save; loaded with weights_only=True)
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from nanolm.config import Config
 from nanolm.errors import UserError
+from nanolm.model.lora import ADAPTER_WEIGHTS, load_adapter, merge_lora, save_adapter
 from nanolm.io import fsync_dir, write_json_atomic
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -77,8 +79,11 @@ def step_dirs(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     cfg: Config, state: dict[str, Any], *, tokenizer_dir: Path | None = None,
-                    keep_last: int = 2, is_best: bool = False) -> Path:
-    """Write checkpoint `step` atomically, update best.json, prune old ones. Returns its directory."""
+                    keep_last: int = 2, is_best: bool = False, adapter_base: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint `step` atomically, update best.json, prune old ones. Returns its directory.
+
+    adapter_base: for a LoRA run, {"base_fingerprint": ..., "base_checkpoint": ...}; only the adapter is saved.
+    """
     ckdir = Path(run_dir) / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
     final = ckdir / f"step-{step:08d}"
@@ -87,7 +92,12 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+        if adapter_base is not None:
+            lc = cfg.lora
+            save_adapter(tmp, model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
+                         **adapter_base)
+        else:
+            save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
         write_json_atomic(tmp / "config.json", cfg.to_dict())
         write_json_atomic(tmp / "state.json", {"step": step, **state})
         if optimizer is not None:
@@ -134,7 +144,7 @@ def _read_best_step(ckdir: Path) -> int | None:
 def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
     """A checkpoint directory from a run directory (its `last` or `best`) or a checkpoint directory itself."""
     p = Path(path)
-    if (p / WEIGHTS).is_file():
+    if (p / WEIGHTS).is_file() or (p / ADAPTER_WEIGHTS).is_file():
         return p
     if not p.exists():
         raise UserError(f"{p}: no such run or checkpoint directory")
@@ -210,13 +220,69 @@ def load_optimizer(optimizer: torch.optim.Optimizer, ckpt: Path) -> None:
                         f"resume from another checkpoint") from None
 
 
-def load_model(path: str | Path, which: str = "best", device: torch.device | str = "cpu"
-               ) -> tuple[nn.Module, Config, Path]:
-    """A model ready for inference from a run or checkpoint directory: (model, run config, checkpoint dir)."""
+def is_adapter(ckpt: Path) -> bool:
+    return (Path(ckpt) / ADAPTER_WEIGHTS).is_file()
+
+
+def base_of(ckpt: Path, cfg: Config) -> Path:
+    """The full checkpoint a LoRA checkpoint was trained on (its run's train.init_from)."""
+    if not cfg.train.init_from:
+        raise UserError(f"{ckpt}: this LoRA adapter does not record its base (train.init_from is empty); "
+                        f"pass the base checkpoint explicitly")
+    return resolve_checkpoint(cfg.train.init_from, "last")
+
+
+def load_model(path: str | Path, which: str = "best", device: torch.device | str = "cpu",
+               adapter: str | Path | None = None) -> tuple[nn.Module, Config, Path]:
+    """A model ready for inference: (model, run config, checkpoint dir).
+
+    `path` is a run or checkpoint directory. A LoRA checkpoint is loaded onto
+    the base it was trained from, unmerged; `adapter` applies a LoRA run's
+    adapter on top of a full model given by `path`.
+    """
     from nanolm.model.transformer import Transformer
 
     src = resolve_checkpoint(path, which)
     cfg = load_run_config(src)
     model = Transformer(cfg.model)
-    load_weights(model, src)
+    if is_adapter(src):
+        load_weights(model, base_of(src, cfg))
+        load_adapter(src, model)
+    else:
+        load_weights(model, src)
+    if adapter is not None:
+        ad = resolve_checkpoint(adapter, which)
+        if not is_adapter(ad):
+            raise UserError(f"{ad}: not a LoRA adapter checkpoint (no {ADAPTER_WEIGHTS}); pass a LoRA run")
+        load_adapter(ad, model)
     return model.to(device).eval(), cfg, src
+
+
+def merge_adapter_checkpoint(adapter: str | Path, out: Path, base: str | Path | None = None) -> Path:
+    """Write base + adapter merged into one full checkpoint directory at `out` (atomically)."""
+    from nanolm.model.transformer import Transformer
+
+    src = resolve_checkpoint(adapter, "best")
+    if not is_adapter(src):
+        raise UserError(f"{src}: not a LoRA adapter checkpoint (no {ADAPTER_WEIGHTS}); pass a LoRA run")
+    cfg = load_run_config(src)
+    model = Transformer(cfg.model)
+    load_weights(model, resolve_checkpoint(base, "last") if base else base_of(src, cfg))
+    load_adapter(src, model)
+    merge_lora(model)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out}: already exists and is not empty; choose a new --out directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt", "merged_from": str(src)})
+    write_json_atomic(tmp / "config.json", cfg.to_dict())
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out

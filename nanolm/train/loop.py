@@ -26,6 +26,7 @@ from nanolm.config import Config
 from nanolm.data.loader import Loader, PackedData, iter_eval_batches
 from nanolm.errors import UserError
 from nanolm.io import write_json_atomic
+from nanolm.model import lora
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import autocast, resolve_device, resolve_dtype, seed_everything
@@ -99,8 +100,8 @@ def evaluate(model: torch.nn.Module, data: PackedData, cfg: Config, device: torc
     was_training = model.training
     model.eval()
     loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
-    for x, y in iter_eval_batches(data, cfg.train.batch_size, cfg.train.seq_len, cfg.train.eval_batches):
-        x, y = x.to(device), y.to(device)
+    for batch in iter_eval_batches(data, cfg.train.batch_size, cfg.train.seq_len, cfg.train.eval_batches):
+        x, y = batch.x.to(device), batch.y.to(device)
         with autocast(device, dtype):
             logits = model(x)
         loss_sum += lm_loss(logits, y, reduction="sum").item()
@@ -141,36 +142,57 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     tok_dir = _tokenizer_dir(train_data)
     token_bytes = _token_bytes(tok_dir, cfg.model.vocab_size) if val_data is not None else None
 
+    # Where the weights come from: a checkpoint of this run (resume), init_from, or a fresh init.
+    resume_src: Path | None = None
+    if resume:
+        steps = ckpt.step_dirs(run_dir)
+        if not steps:
+            raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
+        resume_src = steps[-1]
+        saved_cfg = ckpt.load_run_config(resume_src)
+        if saved_cfg.model != cfg.model:
+            raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
+                            f"resume with the same model settings (saved: {saved_cfg.model})")
+    if tc.stage in ("sft", "lora") and not tc.init_from:
+        raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
+                        f"checkpoint>")
+
     model = Transformer(cfg.model)
-    if tc.init_from and not resume:
-        src = ckpt.resolve_checkpoint(tc.init_from)
+    adapter_base = None  # LoRA: what its adapter checkpoints record about their base
+    if tc.init_from and (resume_src is None or tc.stage == "lora"):
+        # A LoRA run always rebuilds its frozen base from init_from; other stages resume all weights.
+        src = ckpt.resolve_checkpoint(tc.init_from, "best")
+        if ckpt.is_adapter(src):
+            raise UserError(f"{src}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
+                            f"with `nanolm lora merge`")
         ckpt.load_weights(model, src)
         say(f"initialised weights from {src}")
+        if tc.stage == "lora":
+            adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(src)}
+    if tc.stage == "lora":
+        if resume_src is not None:
+            lora.load_adapter(resume_src, model)
+        else:
+            lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
+        lora.mark_only_lora_as_trainable(model)
+    elif resume_src is not None:
+        ckpt.load_weights(model, resume_src)
     model.to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     step, tokens, best_val, elapsed_before = 0, 0, float("inf"), 0.0
     metrics = MetricsWriter(run_dir)
-    if resume:
-        steps = ckpt.step_dirs(run_dir)
-        if not steps:
-            raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
-        src = steps[-1]
-        saved_cfg = ckpt.load_run_config(src)
-        if saved_cfg.model != cfg.model:
-            raise UserError(f"{src}/config.json: the checkpoint's model config differs from this run's; "
-                            f"resume with the same model settings (saved: {saved_cfg.model})")
-        ckpt.load_weights(model, src)
-        ckpt.load_optimizer(optimizer, src)
-        state = ckpt.read_json(src / "state.json", "training state")
+    if resume_src is not None:
+        ckpt.load_optimizer(optimizer, resume_src)
+        state = ckpt.read_json(resume_src / "state.json", "training state")
         step, tokens = int(state["step"]), int(state["tokens"])
         best_val = float(state.get("best_val_loss") or float("inf"))
         elapsed_before = float(state.get("elapsed_s", 0.0))
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         metrics.truncate_after(step)
-        say(f"resumed from {src} at step {step} ({fmt_count(tokens)} tokens seen)")
+        say(f"resumed from {resume_src} at step {step} ({fmt_count(tokens)} tokens seen)")
 
     # Derived settings, printed once.
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
@@ -180,7 +202,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
     say(f"run dir: {run_dir.resolve()}")
-    say(f"device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | compile: {tc.compile}")
+    say(f"stage: {tc.stage} | device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | "
+        f"compile: {tc.compile}")
     say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
         f"{params['non_embedding'] / 1e6:.2f}M non-embedding) | {fpt / 1e6:.1f} MFLOPs/token (train)")
     say(f"data: {fmt_count(train_data.n_tokens)} train tokens, "
@@ -201,7 +224,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                  "best_val_loss": best_val if math.isfinite(best_val) else None,
                  "elapsed_s": elapsed_before + time.perf_counter() - t_start}
         return ckpt.save_checkpoint(run_dir, step, model, optimizer, cfg, state, tokenizer_dir=tok_dir,
-                                    keep_last=tc.keep_last, is_best=is_best)
+                                    keep_last=tc.keep_last, is_best=is_best, adapter_base=adapter_base)
 
     def run_eval() -> dict[str, float]:
         nonlocal best_val
@@ -239,8 +262,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                 group["lr"] = lr
             loss_acc = torch.zeros((), device=device)
             for _ in range(tc.grad_accum):
-                x, y = loader.next_batch()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                batch = loader.next_batch()
+                x, y = batch.x.to(device, non_blocking=True), batch.y.to(device, non_blocking=True)
                 with autocast(device, dtype):
                     logits = train_model(x)
                 loss = lm_loss(logits, y) / tc.grad_accum
