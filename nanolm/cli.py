@@ -40,8 +40,8 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
     from nanolm.datasets import resolve_sources
 
     files = resolve_sources(args.sources)
-    prepare(files, Path(args.tokenizer), Path(args.out), val_fraction=args.val_fraction,
-            workers=args.workers, skip_bad=args.skip_bad)
+    prepare(files, Path(args.tokenizer), Path(args.out), format=args.format, max_tokens=args.max_tokens,
+            val_fraction=args.val_fraction, workers=args.workers, skip_bad=args.skip_bad)
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("sources", nargs="+", help="built-in corpora and/or .txt/.jsonl files or directories")
     pr.add_argument("--tokenizer", required=True, help="tokenizer directory (or tokenizer.json)")
     pr.add_argument("--out", required=True, help="output directory for shards + manifest.json")
+    pr.add_argument("--format", choices=["text", "chat"], default="text",
+                    help="text: {\"text\": ...} lines / .txt files; chat: conversations (MiniMind, OpenAI messages "
+                         "or Alpaca JSONL) rendered with the ChatML template, loss only on assistant replies")
+    pr.add_argument("--max-tokens", type=int, default=1024,
+                    help="chat: longest conversation kept; longer ones lose their oldest exchanges first")
     pr.add_argument("--val-fraction", type=float, default=0.01)
     pr.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     pr.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines and report the count")

@@ -53,7 +53,7 @@ def starts(x: torch.Tensor) -> list[int]:
 
 
 def take(loader: Loader, steps: int) -> list[int]:
-    return [p for _ in range(steps) for p in starts(loader.next_batch()[0])]
+    return [p for _ in range(steps) for p in starts(loader.next_batch().x)]
 
 
 def test_packed_data_maps_shards_read_only(data):
@@ -64,7 +64,9 @@ def test_packed_data_maps_shards_read_only(data):
 
 
 def test_batches_are_shifted_windows(data):
-    x, y = Loader(data, batch_size=3, seq_len=T).next_batch()
+    batch = Loader(data, batch_size=3, seq_len=T).next_batch()
+    x, y = batch.x, batch.y
+    assert batch.pos is None and batch.seg is None  # text: one causal sequence per row
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
     assert x.is_contiguous() and y.is_contiguous()
     for row_x, row_y in zip(x.tolist(), y.tolist()):
@@ -77,8 +79,7 @@ def test_one_epoch_covers_every_position_once_except_shard_tails(data):
     assert (loader.epoch_windows, loader.tokens_per_epoch) == (12, 96)
     seen = []
     for _ in range(4):
-        x, _ = loader.next_batch()
-        seen += x.flatten().tolist()
+        seen += loader.next_batch().x.flatten().tolist()
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["cursor"] == 0
     # Inputs tile each shard from its start; the tail is the last (n - 1) % T tokens plus the final token.
     expected = list(range(0, 40)) + list(range(41, 41 + 32)) + list(range(74, 74 + 24))
@@ -109,10 +110,10 @@ def test_two_ranks_split_the_same_global_stream(data):
     one = Loader(data, batch_size=4, seq_len=T, seed=9)
     ranks = [Loader(data, batch_size=2, seq_len=T, seed=9, rank=r, world_size=2) for r in range(2)]
     for _ in range(7):
-        x, y = one.next_batch()
+        batch = one.next_batch()
         parts = [r.next_batch() for r in ranks]
-        assert torch.equal(x, torch.cat([p[0] for p in parts]))
-        assert torch.equal(y, torch.cat([p[1] for p in parts]))
+        assert torch.equal(batch.x, torch.cat([p.x for p in parts]))
+        assert torch.equal(batch.y, torch.cat([p.y for p in parts]))
     assert ranks[0].state_dict() == ranks[1].state_dict() == one.state_dict()
 
 
@@ -132,7 +133,7 @@ def test_resume_continues_identically_with_any_world_size(data):
         r.load_state_dict(state)
     resumed = []
     for _ in range(8):
-        resumed += [p for r in ranks for p in starts(r.next_batch()[0])]
+        resumed += [p for r in ranks for p in starts(r.next_batch().x)]
     assert resumed == continuation
 
 
@@ -154,12 +155,13 @@ def test_too_few_windows_says_how_many_tokens_are_needed(data):
 
 def test_eval_batches_are_sequential_and_repeatable(data):
     batches = list(iter_eval_batches(data, batch_size=5, seq_len=T, max_batches=None))
-    assert [starts(x) for x, _ in batches] == [[0, 8, 16, 24, 32], [41, 49, 57, 65, 74], [82, 90]]
+    assert [starts(b.x) for b in batches] == [[0, 8, 16, 24, 32], [41, 49, 57, 65, 74], [82, 90]]
+    assert all(torch.equal(b.y, b.x + 1) and b.pos is None and b.seg is None for b in batches)
     again = list(iter_eval_batches(data, batch_size=5, seq_len=T, max_batches=2))
-    assert len(again) == 2 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert len(again) == 2 and all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
                                    for a, b in zip(batches, again))
     val = PackedData(data.data_dir, "val")
-    assert [starts(x) for x, _ in iter_eval_batches(val, 4, T, None)] == [[0, 8, 16]]
+    assert [starts(b.x) for b in iter_eval_batches(val, 4, T, None)] == [[0, 8, 16]]
     with pytest.raises(UserError, match="fewer than one window of seq_len\\+1 = 31"):
         next(iter_eval_batches(val, 4, 30, None))
 
@@ -210,7 +212,9 @@ def test_loader_reads_prepare_output(tmp_path):
     data = PackedData(tmp_path / "out", tokenizer_fingerprint=m["tokenizer"]["fingerprint"])
     assert data.dtype == np.uint16 and data.n_tokens == m["splits"]["train"]["n_tokens"]
     stream = np.fromfile(tmp_path / "out" / "train-00000.bin", dtype=np.uint16).astype(np.int64)
-    x, y = Loader(data, batch_size=4, seq_len=16, seed=0).next_batch()
+    batch = Loader(data, batch_size=4, seq_len=16, seed=0).next_batch()
+    x, y = batch.x, batch.y
+    assert not data.is_chat and data.masks is None
     for row_x, row_y in zip(x.numpy(), y.numpy()):
         hits = [s for s in range(0, len(stream) - 16, 16) if np.array_equal(stream[s:s + 16], row_x)]
         assert hits and np.array_equal(stream[hits[0] + 1:hits[0] + 17], row_y)

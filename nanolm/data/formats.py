@@ -25,9 +25,25 @@ same ids as tokenizing the whole file at once. The consumer appends exactly
 one end-of-text token after each piece with `last=True`. `iter_documents`
 joins the pieces back into whole strings for callers that want them.
 
-Chat data (conversations, preference pairs) will be more record types read by
-the same JSONL walker, `_iter_jsonl_records`, each with its own record parser
-like `_text_of`.
+Chat data (`iter_conversations`) is `.jsonl` only, one conversation per line,
+in any of the formats users have:
+
+- MiniMind: `{"conversations": [{"role": ..., "content": ...}, ...]}`
+- OpenAI / TRL: `{"messages": [{"role": ..., "content": ...}, ...]}`
+- Alpaca: `{"instruction": ..., "input": ... (optional), "output": ...,
+  "system": ... (optional)}`, read as one user turn (the instruction, then a
+  blank line and the input when there is one) and one assistant reply. An
+  empty "input" or "system" counts as absent.
+
+Roles are "system", "user" and "assistant"; other keys of a message are
+ignored. A conversation is an optional system message, then user and assistant
+turns alternating, starting with user and ending with assistant; every content
+is a non-empty string without the ChatML control strings (`<|im_start|>` ...),
+which would change the conversation's structure once rendered. A record that
+breaks any of this is a bad line, reported or skipped as for text.
+Conversations are yielded as lists of `{"role", "content"}` dicts.
+Preference pairs will be one more record parser for the same JSONL walker,
+`_iter_jsonl_records`.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
 
 from nanolm.errors import UserError
+from nanolm.tokenizer import SPECIAL_TOKENS
 
 SUFFIXES = (".txt", ".jsonl")
 
@@ -119,6 +136,102 @@ def _text_of(obj: Any) -> str:
         raise _BadRecord(f'"text" holds an unpaired surrogate escape \\u{ord(m.group()):04x}, '
                          "which is not valid Unicode")
     return text
+
+
+ROLES = ("system", "user", "assistant")
+# Rendered into the text, these would open or close turns the data does not have.
+_CONTROL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+_CHAT_SHAPE = ('{"conversations": [{"role": ..., "content": ...}, ...]}, {"messages": [...]} '
+               'or {"instruction": ..., "output": ...}')
+
+
+def _check_content(where: str, content: Any) -> str:
+    """The content of a message, or _BadRecord saying what is wrong with it."""
+    if not isinstance(content, str):
+        raise _BadRecord(f"{where} must be a string, got {_json_type(content)}")
+    if not content.strip():
+        raise _BadRecord(f"{where} is empty" + (" (only whitespace)" if content else ""))
+    m = _SURROGATE.search(content)
+    if m:
+        raise _BadRecord(f"{where} holds an unpaired surrogate escape \\u{ord(m.group()):04x}, "
+                         "which is not valid Unicode")
+    m = _CONTROL.search(content)
+    if m:
+        raise _BadRecord(f"{where} contains the control token {m.group()}, which would change the "
+                         "conversation's turns")
+    return content
+
+
+def _alpaca(obj: dict) -> list[dict[str, str]]:
+    if "output" not in obj:
+        raise _BadRecord('Alpaca record has "instruction" but no "output" (the reply to train on)')
+    if "instruction" not in obj:
+        raise _BadRecord('Alpaca record has "output" but no "instruction"')
+    instruction = _check_content('"instruction"', obj["instruction"])
+    output = _check_content('"output"', obj["output"])
+    extra = obj.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise _BadRecord(f'"input" must be a string, got {_json_type(extra)}')
+    user = instruction + "\n\n" + extra if extra and extra.strip() else instruction
+    _check_content('"input"', user)  # a control token in the input
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise _BadRecord(f'"system" must be a string, got {_json_type(system)}')
+    if system and system.strip():
+        messages.insert(0, {"role": "system", "content": _check_content('"system"', system)})
+    return messages
+
+
+def _conversation_of(obj: Any) -> list[dict[str, str]]:
+    """The chat record: a conversation in one of the formats of the module doc, validated."""
+    if not isinstance(obj, dict):
+        raise _BadRecord(f"expected a JSON object like {_CHAT_SHAPE}, got {_json_type(obj)}")
+    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
+    if key is None:
+        if "instruction" in obj or "output" in obj:
+            return _alpaca(obj)
+        keys = ", ".join(list(obj)[:5]) or "none"
+        raise _BadRecord(f'no "conversations", "messages" or "instruction"/"output" field (keys: {keys}); '
+                         f"expected {_CHAT_SHAPE}")
+    turns = obj[key]
+    if not isinstance(turns, list):
+        raise _BadRecord(f'"{key}" must be an array of {{"role": ..., "content": ...}} objects, '
+                         f"got {_json_type(turns)}")
+    if not turns:
+        raise _BadRecord(f'"{key}" is empty; a conversation needs a user turn and an assistant reply')
+    messages = []
+    for i, m in enumerate(turns):
+        where = f'"{key}"[{i}]'
+        if not isinstance(m, dict):
+            raise _BadRecord(f'{where} must be an object {{"role": ..., "content": ...}}, got {_json_type(m)}')
+        if "role" not in m:
+            raise _BadRecord(f'{where} has no "role"; use one of {", ".join(ROLES)}')
+        role = m["role"]
+        if role not in ROLES:
+            shown = json.dumps(role, ensure_ascii=False) if isinstance(role, str) else _json_type(role)
+            raise _BadRecord(f"{where} has unknown role {shown}; allowed roles: {', '.join(ROLES)}")
+        if "content" not in m:
+            raise _BadRecord(f'{where} ({role}) has no "content"')
+        content = _check_content(f"{where}.content", m["content"])
+        if role == "system":
+            if i != 0:
+                raise _BadRecord(f"{where} is a system message, but a system message may only come first")
+        else:
+            expected = "user" if not messages or messages[-1]["role"] != "user" else "assistant"
+            if role != expected:
+                if not messages or messages[-1]["role"] == "system":
+                    raise _BadRecord(f"{where} is {role}, but the first turn (after an optional system message) "
+                                     "must be user")
+                raise _BadRecord(f"{where} is {role} after {messages[-1]['role']}; user and assistant turns "
+                                 "must alternate")
+        messages.append({"role": role, "content": content})
+    if messages[-1]["role"] != "assistant":
+        if not any(m["role"] == "assistant" for m in messages):
+            raise _BadRecord(f'"{key}" has no assistant turn, so nothing to train on')
+        raise _BadRecord(f'"{key}" ends with a {messages[-1]["role"]} turn; a conversation must end with an '
+                         "assistant reply (drop the unanswered turn)")
+    return messages
 
 
 def _open_text(path: Path, newline: str | None) -> TextIO:
@@ -241,6 +354,24 @@ def iter_pieces(path: Path, *, skip_bad: bool = False, stats: ReadStats | None =
         return _iter_jsonl_text(path, skip_bad, stats)
     raise UserError(f"{path}: unsupported file type {suffix or '(no suffix)'!r}; use .txt (one document per file) "
                     'or .jsonl (one {"text": "..."} object per line)')
+
+
+def iter_chat_records(path: Path, *, skip_bad: bool = False,
+                      stats: ReadStats | None = None) -> Iterator[tuple[list[dict[str, str]], int]]:
+    """(conversation, bytes of the file read since the previous one) for each conversation of a .jsonl file."""
+    path = Path(path)
+    stats = stats if stats is not None else ReadStats()
+    if path.suffix.lower() != ".jsonl":
+        raise UserError(f"{path}: chat data must be a .jsonl file (one conversation per line, e.g. "
+                        f'{{"conversations": [...]}}), not {path.suffix or "(no suffix)"!r}; '
+                        "convert it, or prepare it with --format text")
+    return _iter_jsonl_records(path, _conversation_of, skip_bad, stats)
+
+
+def iter_conversations(path: Path, *, skip_bad: bool = False,
+                       stats: ReadStats | None = None) -> Iterator[list[dict[str, str]]]:
+    """Each conversation of a chat .jsonl file, validated, as a list of {"role", "content"} (see module doc)."""
+    return (messages for messages, _ in iter_chat_records(path, skip_bad=skip_bad, stats=stats))
 
 
 def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[str]:

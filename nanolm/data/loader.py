@@ -1,41 +1,96 @@
 """Packed training batches from memory-mapped token shards (`nanolm prepare` output).
 
-A split's shards are cut into windows of seq_len + 1 tokens at stride seq_len
-(window j of a shard covers tokens [j*T, j*T + T], T = seq_len): the inputs
-x = window[:-1] and targets y = window[1:] of consecutive windows tile the
-shard with no padding and no gap; the last (n - 1) % T tokens of each shard
-are never a target. Documents run into each other, separated by their
-end-of-text token, as in GPT-2/nanoGPT pretraining.
+Every batch is a `Batch`: inputs x, next-token targets y (-1 where no loss is
+taken) and, for chat data, each token's position in its conversation and a
+segment id per conversation, so that a row can hold several conversations
+that do not see each other.
 
-The order of windows is one global stream, the same on every process: epoch e
-is the permutation `np.random.default_rng([seed, e]).permutation(N)` of the N
-windows, and the stream is epoch 0's permutation, then epoch 1's, and so on.
-A step (`next_batch()` called once on each of world_size ranks) takes the
-next batch_size * world_size windows of the stream; rank r takes the r-th
-batch_size of them. A batch at an epoch boundary takes the end of one epoch
-and the start of the next, so within an epoch no window is seen twice and none
-is skipped. The state (`epoch`, `cursor` into the epoch) is global, so a run
-can resume with another number of processes, or another batch size, and
-continue the same stream.
+Text data. A split's shards are cut into windows of seq_len + 1 tokens at
+stride seq_len (window j of a shard covers tokens [j*T, j*T + T], T =
+seq_len): the inputs x = window[:-1] and targets y = window[1:] of consecutive
+windows tile the shard with no padding and no gap; the last (n - 1) % T tokens
+of each shard are never a target. Documents run into each other, separated by
+their end-of-text token, as in GPT-2/nanoGPT pretraining; pos and seg are None
+(plain causal attention, positions 0..T-1).
+
+Chat data (prepared with `format="chat"`). The unit is a block of seq_len + 1
+tokens holding whole conversations (each without its trailing end-of-text
+token), padded at the end with id 0. A conversation longer than the block is
+cut by `fit_conversation`, the truncation policy of `nanolm prepare` (one
+that cannot be cut to fit is left out; the loader says how many). Epoch e
+shuffles the conversations with `np.random.default_rng([seed, e])`, packs them
+into blocks with `pack_blocks` (over consecutive chunks of `PACK_CHUNK`
+conversations), then shuffles the blocks with the same generator. So each
+epoch sees every conversation once, in other company, and epochs can differ
+by a few blocks; `Loader.describe()` tells how full the blocks are. In a row,
+seg numbers the conversations 0, 1, ... (the padding gets the next number),
+pos restarts at 0 with each of them, and y is -1 where the loss mask of the
+target token is 0 (system and user turns, template scaffolding, padding) and
+at the last token of every segment, so nothing predicts across a boundary.
+
+The order of units (windows or blocks) is one global stream, the same on every
+process: epoch 0's units in its order, then epoch 1's, and so on. A step
+(`next_batch()` called once on each of world_size ranks) takes the next
+batch_size * world_size units of the stream; rank r takes the r-th batch_size
+of them. A batch at an epoch boundary takes the end of one epoch and the start
+of the next, so within an epoch no unit is seen twice and none is skipped. The
+state (`epoch`, `cursor` into the epoch; for chat data the epoch's blocks are
+planned again from the seed) is global, so a run can resume with another number
+of processes, or another batch size, and continue the same stream.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from nanolm.data.prepare import FORMAT_VERSION, MANIFEST
+from nanolm.data.prepare import FORMAT_VERSION, MANIFEST, fit_conversation
 from nanolm.errors import UserError
+from nanolm.train.objectives import IGNORE_INDEX
+
+# Conversations packed together (see pack_blocks); a larger chunk packs
+# tighter, a smaller one varies the blocks' make-up more between epochs.
+PACK_CHUNK = 4096
+# Below this fraction of positions holding a token, pack_blocks tries a second packer.
+GOOD_FILL = 0.99
+
+
+@dataclass
+class Batch:
+    """One rank's micro-batch, for text and chat data alike.
+
+    x: (B, T) int64 input ids. y: (B, T) int64 next-token targets, IGNORE_INDEX
+    (-1) where no loss is taken. pos: (B, T) int64 position of each token within
+    its conversation, seg: (B, T) int64 segment id of each token within its row
+    (a token attends only to earlier tokens of its own segment); both None for
+    text data, where every row is one causal sequence at positions 0..T-1.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    pos: torch.Tensor | None = None
+    seg: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(move(self.x), move(self.y), move(self.pos), move(self.seg))
+
+    def pin_memory(self) -> "Batch":
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.x), pin(self.y), pin(self.pos), pin(self.seg))
 
 
 class PackedData:
     """The shards of one split of a prepared data directory, memory-mapped read-only.
 
-    shards[i] is a 1-D memmap of token ids; offsets[i] the uint64 document starts.
+    shards[i] is a 1-D memmap of token ids; offsets[i] the uint64 document starts;
+    masks[i] (chat data only, else None) the uint8 loss mask of shards[i].
     """
 
     def __init__(self, data_dir: Path, split: str = "train", *, tokenizer_fingerprint: str | None = None) -> None:
@@ -58,6 +113,7 @@ class PackedData:
         self.manifest: dict[str, Any] = m
         self.vocab_size: int = int(m["tokenizer"]["vocab_size"])
         self.dtype = np.dtype(m["dtype"])
+        self.is_chat: bool = m.get("options", {}).get("format", "text") == "chat"
         fingerprint = m["tokenizer"]["fingerprint"]
         if tokenizer_fingerprint is not None and tokenizer_fingerprint != fingerprint:
             raise UserError(f"{manifest_path}: data was tokenized with tokenizer {fingerprint[:16]} "
@@ -70,9 +126,16 @@ class PackedData:
                             "run `nanolm prepare` with more documents or --val-fraction > 0 for a val split")
         self.shards: list[np.memmap] = []
         self.offsets: list[np.memmap] = []
+        self.masks: list[np.memmap] | None = [] if self.is_chat else None
         for s in entry["shards"]:
-            self.shards.append(self._map(s["bin"], self.dtype, int(s["n_tokens"])))
+            n = int(s["n_tokens"])
+            self.shards.append(self._map(s["bin"], self.dtype, n))
             self.offsets.append(self._map(s["idx"], np.dtype(np.uint64), int(s["n_docs"]) + 1))
+            if self.masks is not None:
+                if "mask" not in s:
+                    raise UserError(f"{manifest_path}: chat shard {s['bin']} lists no loss mask file; "
+                                    "the data is damaged, run `nanolm prepare --format chat` again")
+                self.masks.append(self._map(s["mask"], np.dtype(np.uint8), n))
         self.n_tokens: int = sum(len(s) for s in self.shards)
         self.n_docs: int = int(entry["n_docs"])
 
@@ -83,6 +146,8 @@ class PackedData:
             found = "it is missing" if size is None else f"found {size}"
             raise UserError(f"{path}: expected {count * dtype.itemsize} bytes ({count} x {dtype.name}), {found}; "
                             "the data is damaged, run `nanolm prepare` again")
+        if count == 0:  # numpy cannot map an empty file
+            return np.zeros(0, dtype=dtype)  # type: ignore[return-value]
         return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
     def n_windows(self, seq_len: int) -> np.ndarray:
@@ -102,6 +167,191 @@ class PackedData:
             out[rows] = self.shards[s][local[:, None] * seq_len + cols]  # (b, T+1)
         return out
 
+    def documents(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, start, length) of every document in split order, int64 each; length without the EOT."""
+        shard = np.concatenate([np.full(len(o) - 1, i, dtype=np.int64) for i, o in enumerate(self.offsets)])
+        start = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in self.offsets])
+        length = np.concatenate([np.diff(np.asarray(o, dtype=np.int64)) - 1 for o in self.offsets])
+        return shard, start, length
+
+
+def pack_blocks(lengths: np.ndarray, capacity: int, chunk: int = PACK_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """Group items of the given lengths (each in [1, capacity]) into blocks of at most `capacity`.
+
+    Each run of `chunk` consecutive items is packed on its own, by best-fit
+    decreasing (`_best_fit_decreasing`) or by `_fill_exactly`. The first chunk
+    that best-fit leaves more than 1 - GOOD_FILL empty is packed both ways, and
+    the way that needs fewer blocks packs the chunks after it too: the items
+    come in random order, so one chunk is much like another, and trying both on
+    every chunk would cost up to ten times as long. Returns (order, starts): the
+    item indices block by block, and where each block starts in order
+    (n_blocks + 1 entries). Deterministic.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
+        raise ValueError(f"item lengths must be in [1, {capacity}], got {lengths.min()}..{lengths.max()}")
+    blocks: list[list[int]] = []
+    exact: bool | None = None  # whether _fill_exactly packs; None until a chunk has decided it
+    for c0 in range(0, len(lengths), chunk):
+        sub = lengths[c0:c0 + chunk].tolist()
+        if exact:
+            packed = _fill_exactly(sub, capacity)
+        else:
+            packed = _best_fit_decreasing(sub, capacity)
+            if exact is None and sum(sub) < GOOD_FILL * len(packed) * capacity:
+                other = _fill_exactly(sub, capacity)
+                exact = len(other) < len(packed)
+                packed = other if exact else packed
+        blocks += [[c0 + i for i in b] for b in packed]
+    order = np.fromiter((i for b in blocks for i in b), dtype=np.int64, count=len(lengths))
+    starts = np.zeros(len(blocks) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in blocks], out=starts[1:])
+    return order, starts
+
+
+def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Blocks of item indices: the longest item first, each into the open block it leaves the least room in,
+    or into a new one. Near-optimal when a block holds many items."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+    smallest = min(lengths)
+    blocks: list[list[int]] = []
+    free: list[int] = []  # room left in the open blocks, ascending
+    owner: list[int] = []  # the block of each entry of `free`
+    for i in order:
+        n = lengths[i]
+        j = bisect.bisect_left(free, n)
+        if j == len(free):
+            b, room = len(blocks), capacity - n
+            blocks.append([i])
+        else:
+            b, room = owner.pop(j), free.pop(j) - n
+            blocks[b].append(i)
+        if room >= smallest:  # a block with less room can take nothing more
+            j = bisect.bisect_left(free, room)
+            free.insert(j, room)
+            owner.insert(j, b)
+    return blocks
+
+
+def _fill_exactly(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Blocks of item indices, one at a time: the longest item left, then the subset of the items left
+    that fills the room best (subset sum over lengths, as bitsets). Better than best-fit when a block
+    holds only a few items, where best-fit leaves gaps smaller than any item."""
+    by_length: dict[int, list[int]] = {}
+    for i in range(len(lengths) - 1, -1, -1):  # pop() then takes items in their given order
+        by_length.setdefault(lengths[i], []).append(i)
+    present = sorted(by_length)  # distinct lengths left, ascending
+    blocks: list[list[int]] = []
+
+    def take(n: int) -> int:
+        items = by_length[n]
+        i = items.pop()
+        if not items:
+            del by_length[n]
+            present.remove(n)
+        return i
+
+    while present:
+        first = present[-1]
+        block = [take(first)]
+        room = capacity - first
+        # reach: bit v set when some subset of the lengths tried so far sums to v (<= room).
+        reach, full, steps = 1, (1 << (room + 1)) - 1, []
+        for n in present[:bisect.bisect_right(present, room)]:
+            for _ in range(min(len(by_length[n]), room // n)):
+                steps.append((n, reach))
+                reach = (reach | (reach << n)) & full
+            if reach >> room & 1:
+                break  # the room can be filled exactly
+        v = reach.bit_length() - 1  # the best sum; walk back through the steps that made it
+        for n, before in reversed(steps):
+            if v == 0:
+                break
+            if not before >> v & 1:
+                v -= n
+                block.append(take(n))
+        blocks.append(block)
+    return blocks
+
+
+class _Conversations:
+    """The conversations of a chat split, fitted to blocks of seq_len + 1 tokens, and batch assembly."""
+
+    def __init__(self, data: PackedData, seq_len: int) -> None:
+        assert data.masks is not None
+        self.data = data
+        self.block = seq_len + 1
+        shard, start, length = data.documents()
+        fitted = length.copy()
+        for c in np.flatnonzero(length > self.block).tolist():
+            cut = fit_conversation(*self._raw(int(shard[c]), int(start[c]), int(length[c])), self.block)
+            fitted[c] = 0 if cut is None else len(cut[0])
+        self.n_total = len(length)
+        self.n_cut = int(((length > self.block) & (fitted > 0)).sum())
+        self.kept = np.flatnonzero(fitted > 0)  # conversation ids that are trained on
+        self.n_dropped = self.n_total - len(self.kept)
+        if len(self.kept) == 0:
+            raise UserError(f"{data.data_dir} ({data.split}): none of its {self.n_total} conversations fits in "
+                            f"seq_len+1 = {self.block} tokens with a reply token left; raise seq_len, or run "
+                            f"`nanolm prepare --format chat --max-tokens {self.block}` on shorter conversations")
+        self.shard, self.start, self.length = shard, start, length
+        self.lengths = fitted[self.kept]  # fitted length of each kept conversation
+        self.n_real = int(self.lengths.sum())
+        self._positions = np.arange(self.block, dtype=np.int64)
+
+    def _raw(self, shard: int, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64)
+        return ids, np.asarray(self.data.masks[shard][start:start + length])  # type: ignore[index]
+
+    def tokens(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and mask of kept conversation k, fitted to the block."""
+        c = int(self.kept[k])
+        ids, mask = self._raw(int(self.shard[c]), int(self.start[c]), int(self.length[c]))
+        if len(ids) > self.block:
+            ids, mask = fit_conversation(ids, mask, self.block)  # type: ignore[misc]
+        return ids, mask
+
+    def plan(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks of the kept conversations taken in `order`: (conversations block by block, block starts)."""
+        packed, starts = pack_blocks(self.lengths[order], self.block)
+        return order[packed], starts
+
+    def fill(self, n_blocks: int) -> float:
+        """Fraction of the positions of n_blocks blocks that hold a real token."""
+        return self.n_real / (n_blocks * self.block)
+
+    def batch(self, blocks: list[np.ndarray], pin: bool) -> Batch:
+        """Rows of x, y, pos, seg from blocks given as arrays of kept-conversation indices."""
+        rows, width = len(blocks), self.block
+        ids = np.zeros((rows, width), dtype=np.int64)  # padding is id 0, mask 0
+        mask = np.zeros((rows, width), dtype=np.uint8)
+        seg = np.empty((rows, width), dtype=np.int64)
+        pos = np.empty((rows, width), dtype=np.int64)
+        for r, convs in enumerate(blocks):
+            at = 0
+            for s, k in enumerate(convs.tolist()):
+                t, m = self.tokens(k)
+                n = len(t)
+                ids[r, at:at + n], mask[r, at:at + n] = t, m
+                seg[r, at:at + n], pos[r, at:at + n] = s, self._positions[:n]
+                at += n
+            seg[r, at:], pos[r, at:] = len(convs), self._positions[:width - at]
+        y = ids[:, 1:].copy()
+        y[mask[:, 1:] == 0] = IGNORE_INDEX
+        y[seg[:, 1:] != seg[:, :-1]] = IGNORE_INDEX  # the last token of a segment predicts nothing
+        batch = Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(y),
+                      torch.from_numpy(np.ascontiguousarray(pos[:, :-1])),
+                      torch.from_numpy(np.ascontiguousarray(seg[:, :-1])))
+        return batch.pin_memory() if pin else batch
+
+    def describe(self, n_blocks: int) -> str:
+        cut = (f"; {self.n_cut} longer than {self.block} tokens cut to fit" if self.n_cut else "") + \
+              (f", {self.n_dropped} left out (no reply token would fit)" if self.n_dropped else "")
+        hint = "" if self.fill(n_blocks) >= 0.97 else " (the conversations are long for this seq_len: few fit together)"
+        return (f"{len(self.kept)} conversations ({self.n_real:,} tokens) packed into {n_blocks} blocks of "
+                f"seq_len+1 = {self.block}: {100 * self.fill(n_blocks):.1f}% of positions hold a real token"
+                f"{hint}{cut}")
+
 
 def _check_positive(**kw: int) -> None:
     for name, v in kw.items():
@@ -109,16 +359,15 @@ def _check_positive(**kw: int) -> None:
             raise UserError(f"{name}={v!r}: must be a positive integer")
 
 
-def _to_torch(tokens: np.ndarray, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _text_batch(tokens: np.ndarray, pin: bool) -> Batch:
     x = torch.from_numpy(np.ascontiguousarray(tokens[:, :-1]))
     y = torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]))
-    if pin:
-        x, y = x.pin_memory(), y.pin_memory()
-    return x, y
+    batch = Batch(x, y)
+    return batch.pin_memory() if pin else batch
 
 
 class Loader:
-    """Shuffled packed batches for one rank, from the global window stream (see module doc)."""
+    """Shuffled packed batches for one rank, from the global stream of windows or blocks (see module doc)."""
 
     def __init__(self, data: PackedData, batch_size: int, seq_len: int, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, pin_memory: bool | None = None) -> None:
@@ -132,79 +381,150 @@ class Loader:
         self.rank = rank
         self.world_size = world_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.epoch_windows: int = int(data.n_windows(seq_len).sum())
-        self.tokens_per_epoch: int = self.epoch_windows * seq_len  # targets per epoch
+        self.epoch = 0
+        self.cursor = 0  # position in this epoch's order of the next step's first unit
+        self._orders: dict[int, Any] = {}  # epoch -> window permutation (text) or block plan (chat)
+        self._chat = _Conversations(data, seq_len) if data.is_chat else None
+        self._n_windows = 0 if data.is_chat else int(data.n_windows(seq_len).sum())
+        # Units (windows or blocks) in epoch 0; chat epochs can differ by a few blocks.
+        self.epoch_windows: int = self._units(0)
+        self.tokens_per_epoch: int = self.epoch_windows * seq_len  # input positions per epoch
         step = batch_size * world_size
         if self.epoch_windows < step:
+            if self._chat is not None:
+                raise UserError(f"{data.data_dir} ({data.split}): {len(self._chat.kept)} conversations make "
+                                f"{self.epoch_windows} blocks of seq_len+1 = {seq_len + 1} tokens, but a step takes "
+                                f"batch_size x world_size = {step}; prepare more conversations, or lower batch_size")
             # One shard needs step windows of seq_len tokens, plus the first input token.
             raise UserError(
                 f"{data.data_dir} ({data.split}): {data.n_tokens} tokens make {self.epoch_windows} windows of "
                 f"seq_len+1 = {seq_len + 1} tokens, but a step takes batch_size x world_size = {step}; it needs at "
                 f"least {step * seq_len + 1} tokens: prepare more text, or lower batch_size or seq_len")
-        self.epoch = 0
-        self.cursor = 0  # position in this epoch's permutation of the next step's first window
-        self._perms: dict[int, np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {e: p for e, p in self._perms.items() if e >= self.epoch}  # keep at most two epochs
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.epoch_windows)
-        return self._perms[epoch]
+    def _order(self, epoch: int) -> Any:
+        if epoch not in self._orders:
+            self._orders = {e: p for e, p in self._orders.items() if e >= self.epoch}  # drop past epochs
+            rng = np.random.default_rng([self.seed, epoch])
+            if self._chat is None:
+                self._orders[epoch] = rng.permutation(self._n_windows)
+            else:
+                convs, starts = self._chat.plan(rng.permutation(len(self._chat.kept)))
+                self._orders[epoch] = _shuffle_blocks(convs, starts, rng)
+        return self._orders[epoch]
 
-    def _stream(self, start: int, count: int) -> np.ndarray:
-        """Window ids at positions start .. start+count-1 of the stream from (self.epoch, 0)."""
-        n = self.epoch_windows
-        first = self._perm(self.epoch)[start:start + count]
-        if start + count <= n:
-            return first
-        return np.concatenate([first, self._perm(self.epoch + 1)[: start + count - n]])
+    def _units(self, epoch: int) -> int:
+        if self._chat is None:
+            return self._n_windows
+        return len(self._order(epoch)[1]) - 1
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y): int64 (batch_size, seq_len) inputs and next-token targets for this rank."""
+    def _ranges(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """(epoch, lo, hi): the units at positions start .. start+count-1 of the stream from (self.epoch, 0)."""
+        out, epoch = [], self.epoch
+        while count > 0:
+            n = self._units(epoch)
+            if start < n:
+                take = min(count, n - start)
+                out.append((epoch, start, start + take))
+                count -= take
+                start = 0
+            else:
+                start -= n
+            epoch += 1
+        return out
+
+    def describe(self) -> str:
+        """One line on what an epoch holds (for chat data: how full the packed blocks are)."""
+        if self._chat is None:
+            return (f"{self.epoch_windows} windows of seq_len+1 = {self.seq_len + 1} tokens per epoch "
+                    f"from {self.data.n_tokens:,} tokens")
+        return self._chat.describe(self.epoch_windows)
+
+    def next_batch(self) -> Batch:
+        """This rank's next batch: (batch_size, seq_len) tensors (see `Batch`)."""
         b = self.batch_size
-        windows = self._stream(self.cursor + self.rank * b, b)
+        ranges = self._ranges(self.cursor + self.rank * b, b)
         self.cursor += b * self.world_size
-        if self.cursor >= self.epoch_windows:
-            self.cursor -= self.epoch_windows
+        while self.cursor >= self._units(self.epoch):
+            self.cursor -= self._units(self.epoch)
             self.epoch += 1
-        return _to_torch(self.data.gather(windows, self.seq_len), self.pin_memory)
+        if self._chat is None:
+            windows = np.concatenate([self._order(e)[lo:hi] for e, lo, hi in ranges])
+            return _text_batch(self.data.gather(windows, self.seq_len), self.pin_memory)
+        blocks = []
+        for e, lo, hi in ranges:
+            convs, starts = self._order(e)
+            blocks += [convs[starts[j]:starts[j + 1]] for j in range(lo, hi)]
+        return self._chat.batch(blocks, self.pin_memory)
 
     def state_dict(self) -> dict[str, Any]:
         """The global stream position (identical on every rank), JSON-serialisable."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
-                "epoch_windows": self.epoch_windows}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len}
+        if self._chat is None:
+            state["epoch_windows"] = self.epoch_windows
+        else:
+            state["n_conversations"] = self._chat.n_total
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream saved by `state_dict` (from any number of ranks, any batch size)."""
-        if state.get("seq_len") != self.seq_len or state.get("epoch_windows") != self.epoch_windows:
-            raise UserError(f"the saved data position is for {state.get('epoch_windows')} windows of seq_len "
+        if self._chat is None:
+            if state.get("seq_len") != self.seq_len or state.get("epoch_windows") != self.epoch_windows:
+                raise UserError(f"the saved data position is for {state.get('epoch_windows')} windows of seq_len "
+                                f"{state.get('seq_len')}, but {self.data.data_dir} ({self.data.split}) has "
+                                f"{self.epoch_windows} windows of seq_len {self.seq_len}; resume with the same "
+                                "prepared data and seq_len, or start a new run")
+        elif state.get("seq_len") != self.seq_len or state.get("n_conversations") != self._chat.n_total:
+            raise UserError(f"the saved data position is for {state.get('n_conversations')} conversations at seq_len "
                             f"{state.get('seq_len')}, but {self.data.data_dir} ({self.data.split}) has "
-                            f"{self.epoch_windows} windows of seq_len {self.seq_len}; resume with the same prepared "
-                            "data and seq_len, or start a new run")
-        cursor, epoch = int(state["cursor"]), int(state["epoch"])
-        if not (0 <= cursor < self.epoch_windows and epoch >= 0):
+                            f"{self._chat.n_total} conversations at seq_len {self.seq_len}; resume with the same "
+                            "prepared data and seq_len, or start a new run")
+        cursor, epoch, seed = int(state["cursor"]), int(state["epoch"]), int(state["seed"])
+        old = (self.seed, self.epoch, self._orders)
+        self.seed, self.epoch, self._orders = seed, epoch, {}  # the stream is defined by the seed it started with
+        if not (epoch >= 0 and 0 <= cursor < self._units(epoch)):
+            self.seed, self.epoch, self._orders = old
             raise UserError(f"the saved data position (epoch {epoch}, cursor {cursor}) is out of range; "
                             "the checkpoint's state is damaged")
-        self.seed = int(state["seed"])  # the stream is defined by the seed it started with
-        self.epoch, self.cursor = epoch, cursor
-        self._perms = {}
+        self.cursor = cursor
+
+
+def _shuffle_blocks(convs: np.ndarray, starts: np.ndarray,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The same blocks in a random order: (conversations block by block, block starts)."""
+    counts = np.diff(starts)
+    perm = rng.permutation(len(counts))
+    new_counts = counts[perm]
+    new_starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(new_counts, out=new_starts[1:])
+    # Entry i of the new order is entry (old start of its block) + (i - new start of its block).
+    shift = np.repeat(starts[:-1][perm] - new_starts[:-1], new_counts)
+    return convs[np.arange(len(convs)) + shift], new_starts
 
 
 def iter_eval_batches(data: PackedData, batch_size: int, seq_len: int,
-                      max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The split's windows in order, batch_size at a time; the same batches on every call.
+                      max_batches: int | None = None) -> Iterator[Batch]:
+    """The split's windows (or, for chat data, blocks of its conversations in file order) in order,
+    batch_size at a time; the same batches on every call.
 
-    The last batch holds the remaining windows and may be smaller, so weight a
-    mean by batch size. max_batches stops early (the first batches, always).
+    The last batch holds the remaining units and may be smaller, so weight a
+    mean by its number of targets. max_batches stops early (the first batches, always).
     """
     _check_positive(batch_size=batch_size, seq_len=seq_len)
-    n = int(data.n_windows(seq_len).sum())
-    if n == 0:
-        raise UserError(f"{data.data_dir} ({data.split}): {data.n_tokens} tokens, fewer than one window of "
-                        f"seq_len+1 = {seq_len + 1} in any shard; prepare more text or lower seq_len")
     pin = torch.cuda.is_available()
+    if data.is_chat:
+        chat = _Conversations(data, seq_len)
+        convs, starts = chat.plan(np.arange(len(chat.kept)))
+        n = len(starts) - 1
+    else:
+        n = int(data.n_windows(seq_len).sum())
+        if n == 0:
+            raise UserError(f"{data.data_dir} ({data.split}): {data.n_tokens} tokens, fewer than one window of "
+                            f"seq_len+1 = {seq_len + 1} in any shard; prepare more text or lower seq_len")
     for i, start in enumerate(range(0, n, batch_size)):
         if max_batches is not None and i >= max_batches:
             return
-        windows = np.arange(start, min(start + batch_size, n), dtype=np.int64)
-        yield _to_torch(data.gather(windows, seq_len), pin)
+        stop = min(start + batch_size, n)
+        if data.is_chat:
+            yield chat.batch([convs[starts[j]:starts[j + 1]] for j in range(start, stop)], pin)
+        else:
+            yield _text_batch(data.gather(np.arange(start, stop, dtype=np.int64), seq_len), pin)

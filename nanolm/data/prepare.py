@@ -1,4 +1,4 @@
-"""Tokenize text files into the token shards training reads (`nanolm prepare`).
+r"""Tokenize text files into the token shards training reads (`nanolm prepare`).
 
 Output, in `out_dir`:
 
@@ -13,8 +13,8 @@ Output, in `out_dir`:
   shards with their token and document counts, the source files with size,
   mtime and sha256, the options, skipped lines, throughput). It is written
   last: a directory without it is not prepared data.
-  (Chat data will add a parallel uint8 `.mask` file per shard, listed in the
-  shard's manifest entry.)
+- `<shard>.mask` (chat data only): one uint8 per token of the .bin, 1 where
+  the token is a training target (see "Chat data" below), else 0.
 
 Train/validation split, by document: documents are numbered 0, 1, 2, ...
 across all sources in order, and with k = max(2, round(1 / val_fraction))
@@ -28,6 +28,30 @@ Tokenization streams: the main process reads pieces of documents
 (each loads the tokenizer once) and writes results in input order, with at
 most a few batches in flight per worker, so memory stays flat however large
 the input. The bytes written do not depend on the number of workers.
+
+Chat data (`format="chat"`): each conversation (read by `iter_conversations`
+of nanolm.data.formats) is rendered with the tokenizer's ChatML template
+(`Tokenizer.render_chat`, the template in tokenizer_config.json) and becomes
+one document: exactly the ids of `tok.encode(tok.render_chat(messages))`, then
+`<|endoftext|>`. They are computed by encoding each `role\ncontent` on its own:
+the tokenizer splits its input at the control tokens before anything else, so
+the pieces between them tokenize the same alone as in the whole text. The mask
+is 1 on each assistant reply's content tokens and its closing `<|im_end|>`, 0
+on system and user turns, on the template's scaffolding (`<|im_start|>`,
+`assistant\n`, the `\n` after `<|im_end|>`) and on the `<|endoftext|>`. When a
+reply starts with two or more whitespace characters, its first token joins the
+`\n` of `assistant\n` with that whitespace; the token carries reply text, so it
+is a target.
+
+Truncation (`fit_conversation`, which the loader applies too): a conversation
+longer than `max_tokens` tokens (`<|endoftext|>` not counted) keeps its system
+message and drops its oldest user/assistant pairs until it fits. If the last
+pair alone does not fit, the final reply is cut at the end to fit: a reply cut
+inside its content keeps no `<|im_end|>`, so the model is never taught to end a
+turn where the text did not (one that loses only its last `\n` keeps it, being
+whole). A conversation whose system message, last user turn and first reply
+token do not fit (no target would be left) is skipped. Both are counted in the
+manifest.
 
 Everything is written into a temporary directory inside out_dir and moved
 into place at the end, old manifest removed first and new manifest last, so
@@ -56,19 +80,21 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.formats import ReadStats, expand_sources, iter_pieces
+from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces
 from nanolm.errors import UserError
 from nanolm.io import fsync_dir, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
-from nanolm.tokenizer import EOT_ID, Tokenizer
+from nanolm.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+FORMATS = ("text", "chat")
+DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat data)
 SPLITS = ("train", "val")
 # Files this module owns in out_dir; stale ones from an earlier run are removed.
 SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
@@ -107,19 +133,23 @@ def _init_worker(tokenizer_file: str, dtype: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One thread per worker: the worker processes are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker["tok"] = HFTokenizer.from_file(tokenizer_file)
-    _worker["dtype"] = np.dtype(dtype)
+    _worker.update(_load_state(tokenizer_file, dtype))
 
 
-def _encode_pieces(tok: HFTokenizer, dtype: np.dtype, texts: list[str],
-                   lasts: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+def _load_state(tokenizer_file: str, dtype: str) -> dict[str, Any]:
+    return {"tok": HFTokenizer.from_file(tokenizer_file), "file": tokenizer_file, "dtype": np.dtype(dtype)}
+
+
+def _run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(_worker, *args)
+
+
+def _encode_pieces(state: dict[str, Any], texts: list[str], lasts: list[bool]) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of the pieces, concatenated, with EOT after each piece that ends a document,
     and each piece's length (EOT included): (tokens [sum(lens)], lens [len(texts)] int64)."""
-    # encode_batch_fast (tokenizers >= 0.21) skips character offsets we never use.
-    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
-    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+    ids = _encode(state["tok"], texts)
     lens = np.fromiter((len(x) + last for x, last in zip(ids, lasts)), dtype=np.int64, count=len(ids))
-    out = np.empty(int(lens.sum()), dtype=dtype)
+    out = np.empty(int(lens.sum()), dtype=state["dtype"])
     pos = 0
     for x, last in zip(ids, lasts):
         out[pos:pos + len(x)] = x
@@ -130,15 +160,115 @@ def _encode_pieces(tok: HFTokenizer, dtype: np.dtype, texts: list[str],
     return out, lens
 
 
-def _worker_encode(texts: list[str], lasts: list[bool]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode_pieces(_worker["tok"], _worker["dtype"], texts, lasts)
+def _encode(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
+    # encode_batch_fast (tokenizers >= 0.21) skips character offsets we never use.
+    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def render_with_mask(messages: Sequence[tuple[str, str]], segment_ids: Sequence[Sequence[int]],
+                     newline_ids: Sequence[int], byte_lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    r"""Token ids and loss mask of a ChatML conversation, from the ids of each message's `role\ncontent`.
+
+    messages: (role, content) pairs; segment_ids[i]: the ids of f"{role}\n{content}" of message i;
+    newline_ids: the ids of "\n"; byte_lengths[id]: UTF-8 bytes of each token. Gives
+    (ids, mask) of equal length, ids equal to encode(render_chat(messages)) (see module doc).
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for (role, _), seg in zip(messages, segment_ids):
+        ids.append(IM_START_ID)
+        ids.extend(seg)
+        ids.append(IM_END_ID)
+        ids.extend(newline_ids)
+        if role == "assistant":
+            # The reply starts at the first token that reaches past the bytes of "assistant\n".
+            prefix, acc, k = len(role) + 1, 0, 0
+            while k < len(seg) and acc + byte_lengths[seg[k]] <= prefix:
+                acc += byte_lengths[seg[k]]
+                k += 1
+            mask.extend([0] * (1 + k))
+            mask.extend([1] * (len(seg) - k + 1))  # content and <|im_end|>
+            mask.extend([0] * len(newline_ids))
+        else:
+            mask.extend([0] * (len(seg) + 2 + len(newline_ids)))
+    return ids, mask
+
+
+def fit_conversation(ids: np.ndarray, mask: np.ndarray,
+                     max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A rendered conversation (no trailing EOT) cut to at most max_tokens tokens by the truncation
+    policy of the module doc, or None when no target would be left. Returned as is when it fits.
+
+    Message boundaries are found at the <|im_start|> tokens (no content may hold one), and a
+    conversation with an odd number of messages is the one that starts with a system message.
+    """
+    n = len(ids)
+    if n <= max_tokens:
+        return ids, mask
+    starts = np.flatnonzero(ids == IM_START_ID)
+    n_msgs = len(starts)
+    head = int(starts[1]) if n_msgs % 2 else 0  # the system message is ids[:head]
+    # Keep the system message and the messages from `first` (a user turn) on, oldest pair first to go.
+    for first in range(n_msgs % 2, n_msgs, 2):
+        if head + n - int(starts[first]) <= max_tokens:
+            keep = np.r_[0:head, int(starts[first]):n]
+            return ids[keep], mask[keep]
+    # The last pair alone is too long: cut the end of the final reply.
+    keep = np.r_[0:head, int(starts[n_msgs - 2]):n][:max_tokens]
+    if not mask[keep].any():
+        return None
+    return ids[keep], mask[keep]
+
+
+def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
+                  max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """Ids and mask of each conversation (each followed by EOT, mask 0), fitted to max_tokens.
+
+    Returns (tokens, mask, lens, n_truncated, n_too_long); lens[i] is conversation i's
+    length with its EOT, 0 for one skipped as too long.
+    """
+    tok = state["tok"]
+    if "byte_lengths" not in state:
+        state["byte_lengths"] = Tokenizer.load(state["file"]).token_byte_lengths().tolist()
+        state["newline"] = _encode(tok, ["\n"])[0]
+    segments = _encode(tok, [f"{role}\n{content}" for conv in convs for role, content in conv])
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    lens = np.zeros(len(convs), dtype=np.int64)
+    truncated = too_long = 0
+    at = 0
+    for i, conv in enumerate(convs):
+        ids, mask = render_with_mask(conv, segments[at:at + len(conv)], state["newline"], state["byte_lengths"])
+        at += len(conv)
+        if i == 0:
+            # Checked once per batch: holds for any tokenizer that splits at its special tokens.
+            text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in conv)
+            if ids != _encode(tok, [text])[0]:
+                raise UserError(f"{state['file']}: encoding a conversation piece by piece does not give the ids of "
+                                "the whole rendered conversation, so its loss mask cannot be placed; use a tokenizer "
+                                "made by `nanolm tokenizer train` (its control tokens are special tokens)")
+        if len(ids) > max_tokens:
+            fitted = fit_conversation(np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8), max_tokens)
+            if fitted is None:
+                too_long += 1
+                continue
+            truncated += 1
+            ids, mask = fitted[0].tolist(), fitted[1].tolist()
+        out_ids += ids
+        out_ids.append(EOT_ID)
+        out_mask += mask
+        out_mask.append(0)
+        lens[i] = len(ids) + 1
+    return (np.array(out_ids, dtype=state["dtype"]), np.array(out_mask, dtype=np.uint8), lens, truncated, too_long)
 
 
 # --- main side -------------------------------------------------------------------
 
 @dataclass
 class _Batch:
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # text pieces, or
+    convs: list[list[tuple[str, str]]] = field(default_factory=list)  # conversations: (role, content)s
     lasts: list[bool] = field(default_factory=list)
     is_val: list[bool] = field(default_factory=list)
     chars: int = 0
@@ -168,46 +298,87 @@ def _batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
         yield batch
 
 
-class _SplitWriter:
-    """Appends one split's tokens to its shards, rolling to a new shard at a document end."""
+def _chat_batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
+                  sizes: list[int]) -> Iterator[_Batch]:
+    """Conversations of all files in order, grouped into batches, each tagged with its split."""
+    doc = 0
+    batch = _Batch()
+    for path, size in zip(files, sizes):
+        read = 0
+        for messages, nbytes in iter_chat_records(path, skip_bad=skip_bad, stats=stats):
+            batch.convs.append([(m["role"], m["content"]) for m in messages])
+            batch.lasts.append(True)
+            batch.is_val.append(k > 0 and doc % k == 1)
+            batch.chars += sum(len(m["content"]) for m in messages)
+            batch.nbytes += nbytes
+            read += nbytes
+            doc += 1
+            if batch.chars >= BATCH_CHARS or len(batch.convs) >= BATCH_PIECES:
+                yield batch
+                batch = _Batch()
+        batch.nbytes += size - read
+    if batch.convs or batch.nbytes:
+        yield batch
 
-    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+
+class _SplitWriter:
+    """Appends one split's tokens (and loss mask) to its shards, rolling to a new shard at a document end."""
+
+    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False) -> None:
         self.tmp_dir = tmp_dir
         self.split = split
         self.dtype = dtype
         self.shard_tokens = shard_tokens
+        self.with_mask = with_mask
         self.shards: list[dict[str, Any]] = []  # manifest entries of the closed shards
         self._bin: BinaryIO | None = None
         self._idx: BinaryIO | None = None
+        self._mask: BinaryIO | None = None
         self._n = 0  # tokens in the open shard
         self._docs = 0  # complete documents in the open shard
+        self._trainable = 0  # mask ones in the open shard
+
+    def _files(self) -> list[BinaryIO]:
+        return [f for f in (self._bin, self._idx, self._mask) if f is not None]
 
     def _open(self) -> None:
         stem = shard_name(self.split, len(self.shards))
         self._bin = open(self.tmp_dir / f"{stem}.bin", "wb")
         self._idx = open(self.tmp_dir / f"{stem}.idx", "wb")
+        if self.with_mask:
+            self._mask = open(self.tmp_dir / f"{stem}.mask", "wb")
         self._idx.write(np.zeros(1, dtype=np.uint64).data)
-        self._n = self._docs = 0
+        self._n = self._docs = self._trainable = 0
 
     def _close(self) -> None:
-        assert self._bin is not None and self._idx is not None
-        for f in (self._bin, self._idx):
+        for f in self._files():
             f.flush()
             os.fsync(f.fileno())
             f.close()
         stem = shard_name(self.split, len(self.shards))
-        self.shards.append({"bin": f"{stem}.bin", "idx": f"{stem}.idx", "n_tokens": self._n, "n_docs": self._docs})
-        self._bin = self._idx = None
+        entry: dict[str, Any] = {"bin": f"{stem}.bin", "idx": f"{stem}.idx"}
+        if self.with_mask:
+            entry["mask"] = f"{stem}.mask"
+        entry.update(n_tokens=self._n, n_docs=self._docs)
+        if self.with_mask:
+            entry["n_trainable"] = self._trainable
+        self.shards.append(entry)
+        self._bin = self._idx = self._mask = None
 
-    def _write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, doc_ends: np.ndarray, mask: np.ndarray | None) -> None:
         """tokens of the open shard; doc_ends: end offsets, relative to tokens[0], of the documents they complete."""
         assert self._bin is not None and self._idx is not None
         self._bin.write(np.ascontiguousarray(tokens).data)
         self._idx.write((doc_ends + self._n).astype(np.uint64).data)
+        if self._mask is not None:
+            assert mask is not None and len(mask) == len(tokens)
+            self._mask.write(np.ascontiguousarray(mask, dtype=np.uint8).data)
+            self._trainable += int(np.count_nonzero(mask))
         self._n += len(tokens)
         self._docs += len(doc_ends)
 
-    def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray) -> None:
+    def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray,
+               mask: np.ndarray | None = None) -> None:
         ends = np.cumsum(piece_lens)[piece_last]  # document ends, relative to tokens[0]
         start, j = 0, 0
         while start < len(tokens):
@@ -216,25 +387,27 @@ class _SplitWriter:
             # The first document end at which the open shard reaches shard_tokens.
             i = int(np.searchsorted(ends, start + self.shard_tokens - self._n, side="left"))
             if i >= len(ends):
-                self._write(tokens[start:], ends[j:] - start)
+                self._write(tokens[start:], ends[j:] - start, None if mask is None else mask[start:])
                 return
             stop = int(ends[i])
-            self._write(tokens[start:stop], ends[j:i + 1] - start)
+            self._write(tokens[start:stop], ends[j:i + 1] - start, None if mask is None else mask[start:stop])
             self._close()
             start, j = stop, i + 1
 
     def discard(self) -> None:
         """Close the open shard's files after a failure (the temp directory is removed anyway)."""
-        for f in (self._bin, self._idx):
-            if f is not None:
-                f.close()
-        self._bin = self._idx = None
+        for f in self._files():
+            f.close()
+        self._bin = self._idx = self._mask = None
 
     def finish(self) -> dict[str, Any]:
         if self._bin is not None:
             self._close()
-        return {"shards": self.shards, "n_tokens": sum(s["n_tokens"] for s in self.shards),
-                "n_docs": sum(s["n_docs"] for s in self.shards)}
+        out = {"shards": self.shards, "n_tokens": sum(s["n_tokens"] for s in self.shards),
+               "n_docs": sum(s["n_docs"] for s in self.shards)}
+        if self.with_mask:
+            out["n_trainable"] = sum(s["n_trainable"] for s in self.shards)
+        return out
 
 
 def _sha256(path: Path, stop: threading.Event | None = None) -> str:
@@ -269,6 +442,9 @@ def _shards_intact(out_dir: Path, manifest: dict[str, Any]) -> bool:
                 return False
             if b.stat().st_size != s["n_tokens"] * itemsize or i.stat().st_size != (s["n_docs"] + 1) * 8:
                 return False
+            if "mask" in s and not ((out_dir / s["mask"]).is_file()
+                                    and (out_dir / s["mask"]).stat().st_size == s["n_tokens"]):
+                return False
     return True
 
 
@@ -288,7 +464,8 @@ def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, opt
 
 def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
     """Move the new shards from tmp into out_dir, replacing the old ones, manifest last."""
-    names = {s[key] for split in manifest["splits"].values() for s in split["shards"] for key in ("bin", "idx")}
+    names = {s[key] for split in manifest["splits"].values() for s in split["shards"]
+             for key in ("bin", "idx", "mask") if key in s}
     # Without a manifest the directory is not prepared data, whatever shards it holds.
     (out_dir / MANIFEST).unlink(missing_ok=True)
     for p in out_dir.iterdir():
@@ -300,26 +477,17 @@ def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
     fsync_dir(out_dir)
 
 
-def _tokenize(files: list[Path], sizes: list[int], tokenizer_file: Path, dtype: np.dtype, k: int,
-              skip_bad: bool, stats: ReadStats, writers: dict[str, _SplitWriter], workers: int,
-              progress: Progress) -> None:
-    """Stream every file through the tokenizer into the split writers, in input order."""
+def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume: Callable[..., None],
+              tokenizer_file: Path, dtype: np.dtype, workers: int) -> None:
+    """Run `job(batch)` = (function, args) on every batch and `consume(batch, *result)`, in input order.
 
-    def consume(batch: _Batch, tokens: np.ndarray, lens: np.ndarray) -> None:
-        is_val = np.array(batch.is_val, dtype=bool)
-        lasts = np.array(batch.lasts, dtype=bool)
-        for split, sel in (("train", ~is_val), ("val", is_val)):
-            if sel.all():
-                writers[split].append(tokens, lens, lasts)
-            elif sel.any():
-                writers[split].append(tokens[np.repeat(sel, lens)], lens[sel], lasts[sel])
-        progress.update(batch.nbytes)
-
-    batches = _batches(files, k, skip_bad, stats, sizes)
+    The function is called as function(state, *args), state holding the loaded tokenizer.
+    """
     if workers == 0:
-        tok = HFTokenizer.from_file(str(tokenizer_file))
+        state = _load_state(str(tokenizer_file), dtype.str)
         for batch in batches:
-            consume(batch, *_encode_pieces(tok, dtype, batch.texts, batch.lasts))
+            fn, args = job(batch)
+            consume(batch, *fn(state, *args))
         return
     # spawn, not fork: a forked child would inherit the parent's tokenizers
     # thread pool and torch state; spawn is also what macOS and Windows use.
@@ -337,8 +505,10 @@ def _tokenize(files: list[Path], sizes: list[int], tokenizer_file: Path, dtype: 
             if len(pending) >= INFLIGHT_PER_WORKER * workers:
                 done, future = pending.popleft()
                 consume(done, *future.result())
-            pending.append((batch, pool.submit(_worker_encode, batch.texts, batch.lasts)))
-            batch.texts = []  # the submitted call holds the list until it is sent; free it after
+            fn, args = job(batch)
+            pending.append((batch, pool.submit(_run_in_worker, fn, *args)))
+            # The submitted call holds the lists until they are sent; free them after.
+            batch.texts, batch.convs = [], []
         while pending:
             done, future = pending.popleft()
             consume(done, *future.result())
@@ -350,28 +520,55 @@ def _tokenize(files: list[Path], sizes: list[int], tokenizer_file: Path, dtype: 
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val_fraction: float = 0.01,
-            workers: int = 2, skip_bad: bool = False, shard_tokens: int = 100_000_000,
-            quiet: bool = False) -> dict[str, Any]:
+def _write_splits(writers: dict[str, _SplitWriter], is_val: np.ndarray, tokens: np.ndarray, lens: np.ndarray,
+                  lasts: np.ndarray, mask: np.ndarray | None = None) -> None:
+    for split, sel in (("train", ~is_val), ("val", is_val)):
+        if sel.all():
+            writers[split].append(tokens, lens, lasts, mask)
+        elif sel.any():
+            keep = np.repeat(sel, lens)
+            writers[split].append(tokens[keep], lens[sel], lasts[sel], None if mask is None else mask[keep])
+
+
+def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, format: str = "text",
+            max_tokens: int = DEFAULT_MAX_TOKENS, val_fraction: float = 0.01, workers: int = 2,
+            skip_bad: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False) -> dict[str, Any]:
     """Tokenize `sources` (.txt/.jsonl files or directories of them) into shards in out_dir.
 
-    tokenizer_path: tokenizer.json or the directory holding it. workers: tokenizer
-    processes, one thread each (0 tokenizes in this process, on the thread pool of
-    `tokenizers`). Returns the manifest; when out_dir is already up to date,
-    returns the existing manifest without doing anything.
+    tokenizer_path: tokenizer.json or the directory holding it. format: "text"
+    (pretraining documents) or "chat" (conversations, .jsonl only, stored with a
+    loss mask). max_tokens: the longest conversation kept whole (chat only; see
+    the module doc for the truncation policy). workers: tokenizer processes, one
+    thread each (0 tokenizes in this process, on the thread pool of `tokenizers`).
+    Returns the manifest; when out_dir is already up to date, returns the
+    existing manifest without doing anything.
     """
     k = val_every(val_fraction)
+    if format not in FORMATS:
+        raise UserError(f"format={format!r}: must be one of {', '.join(FORMATS)} "
+                        "(text: documents for pretraining; chat: conversations for fine-tuning)")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise UserError(f"workers={workers!r}: must be an integer >= 0 (0 tokenizes in the main process)")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise UserError(f"shard_tokens={shard_tokens!r}: must be a positive integer (tokens per shard file)")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise UserError(f"max_tokens={max_tokens!r}: must be a positive integer (the longest conversation kept "
+                        "whole, in tokens; at most the training seq_len + 1)")
+    chat = format == "chat"
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
     files = expand_sources(sources)
+    if chat:
+        for f in files:
+            if f.suffix.lower() != ".jsonl":
+                raise UserError(f"{f}: chat data must be .jsonl (one conversation per line); leave this file out, "
+                                "or prepare it with --format text")
     tok = Tokenizer.load(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
-    options = {"val_fraction": val_fraction, "skip_bad": skip_bad, "shard_tokens": shard_tokens}
+    options: dict[str, Any] = {"val_fraction": val_fraction, "skip_bad": skip_bad, "shard_tokens": shard_tokens}
+    if chat:
+        options = {"format": format, "max_tokens": max_tokens, **options}
     before = [_stat(f) for f in files]
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
@@ -381,19 +578,40 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
 
     sizes = [s["size"] for s in before]
     total = sum(sizes)
-    log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, tokenizer vocab {tok.vocab_size} ({dtype.name}), "
+    what = f"chat, max {max_tokens} tokens per conversation, " if chat else ""
+    log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, {what}tokenizer vocab {tok.vocab_size} ({dtype.name}), "
         f"{workers} worker(s) -> {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
     # Hash the sources on a thread while tokenizing (hashlib and file reads release the GIL).
     hasher, stop_hashing = ThreadPoolExecutor(1), threading.Event()
     stats = ReadStats()
-    writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
+    fitting = {"truncated": 0, "too_long": 0}
+    writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat) for split in SPLITS}
+
+    def consume_text(batch: _Batch, tokens: np.ndarray, lens: np.ndarray) -> None:
+        _write_splits(writers, np.array(batch.is_val, dtype=bool), tokens, lens, np.array(batch.lasts, dtype=bool))
+        progress.update(batch.nbytes)
+
+    def consume_chat(batch: _Batch, tokens: np.ndarray, mask: np.ndarray, lens: np.ndarray, truncated: int,
+                     too_long: int) -> None:
+        kept = lens > 0  # conversations skipped as too long have no tokens
+        _write_splits(writers, np.array(batch.is_val, dtype=bool)[kept], tokens, lens[kept],
+                      np.ones(int(kept.sum()), dtype=bool), mask)
+        fitting["truncated"] += truncated
+        fitting["too_long"] += too_long
+        progress.update(batch.nbytes)
+
     try:
         hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
         start = time.perf_counter()
         with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
-            _tokenize(files, sizes, tok.path, dtype, k, skip_bad, stats, writers, workers, progress)
+            if chat:
+                _tokenize(_chat_batches(files, k, skip_bad, stats, sizes),
+                          lambda b: (_encode_chats, (b.convs, max_tokens)), consume_chat, tok.path, dtype, workers)
+            else:
+                _tokenize(_batches(files, k, skip_bad, stats, sizes),
+                          lambda b: (_encode_pieces, (b.texts, b.lasts)), consume_text, tok.path, dtype, workers)
         seconds = time.perf_counter() - start
         splits = {split: w.finish() for split, w in writers.items()}
         hashes = hashes_future.result()
@@ -404,9 +622,13 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
         n_tokens = sum(s["n_tokens"] for s in splits.values())
         n_docs = sum(s["n_docs"] for s in splits.values())
         if n_docs == 0:
+            if chat:
+                raise UserError(f"no conversations in {', '.join(map(str, files))} ({stats.bad_lines} bad line(s) "
+                                f"skipped, {fitting['too_long']} longer than max_tokens={max_tokens}); check the "
+                                "files, or raise --max-tokens")
             raise UserError(f"no documents in {', '.join(map(str, files))} (all empty or skipped); "
                             "check that the files hold text")
-        manifest = {
+        manifest: dict[str, Any] = {
             "format": "nanolm-tokens",
             "version": FORMAT_VERSION,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -424,6 +646,11 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
                            "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
                            "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None},
         }
+        if chat:
+            n_trainable = sum(s["n_trainable"] for s in splits.values())
+            manifest["chat"] = {"template": "chatml", "mask": True, "max_tokens": max_tokens,
+                                "n_trainable": n_trainable, "truncated": fitting["truncated"],
+                                "skipped_too_long": fitting["too_long"]}
         _install(tmp, out_dir, manifest)
     finally:
         stop_hashing.set()
@@ -433,12 +660,17 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, val
         shutil.rmtree(tmp, ignore_errors=True)
 
     tr, va = splits["train"], splits["val"]
-    log(f"prepared {fmt_count(n_docs)} documents, {fmt_count(n_tokens)} tokens "
+    docs = "conversations" if chat else "documents"
+    log(f"prepared {fmt_count(n_docs)} {docs}, {fmt_count(n_tokens)} tokens "
         f"(train {fmt_count(tr['n_tokens'])} in {len(tr['shards'])} shard(s), "
         f"val {fmt_count(va['n_tokens'])} in {len(va['shards'])}) from {fmt_bytes(total)} in {fmt_duration(seconds)}: "
         f"{total / 1e6 / max(seconds, 1e-9):.2f} MB/s of text, {fmt_count(n_tokens / max(seconds, 1e-9))} tokens/s")
+    if chat:
+        log(f"trainable (assistant) tokens: {fmt_count(n_trainable)} = {100 * n_trainable / n_tokens:.1f}% of all; "
+            f"truncated {fitting['truncated']} conversation(s) longer than {max_tokens} tokens, skipped "
+            f"{fitting['too_long']} that could not be cut to fit")
     if k and va["n_docs"] == 0:
-        log("note: only one document, so there is no validation split; give more documents for one")
+        log(f"note: only one {docs[:-1]}, so there is no validation split; give more {docs} for one")
     if stats.bad_lines:
         log(f"skipped {stats.bad_lines} bad line(s) (--skip-bad), first: " + " | ".join(stats.examples))
     if stats.empty_docs:

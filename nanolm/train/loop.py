@@ -32,7 +32,7 @@ from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import autocast, resolve_device, resolve_dtype, seed_everything
 from nanolm.train import checkpoint as ckpt
 from nanolm.train.metrics import MetricsWriter, log, peak_flops
-from nanolm.train.objectives import lm_loss
+from nanolm.train.objectives import IGNORE_INDEX, lm_loss
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at
 
@@ -101,13 +101,15 @@ def evaluate(model: torch.nn.Module, data: PackedData, cfg: Config, device: torc
     model.eval()
     loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
     for batch in iter_eval_batches(data, cfg.train.batch_size, cfg.train.seq_len, cfg.train.eval_batches):
-        x, y = batch.x.to(device), batch.y.to(device)
+        batch = batch.to(device)
+        x, y = batch.x, batch.y
         with autocast(device, dtype):
-            logits = model(x)
+            logits = model(x, pos=batch.pos, seg=batch.seg)
         loss_sum += lm_loss(logits, y, reduction="sum").item()
-        n_tokens += y.numel()
+        targets = y[y != IGNORE_INDEX].cpu()  # chat data: only the assistant tokens carry a loss
+        n_tokens += targets.numel()
         if token_bytes is not None:
-            n_bytes += token_bytes[y.cpu()].sum().item()
+            n_bytes += token_bytes[targets].sum().item()
     model.train(was_training)
     if n_tokens == 0:
         return {}
@@ -210,6 +212,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         f"{fmt_count(val_data.n_tokens) if val_data else 0} val tokens | "
         f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {tokens_per_step:,} tokens/step | "
         f"one epoch = {loader.epoch_windows * tc.seq_len / tokens_per_step:.1f} steps")
+    say(f"data stream: {loader.describe()}")
     say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
         f"warmup {cfg.optim.warmup_steps}, max_steps {tc.max_steps}"
         + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")
@@ -262,11 +265,10 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                 group["lr"] = lr
             loss_acc = torch.zeros((), device=device)
             for _ in range(tc.grad_accum):
-                batch = loader.next_batch()
-                x, y = batch.x.to(device, non_blocking=True), batch.y.to(device, non_blocking=True)
+                batch = loader.next_batch().to(device, non_blocking=True)
                 with autocast(device, dtype):
-                    logits = train_model(x)
-                loss = lm_loss(logits, y) / tc.grad_accum
+                    logits = train_model(batch.x, pos=batch.pos, seg=batch.seg)
+                loss = lm_loss(logits, batch.y) / tc.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_acc += loss.detach()
             if scaler:
