@@ -29,8 +29,9 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from nanolm.tokenizer import compression_report, split_by_script, train_tokenizer
 
     files = resolve_sources(args.sources)
-    tok = train_tokenizer(iter_texts(files, skip_bad=args.skip_bad), Path(args.out), args.vocab_size)
-    zh, en = split_by_script(iter_texts(files, skip_bad=True))
+    texts = iter_texts(files, format=args.format, skip_bad=args.skip_bad)
+    tok = train_tokenizer(texts, Path(args.out), args.vocab_size)
+    zh, en = split_by_script(iter_texts(files, format=args.format, skip_bad=True))
     print(f"tokenizer: {tok.vocab_size} tokens -> {Path(args.out).resolve()}")
     print(compression_report(tok, zh, en))
 
@@ -128,8 +129,9 @@ def _cmd_lora_merge(args: argparse.Namespace) -> None:
 
 def _cmd_quickstart(args: argparse.Namespace) -> None:
     from nanolm.quickstart import quickstart
-    quickstart(Path(args.out), minutes=args.minutes, corpora=args.corpora, vocab_size=args.vocab_size,
-               preset_name=args.preset, max_chars=args.max_chars)
+    quickstart(Path(args.out), minutes=args.minutes, corpora=args.corpora, chat_corpora=args.chat_corpora,
+               vocab_size=args.vocab_size, preset_name=args.preset, max_chars=args.max_chars,
+               chat_max_chars=args.chat_max_chars)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--minutes", type=float, default=5.0, help="total time budget (default 5)")
     q.add_argument("--out", default="runs/quickstart", help="where every artefact goes")
     q.add_argument("--corpora", nargs="+", default=["sanguo", "shakespeare", "sotu"],
-                   help="built-in corpora or your own files/directories")
+                   help="pretraining text: built-in corpora or your own files/directories")
+    q.add_argument("--chat-corpora", nargs="*", default=["idioms", "chatterbot"],
+                   help="conversations for the fine-tuning stage (none = stop after pretraining)")
+    q.add_argument("--chat-max-chars", type=int, default=500_000,
+                   help="the same cap for the chat corpora (0 = all)")
     q.add_argument("--vocab-size", type=int, default=6400)
     q.add_argument("--preset", default="tiny")
     q.add_argument("--max-chars", type=int, default=2_000_000,
@@ -162,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("sources", nargs="+")
     tt.add_argument("--out", required=True, help="directory for tokenizer.json + tokenizer_config.json")
     tt.add_argument("--vocab-size", type=int, default=6400)
+    tt.add_argument("--format", choices=["text", "chat"], default="text",
+                    help="chat: read conversation JSONL files and train on the message contents")
     tt.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines instead of stopping")
     tt.set_defaults(func=_cmd_tokenizer_train)
 

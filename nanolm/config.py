@@ -173,6 +173,14 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def summary(self) -> list[str]:
+        """One line per section, `section: field=value ...`, for the start-of-run print."""
+        def fmt(v: Any) -> str:
+            return ",".join(v) if isinstance(v, (tuple, list)) else (repr(v) if v == "" else str(v))
+        return [f"{name}: " + " ".join(f"{k}={fmt(v)}" for k, v in section.items())
+                for name, section in self.to_dict().items()
+                if name != "lora" or self.train.stage == "lora"]
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Config":
         return _build(cls, d, source, prefix="")

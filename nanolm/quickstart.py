@@ -2,13 +2,15 @@
 
 fetch the built-in corpora -> train a tokenizer -> prepare shards -> pretrain
 a tiny model within the time budget -> print a Chinese and an English
-continuation -> say where every artefact lies. It is also the shortest
+continuation -> fine-tune it on the built-in chat corpora -> hold a short
+scripted conversation -> say where every artefact lies. It is also the shortest
 complete example of the library's API: each step is one call.
 """
 
 from __future__ import annotations
 
-import json
+import io
+import itertools
 import shutil
 import time
 from pathlib import Path
@@ -21,7 +23,10 @@ from nanolm.datasets import resolve_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_duration
 
+TEXT_CORPORA = ("sanguo", "shakespeare", "sotu")
+CHAT_CORPORA = ("idioms", "chatterbot")
 SAMPLE_PROMPTS = ("话说天下大势，", "To be, or not to be,", "My fellow citizens,")
+CHAT_SCRIPT = ("「一帆风顺」是什么意思？", "What is AI?")
 
 
 def _banner(i: int, n: int, title: str) -> None:
@@ -29,20 +34,21 @@ def _banner(i: int, n: int, title: str) -> None:
 
 
 def _truncated_copies(files: Sequence[Path], dest: Path, max_chars: int) -> list[Path]:
-    """Copies of the sources holding at most `max_chars` characters each (whole documents first)."""
-    from nanolm.data.formats import iter_documents
+    """Copies of JSONL sources holding their first records up to about `max_chars` characters each.
+
+    Built-in corpora are JSONL (text or chat records), so whole records are copied as they are.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     out = []
     for f in files:
-        target = dest / f"{f.stem}.jsonl"
+        target = dest / f.name
         n = 0
-        with open(target, "w", encoding="utf-8") as w:
-            for text in iter_documents(f):
-                text = text[: max_chars - n]
-                w.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                n += len(text)
+        with open(f, encoding="utf-8") as r, open(target, "w", encoding="utf-8") as w:
+            for line in r:
                 if n >= max_chars:
                     break
+                w.write(line)
+                n += len(line)
         out.append(target)
     return out
 
@@ -66,78 +72,112 @@ def _calibrate_steps_per_second(cfg, seconds: float = 3.0) -> float:
     return 1.0 / min(times[1:])
 
 
-def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = ("sanguo", "shakespeare", "sotu"),
-               vocab_size: int = 6400, preset_name: str = "tiny", max_chars: int = 0) -> dict[str, Path]:
+def _train_within(cfg_overrides: dict, preset_name: str, seconds: float, *, quiet: bool = False):
+    """Train with max_steps sized to what fits in `seconds` (the schedule decays over max_steps)."""
+    from nanolm.train.loop import train
+    cfg = load_config(preset_name, overrides=cfg_overrides)
+    steps_per_s = _calibrate_steps_per_second(cfg)
+    max_steps = max(10, int(steps_per_s * (seconds - 3.0) * 0.85))
+    warmup = min(cfg.optim.warmup_steps, max_steps // 10)
+    cfg = load_config(preset_name, overrides={
+        **cfg_overrides, "train.max_steps": max_steps, "train.max_minutes": seconds / 60,
+        "optim.warmup_steps": warmup, "train.eval_interval": max(1, max_steps // 4),
+        "train.save_interval": max(1, max_steps // 4), "train.log_interval": max(1, max_steps // 15)})
+    print(f"  {seconds:.0f}s: ~{steps_per_s:.2f} steps/s -> {max_steps} steps")
+    return train(cfg, quiet=quiet)
+
+
+def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT_CORPORA,
+               chat_corpora: Sequence[str] = CHAT_CORPORA, vocab_size: int = 6400, preset_name: str = "tiny",
+               max_chars: int = 2_000_000, chat_max_chars: int = 500_000) -> dict[str, Path]:
     """Run every stage into `out`; returns the artefact paths."""
+    from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
+    from nanolm.infer.chat import ChatSession, run_chat
     from nanolm.infer.engine import Engine, SamplingParams
     from nanolm.infer.generate import complete
-    from nanolm.data.formats import iter_texts
     from nanolm.tokenizer import Tokenizer, compression_report, split_by_script, train_tokenizer
     from nanolm.train.checkpoint import load_model
-    from nanolm.train.loop import train
 
     if minutes <= 0:
         raise UserError(f"--minutes must be > 0, got {minutes}")
     t0 = time.perf_counter()
-    budget = minutes * 60
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    n = 5
+    n = 7
+    remaining = lambda: minutes * 60 - (time.perf_counter() - t0)  # noqa: E731
 
     _banner(1, n, "corpora")
-    files = resolve_sources(list(corpora))
+    text_files = resolve_sources(list(corpora))
+    chat_files = resolve_sources(list(chat_corpora)) if chat_corpora else []
     if max_chars:
-        files = _truncated_copies(files, out / "corpora", max_chars)
-    for f in files:
+        text_files = _truncated_copies(text_files, out / "corpora" / "text", max_chars)
+    if chat_max_chars:
+        # 30,895 idioms would drown chatterbot's 2,492 conversations; a smaller share keeps both in view.
+        chat_files = _truncated_copies(chat_files, out / "corpora" / "chat", chat_max_chars)
+    for f in [*text_files, *chat_files]:
         print(f"  {f} ({f.stat().st_size / 2**20:.1f} MiB)")
 
     _banner(2, n, f"tokenizer (byte-level BPE, {vocab_size} tokens)")
     tok_dir = out / "tokenizer"
-    tok = train_tokenizer(iter_texts(files), tok_dir, vocab_size)
-    zh, en = split_by_script(iter_texts(files))
+    texts = itertools.chain(iter_texts(text_files), iter_texts(chat_files, format="chat"))
+    tok = train_tokenizer(texts, tok_dir, vocab_size)
+    zh, en = split_by_script(itertools.chain(iter_texts(text_files), iter_texts(chat_files, format="chat")))
     print(f"  {compression_report(tok, zh, en)}")
 
-    _banner(3, n, "prepare token shards")
-    data_dir = out / "data"
-    prepare(files, tok_dir, data_dir, val_fraction=0.02, workers=2)
+    _banner(3, n, "prepare token shards (pretraining text, then chat with loss masks)")
+    data_dir, sft_dir = out / "data", out / "sft-data"
+    seq_len = load_config(preset_name).train.seq_len
+    prepare(text_files, tok_dir, data_dir, val_fraction=0.02, workers=2)
+    if chat_files:
+        prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=seq_len + 1, val_fraction=0.02, workers=2)
 
+    reserve = 25.0  # seconds kept for the final evaluations, checkpoints and samples
+    sft_share = 0.3 if chat_files else 0.0
     _banner(4, n, "pretrain")
-    run_dir = out / "run"
-    if (run_dir / "config.json").is_file():
-        shutil.rmtree(run_dir)  # a previous quickstart's run: start afresh so the logs tell one story
-    overrides = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size}
-    cfg = load_config(preset_name, overrides=overrides)
-    reserve = 20.0  # seconds kept for the final evaluation, checkpoint and samples
-    train_seconds = max(10.0, budget - (time.perf_counter() - t0) - reserve)
-    steps_per_s = _calibrate_steps_per_second(cfg)
-    # The schedule decays over max_steps, so size it to what fits in the time; the time budget is the safety net.
-    max_steps = max(10, int(steps_per_s * (train_seconds - 3.0) * 0.9))
-    warmup = min(cfg.optim.warmup_steps, max_steps // 10)
-    cfg = load_config(preset_name, overrides={
-        **overrides, "train.max_steps": max_steps, "train.max_minutes": train_seconds / 60,
-        "optim.warmup_steps": warmup, "train.eval_interval": max(1, max_steps // 5),
-        "train.save_interval": max(1, max_steps // 5), "train.log_interval": max(1, max_steps // 20)})
-    print(f"  {train_seconds:.0f}s for training: ~{steps_per_s:.2f} steps/s -> {max_steps} steps")
-    result = train(cfg)
+    run_dir, sft_run = out / "run", out / "sft"
+    for d in (run_dir, sft_run):
+        if (d / "config.json").is_file():
+            shutil.rmtree(d)  # a previous quickstart's run: start afresh so the logs tell one story
+    base = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size}
+    train_time = max(10.0, remaining() - reserve)
+    result = _train_within(base, preset_name, max(10.0, train_time * (1 - sft_share)))
 
-    _banner(5, n, "samples")
+    _banner(5, n, "samples from the pretrained model")
     model, _, ckpt_dir = load_model(run_dir, "best")
     engine = Engine(model)
     tok = Tokenizer.load(ckpt_dir)
-    params = SamplingParams(max_new_tokens=80, temperature=0.8, top_k=50, top_p=0.95, seed=0)
+    params = SamplingParams(max_new_tokens=60, temperature=0.8, top_k=50, top_p=0.95, seed=0)
     for prompt in SAMPLE_PROMPTS:
         print(f"\n> {prompt}", end="", flush=True)
         complete(engine, tok, prompt, params)
         print()
 
-    artefacts = {"corpora": files[0].parent if max_chars else files[0].parent.parent, "tokenizer": tok_dir,
-                 "data": data_dir, "run": run_dir, "checkpoint": ckpt_dir,
+    artefacts = {"corpora": text_files[0].parent if max_chars else text_files[0].parent.parent,
+                 "tokenizer": tok_dir, "data": data_dir, "run": run_dir, "checkpoint": ckpt_dir,
                  "metrics": run_dir / "metrics.jsonl"}
+    final = run_dir
+    if chat_files:
+        _banner(6, n, "supervised fine-tuning on the chat corpora")
+        # A few minutes from a barely-trained tiny model: larger steps than the SFT default (a tenth of the
+        # pretraining lr), which suits long fine-tuning runs of well-trained models.
+        pre_lr = load_config(preset_name).optim.lr
+        sft = {**base, "data.path": str(sft_dir), "train.out_dir": str(sft_run), "train.stage": "sft",
+               "train.init_from": str(ckpt_dir), "optim.lr": pre_lr / 2, "optim.min_lr": pre_lr / 20}
+        _train_within(sft, preset_name, max(10.0, remaining() - reserve * 0.6))
+
+        _banner(7, n, "a scripted chat")
+        model, _, sft_ckpt = load_model(sft_run, "best")
+        chat_params = SamplingParams(max_new_tokens=60, temperature=0.7, top_k=20, top_p=0.9, seed=0)
+        session = ChatSession(Engine(model), Tokenizer.load(sft_ckpt), chat_params)
+        run_chat(session, stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"), interactive=False)
+        artefacts.update({"sft data": sft_dir, "sft run": sft_run, "sft ckpt": sft_ckpt})
+        final = sft_run
+
     print(f"\n== done in {fmt_duration(time.perf_counter() - t0)} "
-          f"({result.step} steps, best val loss {result.best_val_loss:.3f})")
+          f"(pretraining: {result.step} steps, best val loss {result.best_val_loss:.3f})")
     for name, path in artefacts.items():
         print(f"  {name:<11}{path.resolve()}")
-    print(f"\nnext: nanolm generate {run_dir} --prompt '话说'   |   "
+    print(f"\nnext: nanolm chat {final}   |   nanolm generate {run_dir} --prompt '话说'   |   "
           f"nanolm train --preset minimind-26m --data {data_dir} --model.vocab_size {tok.vocab_size}")
     return artefacts

@@ -384,11 +384,20 @@ def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | Non
             parts = []
 
 
-def iter_texts(files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
-    """The text of every file in order, in pieces of bounded size: what tokenizer training reads."""
+def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = False,
+               stats: ReadStats | None = None) -> Iterator[str]:
+    """The text of every file in order, in pieces of bounded size: what tokenizer training reads.
+
+    format="chat" reads conversation files and yields each message's content.
+    """
     for f in files:
-        for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
-            yield piece.text
+        if format == "chat":
+            for messages in iter_conversations(f, skip_bad=skip_bad, stats=stats):
+                for m in messages:
+                    yield m["content"]
+        else:
+            for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
+                yield piece.text
 
 
 def expand_sources(paths: Sequence[Path]) -> list[Path]:

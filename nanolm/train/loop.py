@@ -203,7 +203,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     params = count_params(model)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
-    say(f"run dir: {run_dir.resolve()}")
+    say(f"run dir: {run_dir.resolve()} (config saved as config.json)")
+    for line in cfg.summary():
+        say(f"  {line}")
     say(f"stage: {tc.stage} | device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | "
         f"compile: {tc.compile}")
     say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
