@@ -43,6 +43,15 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # Mixture of experts: routed SwiGLU experts (+ shared ones) replace the MLP of every moe_every-th block.
+    use_moe: bool = False
+    n_experts: int = 4  # routed experts per MoE layer
+    n_shared_experts: int = 1  # experts every token goes through
+    top_k: int = 2  # routed experts per token
+    moe_n_hidden: int = 0  # width of each expert; 0 = n_hidden
+    moe_every: int = 1  # block i is MoE when (i + 1) % moe_every == 0 (HF Qwen2-MoE's decoder_sparse_step)
+    norm_topk: bool = True  # renormalise the top-k router probabilities to sum to 1
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss added to the training loss
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "max_seq_len"):
@@ -58,6 +67,20 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
         if self.n_hidden == 0:
             self.n_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if self.use_moe:
+            _check(self.n_experts >= 1, f"model.n_experts must be >= 1, got {self.n_experts}")
+            _check(1 <= self.top_k <= self.n_experts,
+                   f"model.top_k must be in [1, model.n_experts={self.n_experts}], got {self.top_k}")
+            _check(self.n_shared_experts >= 0, f"model.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+            _check(self.moe_n_hidden >= 0, f"model.moe_n_hidden must be >= 0 (0 = n_hidden), got {self.moe_n_hidden}")
+            _check(1 <= self.moe_every <= self.n_layer,
+                   f"model.moe_every must be in [1, model.n_layer={self.n_layer}], got {self.moe_every}")
+            _check(self.aux_loss_coef >= 0, f"model.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+            if self.moe_n_hidden == 0:
+                self.moe_n_hidden = self.n_hidden
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.use_moe and (i + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -104,6 +127,7 @@ class OptimConfig:
 class LoRAConfig:
     """Low-rank adapters for `train.stage = "lora"`: W x + (alpha / rank) * B A x on the target projections."""
 
+    enabled: bool = False  # train adapters in any fine-tuning stage (dpo, distill); stage "lora" implies it
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
@@ -117,7 +141,32 @@ class LoRAConfig:
         _check(len(self.targets) > 0, "lora.targets must name at least one module (e.g. q_proj,v_proj)")
 
 
-STAGES = ("pretrain", "sft", "lora")
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation (`train.stage = "dpo"`)."""
+
+    beta: float = 0.1  # how far the policy may move from the reference
+    ref_from: str = ""  # the frozen reference checkpoint; "" = the initial weights (train.init_from)
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, f"dpo.beta must be > 0, got {self.beta}")
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation (`train.stage = "distill"`): loss = alpha * T^2 * KL(teacher_T || student_T)
+    + (1 - alpha) * cross-entropy."""
+
+    teacher: str = ""  # the teacher's run or checkpoint (same tokenizer as the data)
+    temperature: float = 2.0
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
+        _check(0.0 <= self.alpha <= 1.0, f"distill.alpha must be in [0, 1], got {self.alpha}")
+
+
+STAGES = ("pretrain", "sft", "lora", "dpo", "distill")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -165,10 +214,18 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.max_seq_len,
                f"train.seq_len ({self.train.seq_len}) must not exceed model.max_seq_len ({self.model.max_seq_len})")
+        _check(self.train.stage != "distill" or bool(self.distill.teacher),
+               "train.stage=distill needs a teacher: pass --distill.teacher <run or checkpoint>")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.train.stage == "lora" or self.lora.enabled
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,9 +234,12 @@ class Config:
         """One line per section, `section: field=value ...`, for the start-of-run print."""
         def fmt(v: Any) -> str:
             return ",".join(v) if isinstance(v, (tuple, list)) else (repr(v) if v == "" else str(v))
+        def shown(name: str) -> bool:  # stage-specific sections only where they apply
+            if name == "lora":
+                return self.uses_lora
+            return name not in ("dpo", "distill") or name == self.train.stage
         return [f"{name}: " + " ".join(f"{k}={fmt(v)}" for k, v in section.items())
-                for name, section in self.to_dict().items()
-                if name != "lora" or self.train.stage == "lora"]
+                for name, section in self.to_dict().items() if shown(name)]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Config":
@@ -223,11 +283,34 @@ def _preset_gpt2_124m() -> Config:
     )
 
 
+def _preset_minimind_moe() -> Config:
+    # MiniMind2-MoE-like: d_model 640, 8 layers, 1 shared + 4 routed experts, top-2, in every block.
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=640, n_layer=8, n_head=8, n_kv_head=2, max_seq_len=512,
+                          use_moe=True, n_experts=4, n_shared_experts=1, top_k=2),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(batch_size=32, seq_len=512, max_steps=10000),
+    )
+
+
+def _preset_minimind_26m_moe() -> Config:
+    # minimind-26m with its MLP split into fine-grained experts: a shared expert and the top-1 of 8 routed
+    # experts, each half the dense width, so a token's active parameters and FLOPs equal minimind-26m's.
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=512, n_layer=8, n_head=8, n_kv_head=2, max_seq_len=512,
+                          use_moe=True, n_experts=8, n_shared_experts=1, top_k=1, moe_n_hidden=704),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(batch_size=32, seq_len=512, max_steps=10000),
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _preset_tiny,
     "minimind-26m": _preset_minimind_26m,
     "minimind-104m": _preset_minimind_104m,
     "gpt2-124m": _preset_gpt2_124m,
+    "minimind-moe": _preset_minimind_moe,
+    "minimind-26m-moe": _preset_minimind_26m_moe,
 }
 
 
@@ -237,13 +320,17 @@ def stage_defaults(stage: str, base: Config) -> dict[str, Any]:
     Fine-tuning starts from trained weights, so it takes smaller steps than
     pretraining: SFT at a tenth of the preset's pretraining lr, decaying to a
     hundredth; LoRA trains only small fresh adapters, which tolerate half the
-    pretraining lr. Short warmups, as fine-tuning runs are short.
+    pretraining lr; DPO, which must stay near its reference, a fiftieth.
+    Short warmups, as fine-tuning runs are short. Distillation trains like
+    pretraining and keeps the preset's schedule.
     """
     lr = base.optim.lr
     if stage == "sft":
         return {"optim": {"lr": lr / 10, "min_lr": lr / 100, "warmup_steps": 20, "weight_decay": 0.0}}
     if stage == "lora":
         return {"optim": {"lr": lr / 2, "min_lr": lr / 20, "warmup_steps": 20, "weight_decay": 0.0}}
+    if stage == "dpo":
+        return {"optim": {"lr": lr / 50, "min_lr": lr / 500, "warmup_steps": 10, "weight_decay": 0.0}}
     return {}
 
 

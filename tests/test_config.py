@@ -103,5 +103,7 @@ def test_lora_targets_from_command_line_and_file(tmp_path):
 def test_summary_lists_every_field():
     lines = load_config("tiny", overrides={"train.stage": "lora"}).summary()
     assert lines[0].startswith("model: vocab_size=6400 d_model=128 n_layer=4")
-    assert any(line.startswith("lora: rank=8 alpha=16.0 dropout=0.05 targets=q_proj,k_proj") for line in lines)
+    assert any(line.startswith("lora: enabled=False rank=8 alpha=16.0 dropout=0.05 targets=q_proj,k_proj")
+               for line in lines)
+    assert not any(line.startswith(("dpo:", "distill:")) for line in lines)
     assert not any(line.startswith("lora:") for line in load_config("tiny").summary())

@@ -135,3 +135,34 @@ def test_failed_save_keeps_previous_checkpoint(data_dir, tmp_path, monkeypatch):
     assert ckpt.resolve_checkpoint(run, "last") == before
     assert (before / "model.safetensors").read_bytes() == good
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+MOE = {"model.use_moe": "true", "model.n_experts": 4, "model.top_k": 2, "model.n_shared_experts": 1,
+       "model.moe_n_hidden": 32, "model.dropout": 0.0}
+
+
+def test_moe_model_trains_and_logs_aux_loss_and_expert_load(data_dir, tmp_path):
+    res = train(tiny_cfg(data_dir, tmp_path / "moe", **MOE, **{"train.max_steps": 40}), quiet=True)
+    losses = [res.train_losses[s] for s in sorted(res.train_losses)]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    recs = [r for r in read_metrics(tmp_path / "moe") if "loss" in r]
+    assert all(0.9 < r["aux_loss"] < 4 for r in recs)  # about 1 when balanced, n_experts when collapsed
+    loads = recs[-1]["expert_load"]
+    assert len(loads) == 2 and all(len(layer) == 4 and abs(sum(layer) - 1) < 1e-5 for layer in loads)
+
+
+def test_moe_resume_is_exact(data_dir, tmp_path):
+    full = train(tiny_cfg(data_dir, tmp_path / "full", **MOE), quiet=True)
+    train(tiny_cfg(data_dir, tmp_path / "part", **MOE, **{"train.max_tokens": 10 * 4 * 32}), quiet=True)
+    resumed = train(tiny_cfg(data_dir, tmp_path / "part", **MOE), resume=True, quiet=True)
+    assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 21)}
+
+
+def test_moe_parameter_report(tmp_path):
+    from nanolm.config import preset
+    from nanolm.model.transformer import Transformer, count_params, flops_per_token
+    dense, moe = preset("minimind-26m").model, preset("minimind-26m-moe").model
+    p = count_params(Transformer(moe))
+    assert p["active"] == count_params(Transformer(dense))["total"] + 8 * 8 * 512  # + the routers
+    assert p["total"] > 3 * p["active"]
+    assert flops_per_token(moe, 512) - flops_per_token(dense, 512) == 6 * 8 * 8 * 512  # router matmuls only

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanolm.config import ModelConfig
+from nanolm.model.moe import MoE, moe_param_counts
 
 
 class RMSNorm(nn.Module):
@@ -134,12 +135,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(index):
+            self.mlp: nn.Module = MoE(cfg.d_model, cfg.moe_n_hidden, cfg.n_experts, cfg.top_k,
+                                      cfg.n_shared_experts, norm_topk=cfg.norm_topk)
+        else:
+            self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -155,7 +160,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -211,7 +216,11 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------- reports
 
 def count_params(model: nn.Module) -> dict[str, int]:
-    """Total and trainable parameters (shared tensors counted once), and the embedding's share."""
+    """Total, trainable and active-per-token parameters (shared tensors counted once), and the embedding's share.
+
+    Active = what one token's forward uses: for MoE layers, the router, the
+    shared expert and top_k of the routed experts.
+    """
     seen: set[int] = set()
     total = trainable = 0
     for p in model.parameters():
@@ -221,7 +230,10 @@ def count_params(model: nn.Module) -> dict[str, int]:
         total += p.numel()
         trainable += p.numel() if p.requires_grad else 0
     emb = model.embed_tokens.weight.numel() if hasattr(model, "embed_tokens") else 0
-    return {"total": total, "trainable": trainable, "embedding": emb, "non_embedding": total - emb}
+    inactive = sum(sum(p.numel() for p in m.experts[0].parameters()) * (m.n_experts - m.top_k)
+                   for m in model.modules() if isinstance(m, MoE))
+    return {"total": total, "trainable": trainable, "active": total - inactive, "embedding": emb,
+            "non_embedding": total - emb}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
@@ -229,12 +241,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
     Each weight of a matrix multiply costs 2 FLOPs per token forward; the LM head
     counts even when tied (the lookup is free, the projection is not).
+    For MoE layers only the active experts count (MFU measures useful work).
     Attention scores and the weighted sum cost 2 * 2 * n_layer * seq_len * d_model
     forward (causal masking is not subtracted, as in the PaLM/nanoGPT convention).
     """
-    per_layer = (cfg.d_model * cfg.head_dim * (cfg.n_head + 2 * cfg.n_kv_head)  # q, k, v
-                 + cfg.n_head * cfg.head_dim * cfg.d_model  # o
-                 + 3 * cfg.d_model * cfg.n_hidden)  # gate, up, down
-    matmul_params = cfg.n_layer * per_layer + cfg.vocab_size * cfg.d_model
+    attn = cfg.d_model * cfg.head_dim * (cfg.n_head + 2 * cfg.n_kv_head) + cfg.n_head * cfg.head_dim * cfg.d_model
+    dense_mlp = 3 * cfg.d_model * cfg.n_hidden  # gate, up, down
+    moe_mlp = moe_param_counts(cfg.d_model, cfg.moe_n_hidden, cfg.n_experts, cfg.top_k,
+                               cfg.n_shared_experts)["active"] if cfg.use_moe else 0  # active experts + router
+    matmul_params = sum(attn + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.n_layer))
+    matmul_params += cfg.vocab_size * cfg.d_model
     attn = 2 * cfg.n_layer * seq_len * cfg.d_model
     return 3 * (2 * matmul_params + 2 * attn)

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,12 +27,13 @@ from nanolm.data.loader import Loader, PackedData, iter_eval_batches
 from nanolm.errors import UserError
 from nanolm.io import write_json_atomic
 from nanolm.model import lora
+from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import autocast, resolve_device, resolve_dtype, seed_everything
 from nanolm.train import checkpoint as ckpt
 from nanolm.train.metrics import MetricsWriter, log, peak_flops
-from nanolm.train.objectives import IGNORE_INDEX, lm_loss
+from nanolm.train.stages import DistillObjective, DPOObjective, LMObjective, Objective
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at
 
@@ -93,30 +94,49 @@ def _token_bytes(tok_dir: Path | None, vocab_size: int) -> torch.Tensor | None:
     return lengths
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: PackedData, cfg: Config, device: torch.device, dtype: torch.dtype,
-             token_bytes: torch.Tensor | None) -> dict[str, float]:
-    """Mean validation loss over the first `eval_batches` windows, and bits per byte."""
-    was_training = model.training
-    model.eval()
-    loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
-    for batch in iter_eval_batches(data, cfg.train.batch_size, cfg.train.seq_len, cfg.train.eval_batches):
-        batch = batch.to(device)
-        x, y = batch.x, batch.y
-        with autocast(device, dtype):
-            logits = model(x, pos=batch.pos, seg=batch.seg)
-        loss_sum += lm_loss(logits, y, reduction="sum").item()
-        targets = y[y != IGNORE_INDEX].cpu()  # chat data: only the assistant tokens carry a loss
-        n_tokens += targets.numel()
-        if token_bytes is not None:
-            n_bytes += token_bytes[targets].sum().item()
-    model.train(was_training)
-    if n_tokens == 0:
-        return {}
-    out = {"val_loss": loss_sum / n_tokens}
-    if n_bytes > 0:
-        out["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
-    return out
+def _reference_model(cfg: Config, device: torch.device, say: Callable[[str], None]) -> torch.nn.Module:
+    """DPO's frozen reference without adapters: dpo.ref_from, else the initial weights (train.init_from)."""
+    src = ckpt.resolve_checkpoint(cfg.dpo.ref_from or cfg.train.init_from, "best")
+    ref = Transformer(cfg.model)
+    ckpt.load_weights(ref, src)
+    say(f"DPO reference: {src}")
+    return ref.to(device).eval().requires_grad_(False)
+
+
+def _teacher_model(cfg: Config, data: PackedData, device: torch.device, say: Callable[[str], None]
+                   ) -> torch.nn.Module:
+    """The frozen distillation teacher, refused unless it was trained with the data's tokenizer."""
+    from nanolm.tokenizer import Tokenizer
+    teacher, _, src = ckpt.load_model(cfg.distill.teacher, "best", device)
+    if not (src / "tokenizer.json").is_file():
+        raise UserError(f"{src}: the teacher checkpoint holds no tokenizer.json, so its tokenizer cannot be checked "
+                        f"against the data's; use a checkpoint written by nanolm train")
+    theirs, ours = Tokenizer.load(src).fingerprint, data.manifest["tokenizer"]["fingerprint"]
+    if theirs != ours:
+        raise UserError(f"{src}: the teacher was trained with another tokenizer ({theirs[:12]}) than the data's "
+                        f"({ours[:12]}); distillation compares token distributions, so both must use the same "
+                        f"tokenizer: prepare the data with the teacher's tokenizer")
+    say(f"distillation teacher: {src} ({count_params(teacher)['total'] / 1e6:.2f}M parameters)")
+    return teacher.eval().requires_grad_(False)
+
+
+def _objective(cfg: Config, model: torch.nn.Module, data: PackedData, device: torch.device,
+               say: Callable[[str], None]) -> Objective:
+    """The stage's batch -> loss function, checked against the kind of data it is given."""
+    stage, kind = cfg.train.stage, data.kind
+    if (stage == "dpo") != (kind == "dpo"):
+        fix = ("prepare preference pairs with `nanolm prepare --format dpo`" if stage == "dpo"
+               else "preference data trains with --stage dpo")
+        raise UserError(f"{cfg.data.path}: train.stage={stage} cannot train on {kind} data; {fix}")
+    lm = LMObjective(model, cfg.model.aux_loss_coef)
+    if stage == "dpo":
+        if cfg.uses_lora:
+            return DPOObjective(cfg.dpo.beta, None, lora.disable_adapters)
+        return DPOObjective(cfg.dpo.beta, _reference_model(cfg, device, say))
+    if stage == "distill":
+        teacher = _teacher_model(cfg, data, device, say)
+        return DistillObjective(teacher, cfg.distill.temperature, cfg.distill.alpha, data.vocab_size, lm)
+    return lm
 
 
 def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:
@@ -155,23 +175,25 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         if saved_cfg.model != cfg.model:
             raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
                             f"resume with the same model settings (saved: {saved_cfg.model})")
-    if tc.stage in ("sft", "lora") and not tc.init_from:
+    if tc.stage in ("sft", "lora", "dpo") and not tc.init_from:
         raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
                         f"checkpoint>")
 
     model = Transformer(cfg.model)
     adapter_base = None  # LoRA: what its adapter checkpoints record about their base
-    if tc.init_from and (resume_src is None or tc.stage == "lora"):
-        # A LoRA run always rebuilds its frozen base from init_from; other stages resume all weights.
+    if tc.init_from and (resume_src is None or cfg.uses_lora):
+        # A LoRA run always rebuilds its frozen base from init_from; other runs resume all weights.
         src = ckpt.resolve_checkpoint(tc.init_from, "best")
         if ckpt.is_adapter(src):
             raise UserError(f"{src}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
                             f"with `nanolm lora merge`")
         ckpt.load_weights(model, src)
         say(f"initialised weights from {src}")
-        if tc.stage == "lora":
+        if cfg.uses_lora:
             adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(src)}
-    if tc.stage == "lora":
+    if cfg.uses_lora:
+        if adapter_base is None:
+            raise UserError("LoRA trains adapters on a trained base; pass --init-from <run or checkpoint>")
         if resume_src is not None:
             lora.load_adapter(resume_src, model)
         else:
@@ -181,6 +203,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         ckpt.load_weights(model, resume_src)
     model.to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
+    objective = _objective(cfg, model, train_data, device, say)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     step, tokens, best_val, elapsed_before = 0, 0, float("inf"), 0.0
@@ -197,7 +220,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         say(f"resumed from {resume_src} at step {step} ({fmt_count(tokens)} tokens seen)")
 
     # Derived settings, printed once.
-    tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
+    rows = tc.batch_size * (2 if train_data.kind == "dpo" else 1)  # DPO: batch_size counts (chosen, rejected) pairs
+    tokens_per_step = rows * tc.seq_len * tc.grad_accum
     fpt = flops_per_token(cfg.model, tc.seq_len)
     peak, peak_src = peak_flops(device, dtype)
     params = count_params(model)
@@ -213,7 +237,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     say(f"data: {fmt_count(train_data.n_tokens)} train tokens, "
         f"{fmt_count(val_data.n_tokens) if val_data else 0} val tokens | "
         f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {tokens_per_step:,} tokens/step | "
-        f"one epoch = {loader.epoch_windows * tc.seq_len / tokens_per_step:.1f} steps")
+        f"one epoch = {loader.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps")
     say(f"data stream: {loader.describe()}")
     say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
         f"warmup {cfg.optim.warmup_steps}, max_steps {tc.max_steps}"
@@ -232,22 +256,27 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                                     keep_last=tc.keep_last, is_best=is_best, adapter_base=adapter_base)
 
     def run_eval() -> dict[str, float]:
-        nonlocal best_val
         if val_data is None:
             return {}
         t0 = time.perf_counter()
-        res = evaluate(model, val_data, cfg, device, dtype, token_bytes)
+        model.eval()
+        batches = (b.to(device) for b in
+                   iter_eval_batches(val_data, tc.batch_size, tc.seq_len, tc.eval_batches))
+        res = objective.evaluate(model, batches, lambda: autocast(device, dtype), token_bytes)
+        model.train()
+        if not res:
+            return {}
         res["eval_s"] = time.perf_counter() - t0
         metrics.write({"step": step, "tokens": tokens, **res})
-        bpb = f" | val bpb {res['val_bpb']:.4f}" if "val_bpb" in res else ""
-        say(f"step {step:>6} | val loss {res['val_loss']:.4f}{bpb} | eval {res['eval_s']:.1f}s")
+        shown = " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in res.items() if k != "eval_s")
+        say(f"step {step:>6} | {shown} | eval {res['eval_s']:.1f}s")
         return res
 
     last_saved: Path | None = None
     losses: dict[int, float] = {}
     stop_reason = "max_steps"
     t_start = time.perf_counter()
-    t_window, tokens_window, steps_done_here = time.perf_counter(), 0, 0
+    t_window, tokens_window, tokens_step, steps_done_here = time.perf_counter(), 0, 0, 0
     say(f"setup took {t_start - t_setup:.1f}s; training from step {step}")
 
     with _StopFlag() as flag:
@@ -265,14 +294,16 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             lr = lr_at(step, cfg.optim, tc.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_acc = torch.zeros((), device=device)
+            sums: dict[str, torch.Tensor] = {}
             for _ in range(tc.grad_accum):
                 batch = loader.next_batch().to(device, non_blocking=True)
                 with autocast(device, dtype):
-                    logits = train_model(batch.x, pos=batch.pos, seg=batch.seg)
-                loss = lm_loss(logits, batch.y) / tc.grad_accum
+                    loss, step_metrics = objective(train_model, batch)
+                loss = loss / tc.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
-                loss_acc += loss.detach()
+                for k, v in step_metrics.items():
+                    sums[k] = sums[k] + v if k in sums else v.clone()
+                tokens_step += batch.x.numel()
             if scaler:
                 scaler.unscale_(optimizer)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
@@ -285,12 +316,18 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             optimizer.zero_grad(set_to_none=True)
             step += 1
             steps_done_here += 1
-            tokens += tokens_per_step
-            tokens_window += tokens_per_step
+            tokens += tokens_step
+            tokens_window += tokens_step
+            tokens_step = 0
 
             if step % tc.log_interval == 0 or step == tc.max_steps:
-                loss_val = loss_acc.item()  # the one host sync per log interval
+                logged = {k: v.item() / tc.grad_accum for k, v in sums.items()}  # the host sync per log interval
+                loss_val = logged.pop("loss")
                 losses[step] = loss_val
+                extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in logged.items())
+                loads = [layer.expert_load.tolist() for layer in moe_layers(model) if layer.expert_load is not None]
+                if loads:
+                    logged["expert_load"] = loads
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 now = time.perf_counter()
@@ -302,10 +339,10 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                     remaining = min(remaining, max(0, tc.max_tokens - tokens) / tok_s)
                 if tc.max_minutes:
                     remaining = min(remaining, max(0.0, tc.max_minutes * 60 - elapsed))
-                metrics.write({"step": step, "tokens": tokens, "loss": loss_val, "lr": lr,
+                metrics.write({"step": step, "tokens": tokens, "loss": loss_val, **logged, "lr": lr,
                                "grad_norm": grad_norm.item(), "tokens_per_s": tok_s, "mfu": mfu,
                                "elapsed_s": elapsed})
-                say(f"step {step:>6}/{tc.max_steps} | loss {loss_val:.4f} | lr {lr:.2e} | "
+                say(f"step {step:>6}/{tc.max_steps} | loss {loss_val:.4f}{extra} | lr {lr:.2e} | "
                     f"grad {grad_norm.item():.3f} | {fmt_count(tok_s)} tok/s | MFU {mfu * 100:.1f}% | "
                     f"ETA {fmt_duration(remaining)}")
                 t_window, tokens_window = time.perf_counter(), 0

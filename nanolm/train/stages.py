@@ -1,0 +1,145 @@
+"""Training stages as objectives: batch -> (loss, metrics), plus how each evaluates.
+
+The loop is the same for every stage; what differs is here. Pretraining, SFT
+and LoRA minimise next-token cross-entropy on the batch's targets (SFT data
+masks all but the assistant replies), plus the MoE load-balancing loss when
+the model has experts. DPO compares the policy's and a frozen reference's
+log-probabilities of chosen and rejected replies. Distillation matches a
+frozen teacher's token distributions, mixed with cross-entropy.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from nanolm.data.loader import Batch
+from nanolm.model.moe import collect_aux_loss, moe_layers
+from nanolm.train.objectives import IGNORE_INDEX, distill_loss, dpo_loss, lm_loss, sequence_logps
+
+Metrics = dict[str, torch.Tensor]
+
+
+def _forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(batch.x, pos=batch.pos, seg=batch.seg)
+
+
+class LMObjective:
+    """Next-token cross-entropy (+ aux_loss_coef x the MoE balance loss). The logged `loss` is the cross-entropy."""
+
+    def __init__(self, model: nn.Module, aux_loss_coef: float) -> None:
+        self.moe = bool(moe_layers(model))
+        self.aux_loss_coef = aux_loss_coef
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        ce = lm_loss(_forward(model, batch), batch.y)
+        metrics = {"loss": ce.detach()}
+        if not self.moe:
+            return ce, metrics
+        aux = collect_aux_loss(model)
+        metrics["aux_loss"] = aux.detach()
+        return ce + self.aux_loss_coef * aux, metrics
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        """Validation loss per target token, and bits per byte of the target text."""
+        loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
+        for batch in batches:
+            with autocast():
+                logits = _forward(model, batch)
+            loss_sum += lm_loss(logits, batch.y, reduction="sum").item()
+            targets = batch.y[batch.y != IGNORE_INDEX].cpu()  # chat data: only assistant tokens carry a loss
+            n_tokens += targets.numel()
+            if token_bytes is not None:
+                n_bytes += token_bytes[targets].sum().item()
+        if n_tokens == 0:
+            return {}
+        out = {"val_loss": loss_sum / n_tokens}
+        if n_bytes > 0:
+            out["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
+        return out
+
+
+class DPOObjective:
+    """Direct preference optimisation on batches of (chosen, rejected) row pairs.
+
+    The reference is either a frozen model (the initial weights) or, for a
+    LoRA policy, the same model with its adapters disabled: no second copy.
+    """
+
+    def __init__(self, beta: float, reference: nn.Module | None,
+                 disable_adapters: Callable[[nn.Module], AbstractContextManager] | None = None) -> None:
+        if (reference is None) == (disable_adapters is None):
+            raise ValueError("DPO needs exactly one of a reference model or an adapter switch")
+        self.beta = beta
+        self.reference = reference
+        self.disable_adapters = disable_adapters
+
+    def _logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = sequence_logps(_forward(model, batch), batch.y)  # (2P,): chosen, rejected, chosen, ...
+        return logps[0::2], logps[1::2]
+
+    def _ref_logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._logps(self.reference, batch)
+            with self.disable_adapters(model):
+                return self._logps(model, batch)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        rc, rr = self._ref_logps(model, batch)
+        pc, pr = self._logps(model, batch)
+        loss, m = dpo_loss(pc, pr, rc, rr, self.beta)
+        return loss, {"loss": loss.detach(), **{k: v.detach().mean() for k, v in m.items()}}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        """Mean DPO loss, reward margin and accuracy over the validation pairs."""
+        sums: dict[str, float] = {}
+        n = 0
+        for batch in batches:
+            with autocast():
+                _, m = self(model, batch)
+            pairs = batch.x.shape[0] // 2
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v.item() * pairs
+            n += pairs
+        return {f"val_{k}": v / n for k, v in sums.items()} if n else {}
+
+
+class DistillObjective:
+    """KL to a frozen teacher's temperature-softened distributions, mixed with cross-entropy by alpha."""
+
+    def __init__(self, teacher: nn.Module, temperature: float, alpha: float, vocab_size: int,
+                 lm: LMObjective) -> None:
+        self.teacher = teacher
+        self.temperature = temperature
+        self.alpha = alpha
+        self.vocab_size = vocab_size  # the tokenizer's; models may pad their vocabularies differently
+        self.lm = lm
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        with torch.no_grad():
+            teacher_logits = _forward(self.teacher, batch)[..., : self.vocab_size]
+        student_logits = _forward(model, batch)[..., : self.vocab_size]
+        loss, m = distill_loss(student_logits, teacher_logits, batch.y, self.temperature, self.alpha)
+        metrics = {"loss": loss.detach(), **{k: v.detach() for k, v in m.items()}}
+        if self.lm.moe:
+            aux = collect_aux_loss(model)
+            metrics["aux_loss"] = aux.detach()
+            loss = loss + self.lm.aux_loss_coef * aux
+        return loss, metrics
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        # The student's own cross-entropy: comparable with any other run on the same data.
+        return self.lm.evaluate(model, batches, autocast, token_bytes)
+
+
+Objective = LMObjective | DPOObjective | DistillObjective
