@@ -177,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("sources", nargs="+", help="built-in corpora and/or .txt/.jsonl files or directories")
     pr.add_argument("--tokenizer", required=True, help="tokenizer directory (or tokenizer.json)")
     pr.add_argument("--out", required=True, help="output directory for shards + manifest.json")
-    pr.add_argument("--format", choices=["text", "chat"], default="text",
+    pr.add_argument("--format", choices=["text", "chat", "dpo"], default="text",
                     help="text: {\"text\": ...} lines / .txt files; chat: conversations (MiniMind, OpenAI messages "
-                         "or Alpaca JSONL) rendered with the ChatML template, loss only on assistant replies")
+                         "or Alpaca JSONL) rendered with the ChatML template, loss only on assistant replies; "
+                         "dpo: preference pairs ({\"chosen\", \"rejected\"} conversations, or "
+                         "{\"prompt\", \"chosen\", \"rejected\"})")
     pr.add_argument("--max-tokens", type=int, default=1024,
                     help="chat: longest conversation kept; longer ones lose their oldest exchanges first")
     pr.add_argument("--val-fraction", type=float, default=0.01)

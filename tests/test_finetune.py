@@ -149,3 +149,90 @@ def test_sft_stage_trains_on_chat_data(chat_dir, tmp_path, base_run):
     session = ChatSession(Engine(model), Tokenizer.load(src), SamplingParams(max_new_tokens=20, temperature=0))
     session.set_system("You are brief.")
     assert "".join(session.reply("What is AI?")) == "Artificial intelligence."
+
+
+@pytest.fixture(scope="module")
+def dpo_dir(tmp_path_factory, tokenizer_dir):
+    """Preference pairs: the right answer chosen, an evasive one rejected.
+
+    (Rejecting another question's answer would push the same reply up in one pair and down in
+    another, which a tiny model that barely reads the question cannot resolve in a few steps.)"""
+    import json
+    from nanolm.data.prepare import prepare
+    d = tmp_path_factory.mktemp("dpo")
+    qa = [("「一帆风顺」是什么意思？", "比喻非常顺利，没有任何阻碍。"), ("What is AI?", "Artificial intelligence."),
+          ("How are you?", "I am fine, thank you."), ("滚滚长江东逝水的下一句是什么？", "浪花淘尽英雄。")]
+    src = d / "prefs.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        for i in range(40):
+            q, a = qa[i % 4]
+            wrong = ("我不知道。", "No idea.", "随便吧。", "Whatever.")[i % 4]
+            user = {"role": "user", "content": q}
+            f.write(json.dumps({"chosen": [user, {"role": "assistant", "content": a}],
+                                "rejected": [user, {"role": "assistant", "content": wrong}]},
+                               ensure_ascii=False) + "\n")
+    out = d / "data"
+    prepare([src], tokenizer_dir, out, format="dpo", val_fraction=0.1, workers=0, quiet=True)
+    return out
+
+
+def dpo_cfg(dpo_dir, out, base, **over):
+    return tiny_cfg(dpo_dir, out, **{"train.stage": "dpo", "train.init_from": str(base), "train.max_steps": 12,
+                                     "train.eval_interval": 6, "model.dropout": 0.0, "optim.lr": 3e-3,
+                                     "optim.warmup_steps": 2, "model.max_seq_len": 64, "train.seq_len": 64,
+                                     **over})
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_dpo_raises_the_chosen_rejected_margin(dpo_dir, tmp_path, base_run, use_lora):
+    import json
+    over = {"lora.enabled": "true", "lora.rank": 4, "lora.dropout": 0.0, "optim.lr": 1e-2} if use_lora else {}
+    res = train(dpo_cfg(dpo_dir, tmp_path / "dpo", base_run, **over), quiet=True)
+    recs = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "reward_margin" in r]
+    assert abs(steps[0]["reward_margin"]) < 1e-4  # step 1: the policy still equals its reference
+    assert steps[-1]["reward_margin"] > 0.2 and steps[-1]["reward_accuracy"] == 1.0
+    assert res.train_losses[12] < res.train_losses[1] < 0.7  # log(2) = 0.693 at the start
+    vals = [r for r in recs if "val_reward_accuracy" in r]
+    assert vals and vals[-1]["val_reward_margin"] > 0
+    names = {p.name for p in ckpt.resolve_checkpoint(tmp_path / "dpo", "last").iterdir()}
+    assert ("adapter.safetensors" in names) == use_lora and ("model.safetensors" in names) != use_lora
+
+
+def test_dpo_needs_preference_data(data_dir, dpo_dir, tmp_path, base_run):
+    with pytest.raises(UserError, match="train.stage=dpo cannot train on text data; prepare preference pairs"):
+        train(dpo_cfg(data_dir, tmp_path / "a", base_run), quiet=True)
+    with pytest.raises(UserError, match="train.stage=sft cannot train on dpo data"):
+        train(dpo_cfg(dpo_dir, tmp_path / "b", base_run, **{"train.stage": "sft"}), quiet=True)
+
+
+def test_distillation_into_a_smaller_student(data_dir, tmp_path, base_run):
+    cfg = tiny_cfg(data_dir, tmp_path / "student", **{"train.stage": "distill", "distill.teacher": str(base_run),
+                                                      "model.d_model": 16, "model.n_layer": 1, "model.dropout": 0.0,
+                                                      "train.max_steps": 20, "distill.alpha": 0.7})
+    res = train(cfg, quiet=True)
+    assert res.train_losses[20] < res.train_losses[1]
+    import json
+    rec = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()][0]
+    assert {"kl", "ce"} <= rec.keys()
+
+
+def test_distillation_loss_is_zero_when_the_student_is_the_teacher(data_dir, tmp_path, base_run):
+    cfg = tiny_cfg(data_dir, tmp_path / "same", **{"train.stage": "distill", "distill.teacher": str(base_run),
+                                                   "train.init_from": str(base_run), "distill.alpha": 1.0,
+                                                   "model.dropout": 0.0, "train.max_steps": 1})
+    res = train(cfg, quiet=True)
+    assert res.train_losses[1] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_distillation_refuses_another_tokenizer(tmp_path, base_run, corpus):
+    from nanolm.data.formats import iter_documents
+    from nanolm.data.prepare import prepare
+    from nanolm.tokenizer import train_tokenizer
+    other_tok = tmp_path / "tok"
+    train_tokenizer((t.upper() for t in iter_documents(corpus)), other_tok, vocab_size=400, quiet=True)
+    other_data = tmp_path / "data"
+    prepare([corpus], other_tok, other_data, val_fraction=0.1, workers=0, quiet=True)
+    cfg = tiny_cfg(other_data, tmp_path / "s", **{"train.stage": "distill", "distill.teacher": str(base_run)})
+    with pytest.raises(UserError, match="the teacher was trained with another tokenizer"):
+        train(cfg, quiet=True)
