@@ -42,8 +42,21 @@ is a non-empty string without the ChatML control strings (`<|im_start|>` ...),
 which would change the conversation's structure once rendered. A record that
 breaks any of this is a bad line, reported or skipped as for text.
 Conversations are yielded as lists of `{"role", "content"}` dicts.
-Preference pairs will be one more record parser for the same JSONL walker,
-`_iter_jsonl_records`.
+
+Preference pairs (`iter_preferences`, for DPO) are `.jsonl` too, one pair per
+line, as two conversations that share every message but the final assistant
+reply, in either of two formats:
+
+- MiniMind / TRL implicit prompt: `{"chosen": [messages], "rejected":
+  [messages]}`, both whole conversations.
+- TRL explicit prompt: `{"prompt": ..., "chosen": ..., "rejected": ...}`,
+  the prompt a string (one user turn) or an array of messages, each reply a
+  string (one assistant turn) or an array of messages; each conversation is
+  the prompt followed by its reply.
+
+Each conversation is validated as chat data is (the messages name where they
+fail: `"chosen"[1].content is empty`); a pair whose conversations differ
+before the last reply, or whose last replies are the same, is a bad line too.
 """
 
 from __future__ import annotations
@@ -194,15 +207,28 @@ def _conversation_of(obj: Any) -> list[dict[str, str]]:
         keys = ", ".join(list(obj)[:5]) or "none"
         raise _BadRecord(f'no "conversations", "messages" or "instruction"/"output" field (keys: {keys}); '
                          f"expected {_CHAT_SHAPE}")
-    turns = obj[key]
+    turns = _turn_list(key, obj[key])
+    return _check_turns(key, [(f'"{key}"[{i}]', m) for i, m in enumerate(turns)])
+
+
+def _turn_list(key: str, turns: Any) -> list:
+    """The array of messages under `key`, or _BadRecord when it is not a non-empty array."""
     if not isinstance(turns, list):
         raise _BadRecord(f'"{key}" must be an array of {{"role": ..., "content": ...}} objects, '
                          f"got {_json_type(turns)}")
     if not turns:
         raise _BadRecord(f'"{key}" is empty; a conversation needs a user turn and an assistant reply')
-    messages = []
-    for i, m in enumerate(turns):
-        where = f'"{key}"[{i}]'
+    return turns
+
+
+def _check_turns(key: str, turns: list[tuple[str, Any]]) -> list[dict[str, str]]:
+    """The conversation made of `turns`, (where, message) pairs in order, validated as the module doc says.
+
+    `where` names each message in messages ('"messages"[1]'); `key` names the
+    whole conversation in the messages about its last turn.
+    """
+    messages: list[dict[str, str]] = []
+    for where, m in turns:
         if not isinstance(m, dict):
             raise _BadRecord(f'{where} must be an object {{"role": ..., "content": ...}}, got {_json_type(m)}')
         if "role" not in m:
@@ -215,7 +241,7 @@ def _conversation_of(obj: Any) -> list[dict[str, str]]:
             raise _BadRecord(f'{where} ({role}) has no "content"')
         content = _check_content(f"{where}.content", m["content"])
         if role == "system":
-            if i != 0:
+            if messages:
                 raise _BadRecord(f"{where} is a system message, but a system message may only come first")
         else:
             expected = "user" if not messages or messages[-1]["role"] != "user" else "assistant"
@@ -232,6 +258,58 @@ def _conversation_of(obj: Any) -> list[dict[str, str]]:
         raise _BadRecord(f'"{key}" ends with a {messages[-1]["role"]} turn; a conversation must end with an '
                          "assistant reply (drop the unanswered turn)")
     return messages
+
+
+_PAIR_SHAPE = ('{"chosen": [messages], "rejected": [messages]} or '
+               '{"prompt": "..." or [messages], "chosen": "...", "rejected": "..."}')
+
+
+def _pair_side(obj: dict, side: str, prompt: list[tuple[str, Any]] | None) -> list[dict[str, str]]:
+    """The chosen or rejected conversation of a preference record, validated."""
+    value = obj[side]
+    if prompt is None:
+        if isinstance(value, str):
+            raise _BadRecord(f'"{side}" is a string but there is no "prompt"; give a "prompt", or make "chosen" '
+                             'and "rejected" whole conversations (arrays of messages)')
+        turns = _turn_list(side, value)
+        return _check_turns(side, [(f'"{side}"[{i}]', m) for i, m in enumerate(turns)])
+    if isinstance(value, str):
+        reply = [(f'"{side}"', {"role": "assistant", "content": _check_content(f'"{side}"', value)})]
+    else:
+        if not isinstance(value, list) or not value:
+            shown = "empty" if isinstance(value, list) else f"{_json_type(value)}"
+            raise _BadRecord(f'"{side}" must be the reply: a string or an array of messages, got {shown}')
+        reply = [(f'"{side}"[{i}]', m) for i, m in enumerate(value)]
+    return _check_turns(side, prompt + reply)
+
+
+def _pair_of(obj: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """The preference record: (chosen, rejected) conversations sharing every turn but the last reply."""
+    if not isinstance(obj, dict):
+        raise _BadRecord(f"expected a JSON object like {_PAIR_SHAPE}, got {_json_type(obj)}")
+    for side in ("chosen", "rejected"):
+        if side not in obj:
+            keys = ", ".join(list(obj)[:5]) or "none"
+            raise _BadRecord(f'no "{side}" field (keys: {keys}); expected {_PAIR_SHAPE}')
+    prompt: list[tuple[str, Any]] | None = None
+    if "prompt" in obj:
+        value = obj["prompt"]
+        if isinstance(value, str):
+            prompt = [('"prompt"', {"role": "user", "content": _check_content('"prompt"', value)})]
+        elif isinstance(value, list) and value:
+            prompt = [(f'"prompt"[{i}]', m) for i, m in enumerate(value)]
+        else:
+            shown = "empty" if isinstance(value, list) else f"{_json_type(value)}"
+            raise _BadRecord(f'"prompt" must be a string or an array of messages, got {shown}')
+    chosen, rejected = _pair_side(obj, "chosen", prompt), _pair_side(obj, "rejected", prompt)
+    if chosen[:-1] != rejected[:-1]:
+        n_c, n_r = len(chosen) - 1, len(rejected) - 1
+        at = next((i for i in range(min(n_c, n_r)) if chosen[i] != rejected[i]), min(n_c, n_r))
+        raise _BadRecord(f'"chosen" and "rejected" differ at message {at}, before their final reply; a pair must '
+                         "share every turn but the last assistant reply (the prompt)")
+    if chosen[-1] == rejected[-1]:
+        raise _BadRecord('"chosen" and "rejected" have the same final reply, so there is nothing to prefer')
+    return chosen, rejected
 
 
 def _open_text(path: Path, newline: str | None) -> TextIO:
@@ -374,6 +452,27 @@ def iter_conversations(path: Path, *, skip_bad: bool = False,
     return (messages for messages, _ in iter_chat_records(path, skip_bad=skip_bad, stats=stats))
 
 
+def iter_preference_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None
+                            ) -> Iterator[tuple[tuple[list[dict[str, str]], list[dict[str, str]]], int]]:
+    """((chosen, rejected), bytes of the file read since the previous one) for each pair of a .jsonl file."""
+    path = Path(path)
+    stats = stats if stats is not None else ReadStats()
+    if path.suffix.lower() != ".jsonl":
+        raise UserError(f"{path}: preference data must be a .jsonl file (one pair per line, e.g. "
+                        f'{{"chosen": [...], "rejected": [...]}}), not {path.suffix or "(no suffix)"!r}; convert it')
+    return _iter_jsonl_records(path, _pair_of, skip_bad, stats)
+
+
+def iter_preferences(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None
+                     ) -> Iterator[tuple[list[dict[str, str]], list[dict[str, str]]]]:
+    """Each preference pair of a .jsonl file as (chosen, rejected) conversations, validated (see module doc).
+
+    Both are whole conversations of {"role", "content"} dicts that share every
+    message but the last, an assistant reply.
+    """
+    return (pair for pair, _ in iter_preference_records(path, skip_bad=skip_bad, stats=stats))
+
+
 def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
     """Each document of one file as one string (a .txt file is read whole into memory)."""
     parts: list[str] = []
@@ -388,13 +487,20 @@ def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = 
                stats: ReadStats | None = None) -> Iterator[str]:
     """The text of every file in order, in pieces of bounded size: what tokenizer training reads.
 
-    format="chat" reads conversation files and yields each message's content.
+    format="chat" reads conversation files and yields each message's content;
+    format="dpo" reads preference pairs and yields the chosen conversation's
+    messages, then the rejected reply.
     """
     for f in files:
         if format == "chat":
             for messages in iter_conversations(f, skip_bad=skip_bad, stats=stats):
                 for m in messages:
                     yield m["content"]
+        elif format == "dpo":
+            for chosen, rejected in iter_preferences(f, skip_bad=skip_bad, stats=stats):
+                for m in chosen:
+                    yield m["content"]
+                yield rejected[-1]["content"]
         else:
             for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
                 yield piece.text

@@ -13,8 +13,9 @@ Output, in `out_dir`:
   shards with their token and document counts, the source files with size,
   mtime and sha256, the options, skipped lines, throughput). It is written
   last: a directory without it is not prepared data.
-- `<shard>.mask` (chat data only): one uint8 per token of the .bin, 1 where
-  the token is a training target (see "Chat data" below), else 0.
+- `<shard>.mask` (chat and preference data only): one uint8 per token of the
+  .bin, 1 where the token is a training target (see "Chat data" and
+  "Preference data" below), else 0.
 
 Train/validation split, by document: documents are numbered 0, 1, 2, ...
 across all sources in order, and with k = max(2, round(1 / val_fraction))
@@ -53,6 +54,18 @@ whole). A conversation whose system message, last user turn and first reply
 token do not fit (no target would be left) is skipped. Both are counted in the
 manifest.
 
+Preference data (`format="dpo"`): each pair (read by `iter_preferences`)
+becomes two adjacent documents, its chosen conversation then its rejected
+one, rendered as chat data is, but with the mask 1 only on the final reply and
+its `<|im_end|>`: the earlier turns, assistant replies included, are the
+prompt that both continue, and DPO compares the log-probabilities of the two
+final replies. The split is by pair (pair i goes to val when i % k == 1), a
+shard ends only after a pair's second conversation, and `max_tokens` applies to
+each conversation, both cut by `fit_pair`: the same old turns are dropped from
+both (so they keep one prompt) and each final reply is cut at the end if need
+be; a pair is skipped when either would keep no target. The manifest gives
+`options.format = "dpo"` and a "dpo" section with the number of pairs.
+
 Everything is written into a temporary directory inside out_dir and moved
 into place at the end, old manifest removed first and new manifest last, so
 an interrupted run leaves either the previous data untouched or no manifest,
@@ -85,7 +98,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces
+from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
 from nanolm.errors import UserError
 from nanolm.io import fsync_dir, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
@@ -93,8 +106,8 @@ from nanolm.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-FORMATS = ("text", "chat")
-DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat data)
+FORMATS = ("text", "chat", "dpo")
+DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
 SPLITS = ("train", "val")
 # Files this module owns in out_dir; stale ones from an earlier run are removed.
 SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
@@ -203,19 +216,48 @@ def fit_conversation(ids: np.ndarray, mask: np.ndarray,
     Message boundaries are found at the <|im_start|> tokens (no content may hold one), and a
     conversation with an odd number of messages is the one that starts with a system message.
     """
-    n = len(ids)
-    if n <= max_tokens:
+    if len(ids) <= max_tokens:
         return ids, mask
+    return _cut(ids, mask, _first_kept(ids, max_tokens), max_tokens)
+
+
+def fit_pair(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray],
+             max_tokens: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
+    """The two rendered conversations of a preference pair, (ids, mask) each with no trailing EOT, cut
+    to at most max_tokens tokens each by the truncation policy of `fit_conversation`, dropping the same
+    old turns from both so that they still share their prompt; None when either would keep no target.
+    Returned as is when both fit.
+    """
+    if len(chosen[0]) <= max_tokens and len(rejected[0]) <= max_tokens:
+        return chosen, rejected
+    first = max(_first_kept(chosen[0], max_tokens), _first_kept(rejected[0], max_tokens))
+    c, r = _cut(*chosen, first, max_tokens), _cut(*rejected, first, max_tokens)
+    return None if c is None or r is None else (c, r)
+
+
+def _message_starts(ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Where each message starts, and the length of the system message (0 when there is none)."""
     starts = np.flatnonzero(ids == IM_START_ID)
-    n_msgs = len(starts)
-    head = int(starts[1]) if n_msgs % 2 else 0  # the system message is ids[:head]
-    # Keep the system message and the messages from `first` (a user turn) on, oldest pair first to go.
+    return starts, int(starts[1]) if len(starts) % 2 else 0
+
+
+def _first_kept(ids: np.ndarray, max_tokens: int) -> int:
+    """The index of the oldest message (a user turn) kept when the system message and the messages from
+    it on fit in max_tokens; that of the last user turn when even the last pair alone does not fit."""
+    starts, head = _message_starts(ids)
+    n, n_msgs = len(ids), len(starts)
     for first in range(n_msgs % 2, n_msgs, 2):
         if head + n - int(starts[first]) <= max_tokens:
-            keep = np.r_[0:head, int(starts[first]):n]
-            return ids[keep], mask[keep]
-    # The last pair alone is too long: cut the end of the final reply.
-    keep = np.r_[0:head, int(starts[n_msgs - 2]):n][:max_tokens]
+            return first
+    return n_msgs - 2
+
+
+def _cut(ids: np.ndarray, mask: np.ndarray, first: int,
+         max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The system message and the messages from `first` on, cut at the end to max_tokens tokens;
+    None when no target is left."""
+    starts, head = _message_starts(ids)
+    keep = np.r_[0:head, int(starts[first]):len(ids)][:max_tokens]
     if not mask[keep].any():
         return None
     return ids[keep], mask[keep]
@@ -228,10 +270,7 @@ def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
     Returns (tokens, mask, lens, n_truncated, n_too_long); lens[i] is conversation i's
     length with its EOT, 0 for one skipped as too long.
     """
-    tok = state["tok"]
-    if "byte_lengths" not in state:
-        state["byte_lengths"] = Tokenizer.load(state["file"]).token_byte_lengths().tolist()
-        state["newline"] = _encode(tok, ["\n"])[0]
+    tok = _chat_state(state)
     segments = _encode(tok, [f"{role}\n{content}" for conv in convs for role, content in conv])
     out_ids: list[int] = []
     out_mask: list[int] = []
@@ -242,12 +281,7 @@ def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
         ids, mask = render_with_mask(conv, segments[at:at + len(conv)], state["newline"], state["byte_lengths"])
         at += len(conv)
         if i == 0:
-            # Checked once per batch: holds for any tokenizer that splits at its special tokens.
-            text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in conv)
-            if ids != _encode(tok, [text])[0]:
-                raise UserError(f"{state['file']}: encoding a conversation piece by piece does not give the ids of "
-                                "the whole rendered conversation, so its loss mask cannot be placed; use a tokenizer "
-                                "made by `nanolm tokenizer train` (its control tokens are special tokens)")
+            _check_piecewise(state, conv, ids)
         if len(ids) > max_tokens:
             fitted = fit_conversation(np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8), max_tokens)
             if fitted is None:
@@ -263,12 +297,84 @@ def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
     return (np.array(out_ids, dtype=state["dtype"]), np.array(out_mask, dtype=np.uint8), lens, truncated, too_long)
 
 
+def _chat_state(state: dict[str, Any]) -> HFTokenizer:
+    """The worker's tokenizer, with what render_with_mask needs loaded into state on first use."""
+    tok = state["tok"]
+    if "byte_lengths" not in state:
+        state["byte_lengths"] = Tokenizer.load(state["file"]).token_byte_lengths().tolist()
+        state["newline"] = _encode(tok, ["\n"])[0]
+    return tok
+
+
+def _check_piecewise(state: dict[str, Any], conv: list[tuple[str, str]], ids: list[int]) -> None:
+    """UserError unless ids, rendered piece by piece, are the ids of the whole rendered conversation.
+
+    Checked once per batch: holds for any tokenizer that splits at its special tokens.
+    """
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in conv)
+    if ids != _encode(state["tok"], [text])[0]:
+        raise UserError(f"{state['file']}: encoding a conversation piece by piece does not give the ids of "
+                        "the whole rendered conversation, so its loss mask cannot be placed; use a tokenizer "
+                        "made by `nanolm tokenizer train` (its control tokens are special tokens)")
+
+
+def _encode_pairs(state: dict[str, Any], pairs: list[tuple[list[tuple[str, str]], str, str]],
+                  max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """Ids and mask of each pair's chosen and rejected conversation (each followed by EOT, mask 0), the
+    mask on the final reply only, fitted to max_tokens together (`fit_pair`).
+
+    pairs: (prompt messages as (role, content), chosen reply, rejected reply). Returns (tokens, mask,
+    lens, n_truncated, n_too_long); lens[2i], lens[2i + 1] are the lengths of pair i's conversations
+    with their EOT, both 0 for a pair skipped as too long.
+    """
+    tok = _chat_state(state)
+    texts = []
+    for prompt, chosen, rejected in pairs:
+        texts += [f"{role}\n{content}" for role, content in prompt]
+        texts += [f"assistant\n{chosen}", f"assistant\n{rejected}"]
+    segments = _encode(tok, texts)
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    lens = np.zeros(2 * len(pairs), dtype=np.int64)
+    truncated = too_long = 0
+    at = 0
+    for i, (prompt, chosen, rejected) in enumerate(pairs):
+        head = segments[at:at + len(prompt)]
+        rendered: list[tuple[list[int], list[int]]] = []
+        for reply, seg in ((chosen, segments[at + len(prompt)]), (rejected, segments[at + len(prompt) + 1])):
+            conv = [*prompt, ("assistant", reply)]
+            ids, mask = render_with_mask(conv, [*head, seg], state["newline"], state["byte_lengths"])
+            # Earlier replies are context here: the loss (the sequence log-probability) is on the last one.
+            last = len(ids) - 1 - ids[::-1].index(IM_START_ID)
+            mask[:last] = [0] * last
+            if i == 0:
+                _check_piecewise(state, conv, ids)
+            rendered.append((ids, mask))
+        at += len(prompt) + 2
+        if max(len(rendered[0][0]), len(rendered[1][0])) > max_tokens:
+            fitted = fit_pair(*[(np.array(x, dtype=np.int64), np.array(m, dtype=np.uint8)) for x, m in rendered],
+                              max_tokens)
+            if fitted is None:
+                too_long += 1
+                continue
+            truncated += 1
+            rendered = [(x.tolist(), m.tolist()) for x, m in fitted]
+        for j, (ids, mask) in enumerate(rendered):
+            out_ids += ids
+            out_ids.append(EOT_ID)
+            out_mask += mask
+            out_mask.append(0)
+            lens[2 * i + j] = len(ids) + 1
+    return (np.array(out_ids, dtype=state["dtype"]), np.array(out_mask, dtype=np.uint8), lens, truncated, too_long)
+
+
 # --- main side -------------------------------------------------------------------
 
 @dataclass
 class _Batch:
     texts: list[str] = field(default_factory=list)  # text pieces, or
-    convs: list[list[tuple[str, str]]] = field(default_factory=list)  # conversations: (role, content)s
+    convs: list[list[tuple[str, str]]] = field(default_factory=list)  # conversations: (role, content)s, or
+    pairs: list[tuple[list[tuple[str, str]], str, str]] = field(default_factory=list)  # (prompt, chosen, rejected)
     lasts: list[bool] = field(default_factory=list)
     is_val: list[bool] = field(default_factory=list)
     chars: int = 0
@@ -321,11 +427,41 @@ def _chat_batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
         yield batch
 
 
-class _SplitWriter:
-    """Appends one split's tokens (and loss mask) to its shards, rolling to a new shard at a document end."""
+def _pair_batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
+                  sizes: list[int]) -> Iterator[_Batch]:
+    """Preference pairs of all files in order, grouped into batches, each tagged with its split
+    (`is_val` holds one entry per pair, the split of both of its conversations)."""
+    pair = 0
+    batch = _Batch()
+    for path, size in zip(files, sizes):
+        read = 0
+        for (chosen, rejected), nbytes in iter_preference_records(path, skip_bad=skip_bad, stats=stats):
+            prompt = [(m["role"], m["content"]) for m in chosen[:-1]]
+            batch.pairs.append((prompt, chosen[-1]["content"], rejected[-1]["content"]))
+            batch.is_val.append(k > 0 and pair % k == 1)
+            batch.chars += sum(len(m["content"]) for m in chosen) + len(rejected[-1]["content"])
+            batch.nbytes += nbytes
+            read += nbytes
+            pair += 1
+            if batch.chars >= BATCH_CHARS or len(batch.pairs) >= BATCH_PIECES:
+                yield batch
+                batch = _Batch()
+        batch.nbytes += size - read
+    if batch.pairs or batch.nbytes:
+        yield batch
 
-    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False) -> None:
+
+class _SplitWriter:
+    """Appends one split's tokens (and loss mask) to its shards, rolling to a new shard at a document end.
+
+    group: documents that stay in one shard (2 for preference data: a pair's two conversations);
+    every `append` gives whole groups.
+    """
+
+    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False,
+                 group: int = 1) -> None:
         self.tmp_dir = tmp_dir
+        self.group = group
         self.split = split
         self.dtype = dtype
         self.shard_tokens = shard_tokens
@@ -380,19 +516,20 @@ class _SplitWriter:
     def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray,
                mask: np.ndarray | None = None) -> None:
         ends = np.cumsum(piece_lens)[piece_last]  # document ends, relative to tokens[0]
+        cuts = ends[self.group - 1::self.group]  # where a shard may end
         start, j = 0, 0
         while start < len(tokens):
             if self._bin is None:
                 self._open()
-            # The first document end at which the open shard reaches shard_tokens.
-            i = int(np.searchsorted(ends, start + self.shard_tokens - self._n, side="left"))
-            if i >= len(ends):
+            # The first group end at which the open shard reaches shard_tokens.
+            i = int(np.searchsorted(cuts, start + self.shard_tokens - self._n, side="left"))
+            if i >= len(cuts):
                 self._write(tokens[start:], ends[j:] - start, None if mask is None else mask[start:])
                 return
-            stop = int(ends[i])
-            self._write(tokens[start:stop], ends[j:i + 1] - start, None if mask is None else mask[start:stop])
+            stop, last = int(cuts[i]), (i + 1) * self.group
+            self._write(tokens[start:stop], ends[j:last] - start, None if mask is None else mask[start:stop])
             self._close()
-            start, j = stop, i + 1
+            start, j = stop, last
 
     def discard(self) -> None:
         """Close the open shard's files after a failure (the temp directory is removed anyway)."""
@@ -508,7 +645,7 @@ def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume
             fn, args = job(batch)
             pending.append((batch, pool.submit(_run_in_worker, fn, *args)))
             # The submitted call holds the lists until they are sent; free them after.
-            batch.texts, batch.convs = [], []
+            batch.texts, batch.convs, batch.pairs = [], [], []
         while pending:
             done, future = pending.popleft()
             consume(done, *future.result())
@@ -536,9 +673,11 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     """Tokenize `sources` (.txt/.jsonl files or directories of them) into shards in out_dir.
 
     tokenizer_path: tokenizer.json or the directory holding it. format: "text"
-    (pretraining documents) or "chat" (conversations, .jsonl only, stored with a
-    loss mask). max_tokens: the longest conversation kept whole (chat only; see
-    the module doc for the truncation policy). workers: tokenizer processes, one
+    (pretraining documents), "chat" (conversations, .jsonl only, stored with a
+    loss mask) or "dpo" (preference pairs, .jsonl only, each stored as its two
+    conversations with a mask on their final replies). max_tokens: the longest
+    conversation kept whole (chat and dpo; see the module doc for the truncation
+    policy). workers: tokenizer processes, one
     thread each (0 tokenizes in this process, on the thread pool of `tokenizers`).
     Returns the manifest; when out_dir is already up to date, returns the
     existing manifest without doing anything.
@@ -546,7 +685,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     k = val_every(val_fraction)
     if format not in FORMATS:
         raise UserError(f"format={format!r}: must be one of {', '.join(FORMATS)} "
-                        "(text: documents for pretraining; chat: conversations for fine-tuning)")
+                        "(text: documents for pretraining; chat: conversations for fine-tuning; "
+                        "dpo: preference pairs)")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise UserError(f"workers={workers!r}: must be an integer >= 0 (0 tokenizes in the main process)")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -554,20 +694,21 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens={max_tokens!r}: must be a positive integer (the longest conversation kept "
                         "whole, in tokens; at most the training seq_len + 1)")
-    chat = format == "chat"
+    chat, dpo = format == "chat", format == "dpo"
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
     files = expand_sources(sources)
-    if chat:
+    if chat or dpo:
         for f in files:
             if f.suffix.lower() != ".jsonl":
-                raise UserError(f"{f}: chat data must be .jsonl (one conversation per line); leave this file out, "
-                                "or prepare it with --format text")
+                what = "chat data must be .jsonl (one conversation per line)" if chat else \
+                    "preference data must be .jsonl (one pair per line)"
+                raise UserError(f"{f}: {what}; leave this file out, or prepare it with --format text")
     tok = Tokenizer.load(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
     options: dict[str, Any] = {"val_fraction": val_fraction, "skip_bad": skip_bad, "shard_tokens": shard_tokens}
-    if chat:
+    if chat or dpo:
         options = {"format": format, "max_tokens": max_tokens, **options}
     before = [_stat(f) for f in files]
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -578,7 +719,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
 
     sizes = [s["size"] for s in before]
     total = sum(sizes)
-    what = f"chat, max {max_tokens} tokens per conversation, " if chat else ""
+    what = f"chat, max {max_tokens} tokens per conversation, " if chat else \
+        f"preference pairs, max {max_tokens} tokens per conversation, " if dpo else ""
     log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, {what}tokenizer vocab {tok.vocab_size} ({dtype.name}), "
         f"{workers} worker(s) -> {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -587,7 +729,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     hasher, stop_hashing = ThreadPoolExecutor(1), threading.Event()
     stats = ReadStats()
     fitting = {"truncated": 0, "too_long": 0}
-    writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat) for split in SPLITS}
+    writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat or dpo, group=1 + dpo)
+               for split in SPLITS}
 
     def consume_text(batch: _Batch, tokens: np.ndarray, lens: np.ndarray) -> None:
         _write_splits(writers, np.array(batch.is_val, dtype=bool), tokens, lens, np.array(batch.lasts, dtype=bool))
@@ -602,6 +745,15 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         fitting["too_long"] += too_long
         progress.update(batch.nbytes)
 
+    def consume_pairs(batch: _Batch, tokens: np.ndarray, mask: np.ndarray, lens: np.ndarray, truncated: int,
+                      too_long: int) -> None:
+        kept = lens > 0  # both conversations of a pair skipped as too long have no tokens
+        is_val = np.repeat(np.array(batch.is_val, dtype=bool), 2)[kept]
+        _write_splits(writers, is_val, tokens, lens[kept], np.ones(int(kept.sum()), dtype=bool), mask)
+        fitting["truncated"] += truncated
+        fitting["too_long"] += too_long
+        progress.update(batch.nbytes)
+
     try:
         hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
         start = time.perf_counter()
@@ -609,6 +761,9 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
             if chat:
                 _tokenize(_chat_batches(files, k, skip_bad, stats, sizes),
                           lambda b: (_encode_chats, (b.convs, max_tokens)), consume_chat, tok.path, dtype, workers)
+            elif dpo:
+                _tokenize(_pair_batches(files, k, skip_bad, stats, sizes),
+                          lambda b: (_encode_pairs, (b.pairs, max_tokens)), consume_pairs, tok.path, dtype, workers)
             else:
                 _tokenize(_batches(files, k, skip_bad, stats, sizes),
                           lambda b: (_encode_pieces, (b.texts, b.lasts)), consume_text, tok.path, dtype, workers)
@@ -621,7 +776,14 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                                 "once nothing writes to it")
         n_tokens = sum(s["n_tokens"] for s in splits.values())
         n_docs = sum(s["n_docs"] for s in splits.values())
+        if dpo:
+            for split in splits.values():
+                split["n_pairs"] = split["n_docs"] // 2
         if n_docs == 0:
+            if dpo:
+                raise UserError(f"no preference pairs in {', '.join(map(str, files))} ({stats.bad_lines} bad line(s) "
+                                f"skipped, {fitting['too_long']} with a conversation longer than max_tokens="
+                                f"{max_tokens}); check the files, or raise --max-tokens")
             if chat:
                 raise UserError(f"no conversations in {', '.join(map(str, files))} ({stats.bad_lines} bad line(s) "
                                 f"skipped, {fitting['too_long']} longer than max_tokens={max_tokens}); check the "
@@ -640,7 +802,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
             "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
             "options": options,
             "split_policy": {"val_every": k,
-                             "rule": "document i goes to val when val_every > 0 and i % val_every == 1"},
+                             "rule": f"{'pair' if dpo else 'document'} i goes to val when val_every > 0 and "
+                                     "i % val_every == 1"},
             "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
             "throughput": {"seconds": round(seconds, 3), "workers": workers,
                            "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
@@ -651,6 +814,11 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
             manifest["chat"] = {"template": "chatml", "mask": True, "max_tokens": max_tokens,
                                 "n_trainable": n_trainable, "truncated": fitting["truncated"],
                                 "skipped_too_long": fitting["too_long"]}
+        if dpo:
+            n_trainable = sum(s["n_trainable"] for s in splits.values())
+            manifest["dpo"] = {"template": "chatml", "mask": "final reply", "max_tokens": max_tokens,
+                               "n_pairs": n_docs // 2, "n_trainable": n_trainable,
+                               "truncated": fitting["truncated"], "skipped_too_long": fitting["too_long"]}
         _install(tmp, out_dir, manifest)
     finally:
         stop_hashing.set()
@@ -660,8 +828,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         shutil.rmtree(tmp, ignore_errors=True)
 
     tr, va = splits["train"], splits["val"]
-    docs = "conversations" if chat else "documents"
-    log(f"prepared {fmt_count(n_docs)} {docs}, {fmt_count(n_tokens)} tokens "
+    docs = "conversations" if chat else "preference pairs" if dpo else "documents"
+    log(f"prepared {fmt_count(n_docs // 2 if dpo else n_docs)} {docs}, {fmt_count(n_tokens)} tokens "
         f"(train {fmt_count(tr['n_tokens'])} in {len(tr['shards'])} shard(s), "
         f"val {fmt_count(va['n_tokens'])} in {len(va['shards'])}) from {fmt_bytes(total)} in {fmt_duration(seconds)}: "
         f"{total / 1e6 / max(seconds, 1e-9):.2f} MB/s of text, {fmt_count(n_tokens / max(seconds, 1e-9))} tokens/s")
@@ -669,8 +837,13 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         log(f"trainable (assistant) tokens: {fmt_count(n_trainable)} = {100 * n_trainable / n_tokens:.1f}% of all; "
             f"truncated {fitting['truncated']} conversation(s) longer than {max_tokens} tokens, skipped "
             f"{fitting['too_long']} that could not be cut to fit")
+    if dpo:
+        log(f"trainable (final reply) tokens: {fmt_count(n_trainable)} = {100 * n_trainable / n_tokens:.1f}% of all; "
+            f"truncated {fitting['truncated']} pair(s) with a conversation longer than {max_tokens} tokens, skipped "
+            f"{fitting['too_long']} that could not be cut to fit")
     if k and va["n_docs"] == 0:
-        log(f"note: only one {docs[:-1]}, so there is no validation split; give more {docs} for one")
+        one = "pair" if dpo else docs[:-1]
+        log(f"note: only one {one}, so there is no validation split; give more {docs} for one")
     if stats.bad_lines:
         log(f"skipped {stats.bad_lines} bad line(s) (--skip-bad), first: " + " | ".join(stats.examples))
     if stats.empty_docs:

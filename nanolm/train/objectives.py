@@ -16,3 +16,69 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     """
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the log-probabilities of each row's targets: logits (R, T, V), targets (R, T) -> (R,) float32.
+
+    Positions whose target is IGNORE_INDEX add nothing. Computed in float32 as
+    lm_loss is, through the fused cross-entropy (no (R, T, V) log-softmax copy).
+    """
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none")  # (R*T,), 0 where ignored
+    return -nll.view(targets.shape).sum(dim=1)
+
+
+def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) of per-row values of a preference batch, whose rows 2i, 2i + 1 are pair i's."""
+    return values[0::2], values[1::2]
+
+
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+             ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor,
+             beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sigmoid DPO loss (Rafailov et al. 2023), mean over pairs; each argument (P,) sequence log-probs.
+
+    loss = -log sigmoid(beta * ((pc - rc) - (pr - rr))): pc, pr the policy's
+    log-probabilities of the chosen and rejected replies, rc, rr the frozen
+    reference model's. The implicit rewards are beta * (policy - reference).
+    Metrics, detached means over the pairs: chosen_rewards, rejected_rewards,
+    reward_margin (chosen minus rejected) and reward_accuracy (the fraction of
+    pairs whose chosen reward is the higher).
+    """
+    chosen_rewards = beta * (policy_chosen_logps.float() - ref_chosen_logps.float())  # (P,)
+    rejected_rewards = beta * (policy_rejected_logps.float() - ref_rejected_logps.float())
+    margin = chosen_rewards - rejected_rewards
+    loss = -F.logsigmoid(margin).mean()  # logsigmoid: no overflow for large margins of either sign
+    margin = margin.detach()
+    metrics = {"chosen_rewards": chosen_rewards.detach().mean(), "rejected_rewards": rejected_rewards.detach().mean(),
+               "reward_margin": margin.mean(), "reward_accuracy": (margin > 0).float().mean()}
+    return loss, metrics
+
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                 temperature: float, alpha: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Knowledge distillation (Hinton et al. 2015): logits (B, T, V) of both models, targets (B, T).
+
+    loss = alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(student, targets),
+    both averaged over the positions whose target is not IGNORE_INDEX; p_T =
+    softmax(logits / T). The T^2 keeps the soft term's gradient scale
+    independent of T. The teacher gets no gradient; both must share one
+    vocabulary (the same V). A batch without targets gives a loss of 0.
+    Metrics (detached): kl (at temperature T, before the T^2) and ce.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} differ; distillation needs one tokenizer and vocabulary")
+    keep = targets != IGNORE_INDEX  # (B, T)
+    n = keep.sum().clamp(min=1)
+    student = student_logits[keep].float()  # (N, V): only the positions that carry a loss
+    teacher = teacher_logits[keep].detach().float()
+    log_s = F.log_softmax(student / temperature, dim=-1)
+    log_t = F.log_softmax(teacher / temperature, dim=-1)
+    p_t = log_t.exp()
+    # A teacher probability of 0 adds 0 (the limit of p log p), not 0 * -inf.
+    kl = torch.where(p_t > 0, p_t * (log_t - log_s), 0.0).sum() / n
+    ce = F.cross_entropy(student, targets[keep], reduction="sum") / n
+    loss = alpha * temperature ** 2 * kl + (1 - alpha) * ce
+    return loss, {"kl": kl.detach(), "ce": ce.detach()}
