@@ -18,6 +18,10 @@ def _cmd_data(args: argparse.Namespace) -> None:
     from nanolm import datasets
     if args.data_cmd == "list":
         print(datasets.describe())
+    elif args.data_cmd == "preferences":
+        from nanolm.data.preferences import build_idiom_preferences
+        out = build_idiom_preferences(datasets.fetch("idioms"), Path(args.out), args.n, args.seed)
+        print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     else:
         for name in args.names:
             print(datasets.fetch(name))
@@ -160,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     dsub.add_parser("list", help="show the registry of built-in corpora")
     f = dsub.add_parser("fetch", help="download and verify built-in corpora into the cache")
     f.add_argument("names", nargs="+")
+    pf = dsub.add_parser("preferences", help="a DPO set from the idioms corpus: the real answer chosen, "
+                                             "another idiom's real answer rejected")
+    pf.add_argument("--out", required=True, help="the JSONL file to write")
+    pf.add_argument("--n", type=int, default=2000, help="number of pairs")
+    pf.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
