@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test,hf]"
+	$(BIN)/python -m pip install --quiet -e ".[test,hf,gguf,serve,track]"
 	touch $(STAMP)
 
 install: $(STAMP)
