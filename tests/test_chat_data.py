@@ -17,25 +17,7 @@ from nanolm.data.prepare import FORMAT_VERSION, fit_conversation, prepare
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
-HINT = "; fix the line or pass --skip-bad to skip such lines"
-END = "<|im_end|>"
-
-
-def u(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def a(text: str) -> dict:
-    return {"role": "assistant", "content": text}
-
-
-def s(text: str) -> dict:
-    return {"role": "system", "content": text}
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    return path
+from chat_helpers import END, HINT, a, s, u, write_jsonl
 
 
 CONVS = [

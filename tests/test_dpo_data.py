@@ -25,25 +25,7 @@ from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 from nanolm.train.objectives import dpo_loss, sequence_logps, split_pairs
 
-HINT = "; fix the line or pass --skip-bad to skip such lines"
-END = "<|im_end|>"
-
-
-def u(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def a(text: str) -> dict:
-    return {"role": "assistant", "content": text}
-
-
-def s(text: str) -> dict:
-    return {"role": "system", "content": text}
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    return path
+from chat_helpers import END, HINT, a, s, u, write_jsonl
 
 
 # (chosen, rejected): one turn, with a system prompt, several turns (the earlier reply is context).
