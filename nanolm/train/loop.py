@@ -232,8 +232,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         say(f"  {line}")
     say(f"stage: {tc.stage} | device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | "
         f"compile: {tc.compile}")
+    active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
     say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
-        f"{params['non_embedding'] / 1e6:.2f}M non-embedding) | {fpt / 1e6:.1f} MFLOPs/token (train)")
+        f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {fpt / 1e6:.1f} MFLOPs/token (train)")
     say(f"data: {fmt_count(train_data.n_tokens)} train tokens, "
         f"{fmt_count(val_data.n_tokens) if val_data else 0} val tokens | "
         f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {tokens_per_step:,} tokens/step | "
