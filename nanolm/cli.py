@@ -131,6 +131,41 @@ def _cmd_lora_merge(args: argparse.Namespace) -> None:
     print(f"merged model written to {out}")
 
 
+def _cmd_export(args: argparse.Namespace) -> None:
+    which = "last" if args.last else "best"
+    if args.format == "hf":
+        from nanolm.export.hf import export_hf
+        out = export_hf(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, dtype=args.dtype)
+    else:
+        from nanolm.export.gguf import export_gguf
+        out = export_gguf(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, outtype=args.outtype)
+    print(f"exported to {out}")
+
+
+def _cmd_import(args: argparse.Namespace) -> None:
+    from nanolm.export.hf import import_hf
+    out = import_hf(Path(args.hf_dir), Path(args.out))
+    print(f"imported into {out}; continue with `nanolm train --init-from {out} ...`")
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from nanolm.infer.server import serve
+    serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NANOLM_API_KEY"),
+          adapter=args.adapter, which="last" if args.last else "best", device=args.device)
+
+
+def _cmd_plot(args: argparse.Namespace) -> None:
+    from nanolm.plot import plot_runs
+    print(f"plot written to {plot_runs(args.runs, Path(args.out), x=args.x)}")
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    from nanolm.evaluate import evaluate, format_result
+    result = evaluate(args.checkpoint, args.data, which="last" if args.last else "best", batch_size=args.batch_size,
+                      seq_len=args.seq_len, max_tokens=args.max_tokens, device=args.device, adapter=args.adapter)
+    print(format_result(result))
+
+
 def _cmd_quickstart(args: argparse.Namespace) -> None:
     from nanolm.quickstart import quickstart
     quickstart(Path(args.out), minutes=args.minutes, corpora=args.corpora, chat_corpora=args.chat_corpora,
@@ -227,6 +262,57 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--out", required=True, help="directory for the merged checkpoint")
     lm.add_argument("--base", default=None, help="the base checkpoint (default: the one the adapter was trained from)")
     lo.set_defaults(func=_cmd_lora_merge)
+
+    ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers) or gguf (llama.cpp)")
+    exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, or Qwen2-MoE for MoE models)",
+                                      "output directory"),
+                                     ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file")):
+        e = exsub.add_parser(fmt, help=help_text)
+        e.add_argument("checkpoint", help="a run or checkpoint directory")
+        e.add_argument("out", help=out_help)
+        e.add_argument("--adapter", default=None, help="a LoRA run to merge in first")
+        e.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
+        if fmt == "hf":
+            e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        else:
+            e.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
+    ex.set_defaults(func=_cmd_export)
+
+    im = sub.add_parser("import", help="bring a transformers Llama checkpoint into nanolm")
+    imsub = im.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    ih = imsub.add_parser("hf", help="a local transformers directory (config.json + safetensors)")
+    ih.add_argument("hf_dir")
+    ih.add_argument("out", help="the nanolm checkpoint directory to write")
+    im.set_defaults(func=_cmd_import)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (needs the serve extra)")
+    sv.add_argument("checkpoint", help="a run or checkpoint directory")
+    sv.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set NANOLM_API_KEY)")
+    sv.add_argument("--adapter", default=None, help="a LoRA run to apply, unmerged")
+    sv.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
+    sv.add_argument("--device", default="auto")
+    sv.set_defaults(func=_cmd_serve)
+
+    pl = sub.add_parser("plot", help="loss, lr, tokens/s and grad-norm of one or more runs, as a PNG")
+    pl.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl)")
+    pl.add_argument("--out", default="plot.png")
+    pl.add_argument("--x", choices=["step", "tokens"], default="step")
+    pl.set_defaults(func=_cmd_plot)
+
+    ev = sub.add_parser("eval", help="validation loss, perplexity and bits-per-byte of a checkpoint on any text")
+    ev.add_argument("checkpoint", help="a run or checkpoint directory")
+    ev.add_argument("--data", nargs="+", required=True,
+                    help="built-in corpora, .txt/.jsonl files or directories, or a prepared data directory")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--seq-len", type=int, default=None, help="default: the model's training seq_len")
+    ev.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    ev.add_argument("--adapter", default=None, help="a LoRA run to apply, unmerged")
+    ev.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
+    ev.add_argument("--device", default="auto")
+    ev.set_defaults(func=_cmd_eval)
     return p
 
 

@@ -169,6 +169,8 @@ class DistillConfig:
 STAGES = ("pretrain", "sft", "lora", "dpo", "distill")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+TRACKERS = ("tensorboard", "wandb")
+WANDB_MODES = ("offline", "online")
 
 
 @dataclass
@@ -193,6 +195,9 @@ class TrainConfig:
     compile: bool = False
     seed: int = 1337
     init_from: str = ""  # a checkpoint to start from (weights only)
+    track: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: tensorboard, wandb
+    wandb_project: str = "nanolm"
+    wandb_mode: str = "offline"  # offline: logs under <run>/wandb, upload later with `wandb sync`
 
     def __post_init__(self) -> None:
         _check(self.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
@@ -203,6 +208,12 @@ class TrainConfig:
         _check(self.max_minutes >= 0, f"train.max_minutes must be >= 0, got {self.max_minutes}")
         _check(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES, f"train.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        self.track = tuple(dict.fromkeys(self.track))  # a list from code or a file; repeats dropped
+        for name in self.track:
+            _check(name in TRACKERS, f"train.track: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+        _check(self.wandb_mode in WANDB_MODES,
+               f"train.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
+        _check(bool(self.wandb_project.strip()), "train.wandb_project must not be empty")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import autocast, resolve_device, resolve_dtype, seed_everything
 from nanolm.train import checkpoint as ckpt
-from nanolm.train.metrics import MetricsWriter, log, peak_flops
+from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.stages import DistillObjective, DPOObjective, LMObjective, Objective
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at
@@ -207,7 +207,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     step, tokens, best_val, elapsed_before = 0, 0, float("inf"), 0.0
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, trackers=make_trackers(cfg, run_dir))
     if resume_src is not None:
         ckpt.load_optimizer(optimizer, resume_src)
         state = ckpt.read_json(resume_src / "state.json", "training state")
@@ -240,6 +240,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {tokens_per_step:,} tokens/step | "
         f"one epoch = {loader.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps")
     say(f"data stream: {loader.describe()}")
+    for tracker in metrics.trackers:
+        say(f"tracking: {tracker.describe()}")
     say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
         f"warmup {cfg.optim.warmup_steps}, max_steps {tc.max_steps}"
         + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")

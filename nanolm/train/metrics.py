@@ -1,4 +1,11 @@
-"""Training telemetry: console lines, metrics.jsonl, throughput and MFU.
+"""Training telemetry: console lines, metrics.jsonl, TensorBoard and W&B, throughput and MFU.
+
+Every run writes metrics.jsonl; `train.track` adds trackers that receive
+the same records: TensorBoard (event files in <run>/tensorboard, one scalar
+per key at global_step = step) and Weights & Biases (a run whose files go to
+<run>/wandb, offline by default; its id is kept in <run>/wandb_run.json so
+that `--resume` continues the same W&B run). Lists such as the MoE
+expert_load become one scalar per entry; strings are not sent.
 
 MFU (model FLOPs utilisation) is achieved model FLOPs per second over the
 device's peak. For known CUDA GPUs the peak is the datasheet's dense figure;
@@ -15,9 +22,13 @@ import sys
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import torch
+
+from nanolm.config import Config
+from nanolm.errors import UserError
+from nanolm.io import write_json_atomic
 
 # Dense tensor-core peaks (FLOP/s) for bf16/fp16; fp32 uses TF32 where the GPU has it.
 _GPU_PEAKS = {
@@ -55,16 +66,183 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     return measured_matmul_flops(device.type, dtype), f"measured {device.type} {str(dtype).removeprefix('torch.')} matmul"
 
 
-class MetricsWriter:
-    """Appends one JSON object per event to <run>/metrics.jsonl; only rank 0 writes."""
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, in file order; a line cut short by a crash is skipped."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+
+# What each nesting level of a list-valued metric counts, for the scalar names it becomes.
+_INDEX_NAMES = {"expert_load": ("moe_layer", "expert")}
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics record, by name, as trackers take them.
+
+    `step` is the x-axis, not a value; event records (the stop marker) give
+    nothing; nested lists are flattened: expert_load[i][j] becomes
+    `expert_load/moe_layer_i/expert_j`. Non-finite values pass through, so a
+    diverged loss shows.
+    """
+    if "event" in record:
+        return {}
+    out: dict[str, float] = {}
+
+    def add(name: str, value: Any, depth: int, levels: tuple[str, ...]) -> None:
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return
+        if isinstance(value, (int, float)):
+            out[name] = float(value)
+        elif isinstance(value, (list, tuple)):
+            level = levels[depth] if depth < len(levels) else "i"
+            for i, v in enumerate(value):
+                add(f"{name}/{level}_{i}", v, depth + 1, levels)
+
+    for key, value in record.items():
+        if key != "step":
+            add(key, value, 0, _INDEX_NAMES.get(key, ()))
+    return out
+
+
+class Tracker(Protocol):
+    """A metrics sink beside metrics.jsonl. `start` is called once, before the first record."""
+
+    def describe(self) -> str: ...
+
+    def start(self, resume_step: int | None) -> None: ...
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    """Scalars into <run>/tensorboard, one tag per metric, at global_step = the record's step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("train.track includes tensorboard, which is not installed; "
+                            "pip install 'nanolm[track]' (or drop it from --train.track)") from None
+        self._writer_cls = SummaryWriter
+        self.log_dir = Path(run_dir) / "tensorboard"
+        self._writer: Any = None
+
+    def describe(self) -> str:
+        return f"tensorboard -> {self.log_dir} (view: tensorboard --logdir {self.log_dir})"
+
+    def start(self, resume_step: int | None) -> None:
+        # On resume, the steps after the checkpoint are trained again: purge_step hides their old
+        # events from TensorBoard, as truncate_after drops their old lines from metrics.jsonl.
+        purge = None if resume_step is None else resume_step + 1
+        self._writer = self._writer_cls(log_dir=str(self.log_dir), purge_step=purge)
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        for name, value in scalars(record).items():
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()  # a record every log_interval steps: cheap, and nothing is lost to a crash
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class WandbTracker:
+    """A Weights & Biases run with files in <run>/wandb; `--resume` continues the run whose id is stored.
+
+    Metrics are plotted against our `step` (define_metric), not W&B's own
+    call counter, so the steps trained again after a resume are kept rather
+    than dropped as out of order.
+    """
+
+    ID_FILE = "wandb_run.json"
+
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("train.track includes wandb, which is not installed; "
+                            "pip install 'nanolm[wandb]' (or drop it from --train.track)") from None
+        self._wandb = wandb
+        self.run_dir = Path(run_dir)
+        self.project = project
+        self.mode = mode
+        self.config = config
+        self._run: Any = None
+
+    def describe(self) -> str:
+        sync = "; upload later with `wandb sync`" if self.mode == "offline" else ""
+        return f"wandb ({self.mode}) -> project {self.project}, files in {self.run_dir / 'wandb'}{sync}"
+
+    def _stored_id(self) -> str | None:
+        try:
+            return str(json.loads((self.run_dir / self.ID_FILE).read_text(encoding="utf-8"))["id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def start(self, resume_step: int | None) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        kwargs: dict[str, Any] = {"project": self.project, "dir": str(self.run_dir), "mode": self.mode,
+                                  "config": self.config, "name": self.run_dir.resolve().name}
+        run_id = self._stored_id() if resume_step is not None else None
+        if run_id is not None:
+            kwargs.update(id=run_id, resume="allow")
+        self._run = self._wandb.init(**kwargs)
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+        write_json_atomic(self.run_dir / self.ID_FILE, {"id": self._run.id, "project": self.project,
+                                                         "mode": self.mode})
+
+    def log(self, record: dict[str, Any]) -> None:
+        values = scalars(record)
+        if values:
+            self._run.log({"step": int(record.get("step", 0)), **values})
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def make_trackers(cfg: Config, run_dir: Path) -> list[Tracker]:
+    """The trackers `train.track` asks for; a UserError naming the extra to install when one is missing."""
+    trackers: list[Tracker] = []
+    for name in cfg.train.track:
+        if name == "tensorboard":
+            trackers.append(TensorBoardTracker(run_dir))
+        elif name == "wandb":
+            trackers.append(WandbTracker(run_dir, cfg.train.wandb_project, cfg.train.wandb_mode, cfg.to_dict()))
+    return trackers
+
+
+class MetricsWriter:
+    """Appends one JSON object per event to <run>/metrics.jsonl and hands it to the trackers; only rank 0 writes.
+
+    Trackers start with the first record, knowing whether the run resumed
+    (`truncate_after` was called), and stop at `close`.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool = True, trackers: Sequence[Tracker] = ()) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.trackers: list[Tracker] = list(trackers) if enabled else []
         self._f = None
+        self._resume_step: int | None = None
+        self._started = False
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps that will be trained again."""
+        self._resume_step = step
         if not self.enabled or not self.path.exists():
             return
         keep = []
@@ -87,11 +265,21 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
+        if not self._started:
+            self._started = True
+            for tracker in self.trackers:
+                tracker.start(self._resume_step)
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        if self._started:
+            for tracker in self.trackers:
+                tracker.close()
+        self.trackers, self._started = [], False
 
 
 def log(msg: str, enabled: bool = True) -> None:

@@ -1,0 +1,502 @@
+"""The OpenAI-compatible server: the official client gets the engine's exact outputs, streaming or not;
+stop strings, usage, errors, API key, concurrent clients, a full queue and clients that go away."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from nanolm.config import ModelConfig
+from nanolm.errors import UserError
+from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.model.transformer import Transformer
+from nanolm.tokenizer import Tokenizer
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+import nanolm.infer.server as server_mod  # noqa: E402  (imports nothing from the extra itself)
+create_app, find_stop, stop_prefix_len = server_mod.create_app, server_mod.find_stop, server_mod.stop_prefix_len
+
+CTX = 96
+STOPS = (2, 0)  # <|im_end|>, <|endoftext|>: where the server stops a reply
+
+
+def tiny_model() -> Transformer:
+    # Untied, larger random weights: varied output (including split multi-byte characters), not one token repeated.
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=400, d_model=32, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=CTX,
+                                   tie_embeddings=False, init_std=0.2))
+
+
+class ScriptedEngine(Engine):
+    """Replays fixed token ids, then ends as the real engine does on a stop token."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(tiny_model())
+        self.script = script
+
+    def generate(self, prompt, params, stop_ids=()):
+        yield from self.script[:params.max_new_tokens]
+
+
+class SlowEngine(Engine):
+    """The real engine, pausing `delay` s and waiting for `gate` before each token; records when it is closed."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(tiny_model())
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+        self.closed = threading.Event()
+        self.tokens = 0
+
+    def generate(self, prompt, params, stop_ids=()):
+        try:
+            for tid in super().generate(prompt, params, stop_ids):
+                self.gate.wait()
+                time.sleep(self.delay)
+                self.tokens += 1
+                yield tid
+        finally:
+            self.closed.set()
+
+
+@contextmanager
+def running(app):
+    """Serve `app` on an ephemeral loopback port in a background thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def client(base: str, key: str = "unused") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.load(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(tiny_model())
+
+
+@pytest.fixture(scope="module")
+def base(engine, tok):
+    with running(create_app(engine, tok, model_name="tiny")) as url:
+        yield url
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    return tok.encode(tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def reference(engine, tok, ids, max_tokens, temperature=0.0, top_p=1.0, seed=None) -> tuple[str, str, int]:
+    """What a solo request must return: (text, finish_reason, completion_tokens)."""
+    out = engine.generate_all(ids, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                                  seed=seed), STOPS)
+    return tok.decode(out), "length" if len(out) == max_tokens else "stop", len(out)
+
+
+def sse_events(response) -> list:
+    """The `data:` payloads of a server-sent event stream, parsed; [DONE] kept as the string."""
+    out = []
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith("data: "), line
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def ask(c, kind: str, streaming: bool, prompt: str, **kw) -> tuple[str, str, object, list[str]]:
+    """One request through the official client: (text, finish_reason, usage, the streamed pieces)."""
+    extra = {"stream_options": {"include_usage": True}} if streaming else {}
+    if kind == "chat":
+        r = c.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=streaming, **extra, **kw)
+    else:
+        r = c.completions.create(prompt=prompt, stream=streaming, **extra, **kw)
+    if not streaming:
+        choice = r.choices[0]
+        text = choice.message.content if kind == "chat" else choice.text
+        return text, choice.finish_reason, r.usage, [text]
+    chunks = list(r)
+    choices = [ch.choices[0] for ch in chunks if ch.choices]
+    pieces = [(ch.delta.content or "") if kind == "chat" else ch.text for ch in choices]
+    return "".join(pieces), choices[-1].finish_reason, chunks[-1].usage, pieces
+
+
+def test_official_client_gets_the_engines_greedy_output(base, engine, tok):
+    c = client(base)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    prompt = "你好，请介绍一下三国。"
+    text, finish, n = reference(engine, tok, chat_ids(tok, prompt), 24)
+    assert n > 0 and text.strip()  # the random model says something, so the comparison means something
+    messages = [{"role": "user", "content": prompt}]
+
+    r = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=24)
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == finish
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(chat_ids(tok, prompt)), n)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + n
+
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == finish
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+
+    ctext, cfinish, cn = reference(engine, tok, tok.encode("To be, or not"), 20)
+    r = c.completions.create(model="tiny", prompt="To be, or not", temperature=0, max_tokens=20)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ctext, cfinish)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode("To be, or not")), cn)
+    chunks = list(c.completions.create(model="tiny", prompt="To be, or not", temperature=0, max_tokens=20,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == ctext
+    assert chunks[-1].choices[0].finish_reason == cfinish
+
+    # Without max_tokens a completion stops after 16 tokens, as OpenAI's does.
+    r = c.completions.create(model="tiny", prompt="To be, or not", temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].text == reference(engine, tok, tok.encode("To be, or not"),
+                                                                              16)[0]
+
+
+def test_stream_wire_format(base, engine, tok):
+    text, finish, _ = reference(engine, tok, chat_ids(tok, "hi"), 6)
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 6,
+            "stream": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert all(c["model"] == "tiny" and c["id"].startswith("chatcmpl-") for c in chunks)
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+    middle = chunks[1:-1]
+    assert all(list(c["choices"][0]["delta"]) == ["content"] and c["choices"][0]["finish_reason"] is None
+               for c in middle)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in middle) == text
+    assert chunks[-1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]
+
+
+SENTENCE = "To be, or not to be, that is the question."
+
+
+@pytest.fixture(scope="module")
+def scripted(tok):
+    eng = ScriptedEngine(tok.encode(SENTENCE))
+    with running(create_app(eng, tok, model_name="scripted")) as url:
+        yield url, eng.script
+
+
+def tokens_until(tok, script, stop) -> int:
+    """How many tokens the model has produced when `stop` first shows in the text."""
+    return next(k for k in range(1, len(script) + 1) if stop in tok.decode(script[:k]))
+
+
+@pytest.mark.parametrize("stop, want", [("not to", "To be, or "), (["question", ", or"], "To be"),
+                                        ("quest", "To be, or not to be, that is the "), ("be,", "To ")])
+def test_stop_strings_cut_the_text(scripted, tok, stop, want):
+    url, script = scripted
+    c = client(url)
+    first = stop if isinstance(stop, str) else ", or"  # the one that occurs first
+    for kind in ("chat", "completion"):
+        for streaming in (False, True):
+            text, finish, usage, pieces = ask(c, kind, streaming, "q", model="m", stop=stop, max_tokens=40)
+            assert (text, finish) == (want, "stop"), (kind, streaming)
+            assert usage.completion_tokens == tokens_until(tok, script, first)
+            assert not any(first in p for p in pieces)
+
+
+def test_stop_string_that_never_completes_is_released(scripted, tok):
+    url, script = scripted
+    c = client(url)
+    chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], stop="question?",
+                                            stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == SENTENCE
+    assert chunks[-1].choices[0].finish_reason == "stop"  # the model itself ended (a stop token)
+
+
+def test_finish_reason_stop_at_the_end_token_and_length_at_max_tokens(scripted, tok):
+    url, script = scripted
+    c = client(url)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (SENTENCE, "stop")
+    assert r.usage.completion_tokens == len(script)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=3)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (tok.decode(script[:3]), "length")
+    r = c.completions.create(model="m", prompt="q", max_tokens=len(script))
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (SENTENCE, "length")
+    r = c.completions.create(model="m", prompt="q", max_tokens=len(script) + 1)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (SENTENCE, "stop")
+
+
+def test_stop_helpers_exact():
+    assert find_stop("abcabc", ["ca", "bc"]) == 1
+    assert find_stop("abcabc", ["ca", "bc"], 2) == 2
+    assert find_stop("abcabc", ["x"]) is None and find_stop("abc", []) is None
+    assert stop_prefix_len("hello wor", ["world"]) == 3
+    assert stop_prefix_len("xab", ["abc", "bcd"]) == 2
+    assert stop_prefix_len("abc", ["x"]) == 0 and stop_prefix_len("", ["ab"]) == 0
+    assert stop_prefix_len("ab", ["b"]) == 0  # a whole stop string is find_stop's business
+
+
+CHAT = "/v1/chat/completions"
+COMPLETE = "/v1/completions"
+OK_MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, "{", None),
+    (CHAT, "", None),
+    (CHAT, "[1, 2]", None),
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": "hi"}, "messages"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": OK_MSG, "temperature": -0.1}, "temperature"),
+    (CHAT, {"messages": OK_MSG, "temperature": 2.5}, "temperature"),
+    (CHAT, {"messages": OK_MSG, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": OK_MSG, "top_p": 0}, "top_p"),
+    (CHAT, {"messages": OK_MSG, "top_p": 1.5}, "top_p"),
+    (CHAT, {"messages": OK_MSG, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": OK_MSG, "max_tokens": "5"}, "max_tokens"),
+    (CHAT, {"messages": OK_MSG, "n": 2}, "n"),
+    (CHAT, {"messages": OK_MSG, "stream": "yes"}, "stream"),
+    (CHAT, {"messages": OK_MSG, "stop": 5}, "stop"),
+    (CHAT, {"messages": OK_MSG, "stop": [""]}, "stop"),
+    (CHAT, {"messages": OK_MSG, "seed": 2**70}, "seed"),
+    (COMPLETE, {"model": "tiny"}, "prompt"),
+    (COMPLETE, {"prompt": ["a", "b"]}, "prompt"),
+    (COMPLETE, {"prompt": "a", "echo": True}, "echo"),
+])
+def test_bad_requests_get_400_with_an_openai_error_body(base, path, body, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(base + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"].startswith(f"{param}: " if param else "request body: ")
+
+
+def test_other_client_errors_have_the_error_body_too(base):
+    r = httpx.get(base + "/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(base + CHAT, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+    r = httpx.get(base + "/v1/models/other", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(base + "/v1/models/tiny", timeout=30).json()["id"] == "tiny"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client(base).chat.completions.create(model="tiny", messages=OK_MSG, n=2)
+
+
+def test_prompt_longer_than_the_context_is_refused(base, tok):
+    long = "To be, or not to be, that is the question. " * 20
+    n = len(chat_ids(tok, long))
+    assert n >= CTX
+    r = httpx.post(base + CHAT, json={"messages": [{"role": "user", "content": long}]}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert f"the prompt is {n} tokens long and the model's context is {CTX} tokens" in err["message"]
+    r = httpx.post(base + COMPLETE, json={"prompt": long, "stream": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_api_key_is_enforced(engine, tok):
+    with running(create_app(engine, tok, model_name="tiny", api_key="s3cret")) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(url + CHAT, content="{", headers=headers, timeout=30)  # refused before parsing
+            assert r.status_code == 401, headers
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(url + "/v1/models", headers=headers, timeout=30).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        r = client(url, "s3cret").chat.completions.create(model="tiny", messages=OK_MSG, max_tokens=3)
+        assert r.usage.completion_tokens == 3
+
+
+def test_concurrent_clients_each_get_their_solo_output(base, engine, tok):
+    """16 requests from 8 threads at once: chat and completions, streaming or not, greedy or seeded sampling."""
+    prompts = ["To be", "你好", "The quality of mercy", "滚滚长江", "All the world", "话说天下", "We hold",
+               "一壶浊酒"]
+    jobs = []
+    for i in range(16):
+        kind, streaming, p = ("chat", "completion")[i % 2], bool(i // 2 % 2), prompts[i % 8]
+        temperature, seed = (0.0, None) if i % 3 else (0.9, 100 + i)
+        ids = chat_ids(tok, p) if kind == "chat" else tok.encode(p)
+        jobs.append((kind, streaming, p, temperature, seed, reference(engine, tok, ids, 12, temperature, 0.9, seed)))
+    results: dict[int, tuple] = {}
+    barrier = threading.Barrier(8)
+
+    def run(worker: int) -> None:
+        c = client(base)
+        barrier.wait()
+        for i in range(worker, 16, 8):
+            kind, streaming, p, temperature, seed, _ = jobs[i]
+            results[i] = ask(c, kind, streaming, p, model="tiny", temperature=temperature, top_p=0.9, seed=seed,
+                             max_tokens=12)[:2]
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 16
+    for i, job in enumerate(jobs):
+        text, finish, _ = job[-1]
+        assert results[i] == (text, finish), job[:5]
+
+
+def test_full_queue_gets_429_and_the_server_keeps_answering(engine, tok):
+    eng = SlowEngine()
+    eng.gate.clear()  # generation holds at its first token until the test opens the gate
+    want = reference(engine, tok, chat_ids(tok, "hi"), 5)[0]
+    body = {"messages": OK_MSG, "max_tokens": 5, "temperature": 0, "stream": True}
+    with running(create_app(eng, tok, model_name="tiny", max_queue=1)) as url:
+        try:
+            with httpx.stream("POST", url + CHAT, json=body, timeout=30) as first:
+                lines = (json.loads(x[6:]) for x in first.iter_lines() if x.startswith("data: {"))
+                assert next(lines)["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # admitted
+                r = httpx.post(url + COMPLETE, json={"prompt": "x", "max_tokens": 2}, timeout=30)
+                assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+                assert r.headers["retry-after"] == "1"
+                t0 = time.monotonic()
+                assert httpx.get(url + "/v1/models", timeout=30).status_code == 200  # the event loop is free
+                assert time.monotonic() - t0 < 2
+                eng.gate.set()
+                assert "".join(c["choices"][0]["delta"].get("content", "") for c in lines) == want
+        finally:
+            eng.gate.set()
+        r = httpx.post(url + CHAT, json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+
+
+def post_until_admitted(url: str, body: dict) -> "httpx.Response":
+    """The freed slot is released by the worker just after the generation closes; allow it a moment."""
+    deadline = time.monotonic() + 5
+    while True:
+        r = httpx.post(url + COMPLETE, json=body, timeout=30)
+        if r.status_code != 429 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.02)
+
+
+def test_client_leaving_mid_stream_stops_its_generation(tok):
+    eng = SlowEngine(delay=0.03)  # 80 tokens would take 2.4 s
+    with running(create_app(eng, tok, model_name="tiny", max_queue=1)) as url:
+        body = {"prompt": "To be", "max_tokens": 80, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + COMPLETE, json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one token received; leave
+        assert eng.closed.wait(5)
+        assert eng.tokens < 40
+        r = post_until_admitted(url, {"prompt": "To be", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+        # A non-streaming client that gives up is noticed too.
+        eng.closed.clear()
+        eng.tokens = 0
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + COMPLETE, json={"prompt": "To be", "max_tokens": 80}, timeout=0.3)
+        assert eng.closed.wait(5)
+        assert eng.tokens < 60
+        r = post_until_admitted(url, {"prompt": "To be", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
+
+
+def test_missing_serve_extra_is_a_user_error(engine, tok, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install 'nanolm\[serve\]'"):
+        create_app(engine, tok, model_name="tiny")
+    with pytest.raises(UserError, match=r"pip install 'nanolm\[serve\]'"):
+        server_mod.serve("no-such-run")
+
+
+def test_busy_port_is_a_user_error_before_loading(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(UserError, match=f"--port {port}: cannot listen there"):
+            server_mod.serve(tmp_path / "no-such-run", port=port)
+
+
+def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
+    from test_train import tiny_cfg
+
+    from nanolm.train.checkpoint import load_model
+    from nanolm.train.loop import train
+
+    run = tmp_path / "myrun"
+    train(tiny_cfg(data_dir, run, **{"train.max_steps": 3, "model.max_seq_len": 64}), quiet=True)
+    model, _, _ = load_model(run, "best")
+    want = reference(Engine(model), tok, chat_ids(tok, "你好"), 8)[0]
+
+    code = f"from nanolm.infer.server import serve; serve({str(run)!r}, port=0, api_key='k', device='cpu')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            try:
+                m = re.match(r"serving 'myrun' at (http://127\.0\.0\.1:\d+/v1) ", lines.get(timeout=1))
+                url = m and m.group(1)
+            except queue.Empty:
+                assert proc.poll() is None, "serve exited"
+        assert url, "serve did not say where it listens"
+        c = openai.OpenAI(base_url=url, api_key="k", max_retries=2, timeout=30)  # retries: uvicorn may still start
+        assert [m.id for m in c.models.list().data] == ["myrun"]
+        r = c.chat.completions.create(model="myrun", messages=[{"role": "user", "content": "你好"}], temperature=0,
+                                      max_tokens=8)
+        assert r.choices[0].message.content == want
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # Ctrl+C shuts down gracefully; uvicorn then re-raises the signal, which the CLI reports as "interrupted".
+    assert proc.returncode in (0, -signal.SIGINT)
+    reader.join(5)
+    assert "Application shutdown complete." in "".join(lines.queue)
