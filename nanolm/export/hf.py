@@ -1,0 +1,516 @@
+"""HuggingFace `transformers` export and import through one state-dict adapter.
+
+`export_hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load with no custom code (no
+`trust_remote_code`); `import_hf` turns such a directory (or another Llama
+checkpoint) into a nanolm checkpoint that `nanolm train --init-from` starts
+from. Every renaming and reshaping of weights lives in `to_hf` / `from_hf`,
+pure functions on state dicts and config dicts; the rest of this file moves
+files. `transformers` itself is not needed by either direction.
+
+Which architecture
+- A dense model becomes `LlamaForCausalLM`. nanolm's decoder is Llama's:
+  the same module names (under `model.`), RMSNorm, SwiGLU, grouped-query
+  attention, rotate-half RoPE, no biases. The conversion prefixes the keys and
+  drops the tied head, which HF also stores once.
+- A MoE model becomes `Qwen2MoeForCausalLM`. Qwen2-MoE is the one MoE family in
+  transformers with nanolm's exact layer: Llama attention (Qwen3-MoE adds
+  QK-norm; DeepSeek-V2/V3 use latent attention), softmax-then-top-k routing
+  with optional renormalisation (`norm_topk_prob`), routed plus shared experts
+  (Mixtral has no shared expert) and dense layers interleaved
+  (`decoder_sparse_step` = moe_every, with the same `(i + 1) % step == 0`
+  rule). The remaining differences are bridged exactly:
+  * Qwen2 attention has q/k/v biases: they are written as zeros with
+    `qkv_bias: true`, which every transformers version reads (and vLLM and
+    llama.cpp, whose Qwen2-MoE always has the biases); `qkv_bias: false`
+    would load only in transformers >= 5.
+  * Qwen2-MoE always scales the shared expert by
+    sigmoid(shared_expert_gate(x)); nanolm's shared expert is ungated, so the
+    gate is written as zeros (sigmoid(0) = 0.5 exactly) and the shared
+    down_proj times 2 (exact: a power of two).
+  * n_shared_experts = 0: a shared expert of width 1 with zero weights,
+    which adds exactly 0.
+  * Experts are written one by one (`mlp.experts.{j}.gate_proj.weight`, ...),
+    the layout of Qwen1.5-MoE on the Hub; transformers 5 fuses them into 3-D
+    tensors as it loads and splits them again when it saves.
+  * `router_aux_loss_coef`: HF's load-balancing loss is top_k times nanolm's
+    and pools the MoE layers where nanolm sums them, so the coefficient is
+    scaled by n_moe_layers / top_k (it matters only to training in
+    transformers, with `output_router_logits`).
+
+Import reads `llama` checkpoints nanolm can express (SiLU, plain RoPE, no
+biases, head_dim = hidden_size / num_attention_heads) and `qwen2_moe` ones of
+the exported form (zero q/k/v biases, zero shared-expert gate); anything else
+is a UserError naming the config field. Weights come only from safetensors
+files, single or sharded; nothing is unpickled.
+
+Tokenizer: nanolm needs `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` at ids
+0, 1, 2. An HF tokenizer that does not have them (Llama's SentencePiece
+tokenizers, Qwen's) is not copied on import: the weights still are, with a
+warning, since they remain useful with the original tokenizer elsewhere, but
+fine-tuning them in nanolm needs data prepared with a tokenizer nanolm loads,
+and a different tokenizer means the embeddings start over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from nanolm.config import Config, ModelConfig, TrainConfig
+from nanolm.errors import UserError
+from nanolm.io import fsync_dir, write_json_atomic
+from nanolm.tokenizer import CONFIG_FILE, EOT_ID, IM_END_ID, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SUPPORTED_TYPES = ("llama", "qwen2_moe")
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+def _hf_name(name: str) -> str:
+    """nanolm key -> HF key: everything but the head lives under the base model `model.`."""
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def _nanolm_name(hf_name: str) -> str | None:
+    """HF key -> nanolm key, or None for a key outside nanolm's naming."""
+    if hf_name == "lm_head.weight":
+        return hf_name
+    return hf_name.removeprefix("model.") if hf_name.startswith("model.") else None
+
+
+def nanolm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a nanolm checkpoint of `cfg` stores, with its shape (a tied head is not stored)."""
+    from nanolm.model.transformer import Transformer
+
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = Transformer(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def _moe_layers(cfg: ModelConfig) -> list[int]:
+    return [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)]
+
+
+def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    dtype_name = str(dtype).removeprefix("torch.")
+    out: dict[str, Any] = {
+        "architectures": ["Qwen2MoeForCausalLM" if cfg.use_moe else "LlamaForCausalLM"],
+        "model_type": "qwen2_moe" if cfg.use_moe else "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.n_hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers < 5 reads rope_theta, >= 5 rope_parameters; both are written.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # No bos: nanolm prepends nothing. eos is <|im_end|>, as in tokenizer_config.json (Qwen2-Instruct's roles).
+        "bos_token_id": None,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": EOT_ID,
+        "use_cache": True,
+        "torch_dtype": dtype_name,  # transformers < 5
+        "dtype": dtype_name,
+    }
+    if not cfg.use_moe:
+        out.update({"head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+        return out
+    n_moe = len(_moe_layers(cfg))
+    out.update({
+        "qkv_bias": True,
+        "decoder_sparse_step": cfg.moe_every,
+        "mlp_only_layers": [],
+        "num_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "moe_intermediate_size": cfg.moe_n_hidden,
+        "shared_expert_intermediate_size": cfg.n_shared_experts * cfg.moe_n_hidden or 1,
+        "norm_topk_prob": cfg.norm_topk,
+        "router_aux_loss_coef": cfg.aux_loss_coef * n_moe / cfg.top_k,
+        "output_router_logits": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.n_layer,
+    })
+    return out
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """nanolm weights and model config -> (HF state dict, HF config.json dict); see the module docstring.
+
+    `state_dict` may hold the tied head or not; LoRA layers must be merged first.
+    The HF config's dtype is that of the embedding.
+    """
+    sd = dict(state_dict)
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # it is the embedding
+    shapes = nanolm_shapes(cfg)
+    missing = [k for k in shapes if k not in sd]
+    unexpected = [k for k in sd if k not in shapes]
+    wrong = [f"{k} {tuple(sd[k].shape)} (config: {shapes[k]})" for k in shapes if k in sd and
+             tuple(sd[k].shape) != shapes[k]]
+    if missing or unexpected or wrong:
+        raise ValueError(f"to_hf: the state dict does not match the model config (missing: {missing[:3]}, "
+                         f"unexpected: {unexpected[:3]}, shapes: {wrong[:3]}); merge LoRA adapters first")
+    dtype = sd["embed_tokens.weight"].dtype
+    out = {_hf_name(k): t for k, t in sd.items()}
+    if cfg.use_moe:
+        C, hs = cfg.d_model, cfg.head_dim
+        zeros = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
+        for i in range(cfg.n_layer):
+            attn = f"model.layers.{i}.self_attn."
+            out[attn + "q_proj.bias"] = zeros(cfg.n_head * hs)
+            out[attn + "k_proj.bias"] = zeros(cfg.n_kv_head * hs)
+            out[attn + "v_proj.bias"] = zeros(cfg.n_kv_head * hs)
+        for i in _moe_layers(cfg):
+            mlp = f"model.layers.{i}.mlp."
+            if cfg.n_shared_experts:
+                down = mlp + "shared_expert.down_proj.weight"
+                out[down] = out[down] * 2  # undoes the 0.5 of the zero gate, exactly
+            else:
+                out[mlp + "shared_expert.gate_proj.weight"] = zeros(1, C)
+                out[mlp + "shared_expert.up_proj.weight"] = zeros(1, C)
+                out[mlp + "shared_expert.down_proj.weight"] = zeros(C, 1)
+            out[mlp + "shared_expert_gate.weight"] = zeros(1, C)
+    return out, _hf_config(cfg, dtype)
+
+
+def _round(x: float) -> float:
+    """Drop the last bits of float noise that a scale-and-unscale leaves (x * a / a)."""
+    return float(f"{x:.12g}")
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *,
+            source: str | Path = "") -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """HF state dict and config.json dict -> (nanolm state dict, ModelConfig); the inverse of to_hf.
+
+    `source` (the HF directory) only prefixes error messages. Raises UserError
+    for a config field nanolm cannot express, naming it and what is supported.
+    A tied head is left out of the result, as nanolm checkpoints store it once.
+    """
+    prefix = f"{source}/" if str(source) else ""
+    where_cfg, where_w = f"{prefix}{HF_CONFIG}", f"{prefix}weights"
+
+    def unsupported(name: str, value: Any, supported: str) -> UserError:
+        return UserError(f"{where_cfg}: {name} = {json.dumps(value)} is not supported; {supported}")
+
+    def get_int(name: str, default: int | None = None) -> int:
+        v = hf_config.get(name, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UserError(f"{where_cfg}: {name} must be an integer, got {json.dumps(v)}; "
+                            f"is this a transformers config.json?")
+        return v
+
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM) and qwen2_moe "
+                          "(Qwen2MoeForCausalLM, as nanolm exports it)")
+    act = hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise unsupported("hidden_act", act, "nanolm's MLP is SwiGLU (hidden_act \"silu\")")
+    if hf_config.get("rope_scaling"):
+        raise unsupported("rope_scaling", hf_config["rope_scaling"], "nanolm uses plain RoPE (rope_scaling null)")
+    theta = hf_config.get("rope_theta", 10000.0)  # transformers' default base
+    rope = hf_config.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or \
+                set(rope) - {"rope_type", "rope_theta"}:
+            raise unsupported("rope_parameters", rope, "nanolm uses plain RoPE "
+                              "({\"rope_type\": \"default\", \"rope_theta\": ...})")
+        theta = rope.get("rope_theta", theta)
+    for name in ("attention_bias", "mlp_bias"):
+        if hf_config.get(name):
+            raise unsupported(name, hf_config[name], f"nanolm's linear layers have no bias ({name} false)")
+    if hf_config.get("use_sliding_window"):
+        raise unsupported("use_sliding_window", True, "nanolm attends to the whole context (false)")
+    d_model, n_head = get_int("hidden_size"), get_int("num_attention_heads")
+    head_dim = hf_config.get("head_dim")
+    if n_head > 0 and head_dim is not None and head_dim != d_model // n_head:
+        raise unsupported("head_dim", head_dim, f"nanolm needs head_dim = hidden_size / num_attention_heads "
+                          f"({d_model} / {n_head})")
+    n_layer = get_int("num_hidden_layers")
+    kv = hf_config.get("num_key_value_heads")
+    fields: dict[str, Any] = dict(
+        vocab_size=get_int("vocab_size"), d_model=d_model, n_layer=n_layer, n_head=n_head,
+        n_kv_head=n_head if kv is None else get_int("num_key_value_heads"),
+        n_hidden=get_int("intermediate_size"),
+        max_seq_len=get_int("max_position_embeddings", 2048), rope_theta=float(theta),
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)), dropout=0.0,
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        init_std=float(hf_config.get("initializer_range", 0.02)),
+    )
+    moe = model_type == "qwen2_moe"
+    if moe:
+        if hf_config.get("mlp_only_layers"):
+            raise unsupported("mlp_only_layers", hf_config["mlp_only_layers"], "nanolm places MoE layers by "
+                              "decoder_sparse_step only (mlp_only_layers [])")
+        step = get_int("decoder_sparse_step", 1)
+        top_k = get_int("num_experts_per_tok")
+        n_moe = sum(1 for i in range(n_layer) if step > 0 and (i + 1) % step == 0)
+        moe_hidden = get_int("moe_intermediate_size")
+        shared = get_int("shared_expert_intermediate_size")
+        fields.update(
+            use_moe=True, n_experts=get_int("num_experts"), top_k=top_k, moe_n_hidden=moe_hidden, moe_every=step,
+            # A width that is no multiple of the expert width is the zero stand-in for "no shared expert".
+            n_shared_experts=shared // moe_hidden if moe_hidden > 0 and shared % moe_hidden == 0 else 0,
+            norm_topk=bool(hf_config.get("norm_topk_prob", False)),
+            aux_loss_coef=_round(float(hf_config.get("router_aux_loss_coef", 0.001)) * top_k / max(n_moe, 1)),
+        )
+    try:
+        cfg = ModelConfig(**fields)
+    except UserError as e:
+        raise UserError(f"{where_cfg}: {e}") from None
+
+    sd = {k: t for k, t in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # transformers ignores a stored copy of the tied head too
+    if moe:
+        def take(key: str) -> torch.Tensor:
+            if key not in sd:
+                raise UserError(f"{where_w}: missing tensor {key}; the checkpoint is incomplete")
+            return sd.pop(key)
+
+        if hf_config.get("qkv_bias", True):
+            for i in range(cfg.n_layer):
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    key = f"model.layers.{i}.self_attn.{proj}.bias"
+                    if take(key).any():
+                        raise UserError(f"{where_w}: {key} is not zero, and nanolm's attention has no biases; "
+                                        f"only q/k/v biases of zero (as nanolm exports them) can be imported")
+        for i in _moe_layers(cfg):
+            mlp = f"model.layers.{i}.mlp."
+            gate = take(mlp + "shared_expert_gate.weight")
+            if cfg.n_shared_experts == 0:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    t = take(f"{mlp}shared_expert.{proj}.weight")
+                    if proj == "down_proj" and t.any():
+                        raise UserError(f"{where_cfg}: shared_expert_intermediate_size = {shared} is not a "
+                                        f"multiple of moe_intermediate_size = {moe_hidden}; nanolm's shared "
+                                        f"experts are n_shared_experts x moe_intermediate_size wide")
+            else:
+                if gate.any():
+                    raise UserError(f"{where_w}: {mlp}shared_expert_gate.weight is not zero; nanolm's shared "
+                                    f"expert is ungated, so only a zero gate (as nanolm exports it) can be imported")
+                down = mlp + "shared_expert.down_proj.weight"
+                sd[down] = take(down) / 2  # the exported gate's sigmoid(0) = 0.5, exactly
+
+    shapes = nanolm_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        name = _nanolm_name(key)
+        if name not in shapes:
+            raise UserError(f"{where_w}: unexpected tensor {key} for a {model_type} model as nanolm reads it; "
+                            f"only checkpoints nanolm can express are supported (see nanolm.export.hf)")
+        if tuple(t.shape) != shapes[name]:
+            raise UserError(f"{where_w}: {key} has shape {tuple(t.shape)} but {HF_CONFIG} implies "
+                            f"{shapes[name]}; the weights and the config do not belong together")
+        out[name] = t
+    missing = [_hf_name(k) for k in shapes if k not in out]
+    if missing:
+        raise UserError(f"{where_w}: {len(missing)} tensor(s) missing, first: {missing[0]}; "
+                        f"the checkpoint is incomplete")
+    return out, cfg
+
+
+# ----------------------------------------------------------------------------- files
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: already exists and is not an empty directory; choose a new output directory "
+                        f"or remove it")
+
+
+def _tmp_dir(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> Path:
+    """Make the finished temporary directory `out` in one rename, so `out` is complete or absent."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out.exists():
+        out.rmdir()  # checked empty by _check_out_dir
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    return out
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing {what}; pass a transformers model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e}); the file is damaged") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path}: expected a JSON object ({what})")
+    return d
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing weights file") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF model directory: model.safetensors, or the shards its index names."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = _read_json(index, "shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{index}: no \"weight_map\" of tensor name -> shard file; the index is damaged")
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard:  # shard files sit beside the index, never elsewhere
+                raise UserError(f"{index}: shard {shard!r} is not a file name in {hf_dir}")
+            tensors.update(_load_safetensors(hf_dir / shard))
+        absent = sorted(set(weight_map) - set(tensors))
+        if absent:
+            raise UserError(f"{index}: {absent[0]} is not in its shard {weight_map[absent[0]]}; the shards are "
+                            f"incomplete")
+        return tensors
+    if (hf_dir / WEIGHTS).is_file():
+        return _load_safetensors(hf_dir / WEIGHTS)
+    pickled = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt*"))
+    if pickled:
+        raise UserError(f"{hf_dir}: weights only in {pickled[0]} (a pickle, which nanolm never loads); convert it "
+                        f"to safetensors first, e.g. load it in transformers and save_pretrained() it again")
+    raise UserError(f"{hf_dir}: no {WEIGHTS} or {WEIGHTS_INDEX}; pass a transformers model directory")
+
+
+def _tokenizer_source(dirs: list[Path]) -> Path | None:
+    return next((d for d in dirs if (d / TOKENIZER_FILE).is_file()), None)
+
+
+def export_hf(checkpoint: str | Path, out_dir: Path, *, which: str = "best", adapter: str | Path | None = None,
+              dtype: str = "float32", tokenizer: str | Path | None = None) -> Path:
+    """Write `checkpoint` as a transformers model directory at `out_dir` (created; must not hold files).
+
+    checkpoint: a run or checkpoint directory (`which` picks best or last of a
+    run); a LoRA checkpoint, or `adapter` on top of a full one, is merged into
+    the weights. dtype: float32, bfloat16 or float16 for the written weights.
+    tokenizer: a directory with tokenizer.json, when the checkpoint has none.
+    Writes config.json, generation_config.json, model.safetensors,
+    tokenizer.json and tokenizer_config.json. Returns out_dir.
+    """
+    from nanolm.model.lora import merge_lora
+    from nanolm.train.checkpoint import load_model, model_state, resolve_checkpoint
+
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
+    model, cfg, src = load_model(checkpoint, which, "cpu", adapter)
+    candidates = [Path(tokenizer)] if tokenizer is not None else [src]
+    if tokenizer is None and adapter is not None:
+        candidates.append(resolve_checkpoint(adapter, which))
+    tok_dir = _tokenizer_source(candidates)
+    if tok_dir is None:
+        raise UserError(f"{candidates[0]}: no {TOKENIZER_FILE}, and transformers needs the tokenizer beside the "
+                        f"model; pass --tokenizer <directory of the tokenizer the model was trained with>")
+    tok = Tokenizer.load(tok_dir)  # refuses a tokenizer without nanolm's special ids
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise UserError(f"{tok.path}: the tokenizer has {tok.vocab_size} tokens but the model only "
+                        f"{cfg.model.vocab_size}; pass the tokenizer the model was trained with")
+
+    merge_lora(model)  # no-op without adapters; transformers gets plain weights
+    sd = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in model_state(model).items()}
+    hf_sd, hf_cfg = to_hf(sd, cfg.model)
+
+    tmp = _tmp_dir(out_dir)
+    try:
+        save_file(hf_sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json_atomic(tmp / HF_CONFIG, hf_cfg)
+        # A chat turn ends with <|im_end|>, a document with <|endoftext|>: generate stops at either.
+        write_json_atomic(tmp / GENERATION_CONFIG, {"eos_token_id": [IM_END_ID, EOT_ID], "pad_token_id": EOT_ID})
+        tok.save(tmp)
+        tok_cfg = _read_json(tmp / CONFIG_FILE, "tokenizer config")
+        tok_cfg["model_max_length"] = cfg.model.max_seq_len
+        write_json_atomic(tmp / CONFIG_FILE, tok_cfg)
+        return _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def import_hf(hf_dir: Path, out_dir: Path) -> Path:
+    """Convert a transformers model directory into a nanolm checkpoint directory at `out_dir`.
+
+    out_dir gets model.safetensors (float32), config.json (a full nanolm
+    Config whose model section comes from the HF config) and, when nanolm can
+    use it, the tokenizer. Train from it with
+    `nanolm train --config <out_dir>/config.json --init-from <out_dir> ...`.
+    Warns (and copies no tokenizer) when the HF tokenizer lacks nanolm's
+    special tokens at ids 0, 1, 2. Returns out_dir.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir}: no such directory; pass a transformers model directory (config.json + "
+                        f"safetensors weights)")
+    _check_out_dir(out_dir)
+    hf_config = _read_json(hf_dir / HF_CONFIG, "model config")
+    sd, model_cfg = from_hf(load_hf_weights(hf_dir), hf_config, source=hf_dir)
+    sd = {k: v.float().contiguous() for k, v in sd.items()}  # nanolm trains float32 master weights
+    cfg = Config(model=model_cfg, train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)))
+
+    problem = None
+    if not (hf_dir / TOKENIZER_FILE).is_file():
+        problem = f"{hf_dir} has no {TOKENIZER_FILE}"
+    else:
+        try:
+            tok = Tokenizer.load(hf_dir)
+        except UserError as e:
+            problem = str(e).partition("; ")[0]
+        else:
+            if tok.vocab_size > model_cfg.vocab_size:
+                problem = f"its {tok.vocab_size} tokens exceed the model's vocab_size {model_cfg.vocab_size}"
+    if problem:
+        warnings.warn(f"{out_dir}: imported the weights without a tokenizer ({problem}); nanolm needs "
+                      f"{', '.join(SPECIAL_TOKENS)} at ids 0, 1, 2. The weights belong to the original tokenizer: "
+                      f"fine-tuning them in nanolm with another one starts the embeddings over", stacklevel=2)
+
+    tmp = _tmp_dir(out_dir)
+    try:
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "imported_from": str(hf_dir)})
+        write_json_atomic(tmp / HF_CONFIG, cfg.to_dict())
+        if not problem:
+            for name in (TOKENIZER_FILE, CONFIG_FILE):
+                if (hf_dir / name).is_file():
+                    shutil.copyfile(hf_dir / name, tmp / name)
+        return _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
