@@ -145,7 +145,8 @@ def _cmd_export(args: argparse.Namespace) -> None:
 def _cmd_import(args: argparse.Namespace) -> None:
     from nanolm.export.hf import import_hf
     out = import_hf(Path(args.hf_dir), Path(args.out))
-    print(f"imported into {out}; continue with `nanolm train --init-from {out} ...`")
+    print(f"imported into {out}; continue with `nanolm train --config {out}/config.json --init-from {out} "
+          f"--data <prepared dir> ...`")
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
