@@ -74,3 +74,59 @@ def test_help_lists_generated_config_overrides():
     assert r.returncode == 0
     for name in ("--model.n_layer", "--model.n_kv_head", "--optim.lr", "--train.max_steps", "--train.dtype"):
         assert name in r.stdout
+
+
+@pytest.mark.slow
+def test_ecosystem_commands(tmp_path, data_dir, corpus):
+    """export hf / import hf / export gguf / eval / plot / serve, as a user runs them."""
+    import socket
+    import time
+    import urllib.request
+
+    from nanolm.train.loop import train
+    from test_train import tiny_cfg
+    run = tmp_path / "run"
+    train(tiny_cfg(data_dir, run, **{"train.max_steps": 4, "model.dropout": 0.0}), quiet=True)
+
+    r = nanolm("export", "hf", str(run), str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    r = nanolm("import", "hf", str(tmp_path / "hf"), str(tmp_path / "imported"))
+    assert r.returncode == 0, r.stderr
+    a = nanolm("generate", str(run), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8")
+    b = nanolm("generate", str(tmp_path / "imported"), "--prompt", "To be", "--temperature", "0",
+               "--max-new-tokens", "8")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
+
+    r = nanolm("export", "gguf", str(run), str(tmp_path / "m.gguf"), "--outtype", "q8_0")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "m.gguf").read_bytes()[:4] == b"GGUF"
+
+    r = nanolm("eval", str(run), "--data", str(corpus), "--seq-len", "32")
+    assert r.returncode == 0, r.stderr
+    assert "ppl" in r.stdout and "bpb" in r.stdout
+
+    r = nanolm("plot", str(run), "--out", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "nanolm", "serve", str(run), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
+                    models = json.loads(resp.read())
+                break
+            except OSError:
+                if time.time() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        assert models["object"] == "list" and len(models["data"]) == 1
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,345 @@
+"""GGUF export: a nanolm checkpoint as one file that llama.cpp and ollama load.
+
+GGUF holds the weights under llama.cpp's tensor names, the hyperparameters
+llama.cpp reads (`llama.context_length`, `llama.attention.head_count`, ...)
+and the tokenizer (byte-level BPE vocabulary, merges, special-token ids and
+the ChatML chat template), so `llama-cli -m model.gguf` or an ollama
+Modelfile `FROM ./model.gguf` needs nothing else.
+
+Architectures:
+- dense models are written as llama.cpp's "llama" architecture;
+- MoE models whose routing llama's Mixtral path computes (no shared expert,
+  top-k weights renormalised) are "llama" too, with each layer's experts
+  stacked into 3-D `ffn_{gate,up,down}_exps` tensors and the router as
+  `ffn_gate_inp`;
+- other MoE models (a shared expert, or top-k weights not renormalised) are
+  "bailingmoe", the llama.cpp architecture with Llama attention, softmax
+  top-k routing with a renormalisation switch (`expert_weights_norm`) and an
+  ungated shared SwiGLU expert of width n_shared * n_hidden, which is exactly
+  nanolm's MoE block. llama's graph ignores shared-expert tensors and
+  qwen2moe/deepseek never renormalise, so neither could carry those models.
+  MoE models that mix dense and MoE blocks (model.moe_every > 1) are refused:
+  none of llama.cpp's MoE architectures has that layer pattern.
+
+RoPE layout: nanolm (like HF Llama) rotates the two halves of each head,
+pairing dimension i with i + hs/2; llama.cpp's "llama" and "bailingmoe" graphs
+use ggml's normal RoPE, which pairs dimensions 2i and 2i+1. Both rotate pair
+i by the angle pos * theta^(-2i/hs), so reordering the rows of W_q and W_k
+within each head (row i -> 2i, row i + hs/2 -> 2i + 1) makes ggml compute
+the same rotated q and k up to one common permutation of each head's
+coordinates, which leaves every q.k score unchanged. This is the permutation
+llama.cpp's convert_hf_to_gguf.py applies to HF Llama checkpoints.
+
+Tensor types: norms and the MoE router stay float32 (as llama.cpp's converter
+keeps them); the other matrices are written as `outtype`. Q8_0 quantises
+rows in blocks of 32 values, so a matrix whose rows are not a multiple of 32
+long is written as F16 instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from nanolm.config import ModelConfig
+from nanolm.errors import UserError
+from nanolm.io import fsync_dir
+from nanolm.progress import Progress, fmt_bytes
+
+OUTTYPES = ("f32", "f16", "q8_0")
+TOKENIZER_PRE = "gpt-2"  # llama.cpp's name for GPT-2's split regex, which nanolm's ByteLevel pre-tokenizer uses
+Q8_0_BLOCK = 32
+
+# gguf's TokenType values (normal text pieces, special/control tokens, padding rows of the embedding)
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+def rope_interleave(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection (n_heads * hs, in) from rotate-half order to ggml's interleaved order.
+
+    Within each head, row i goes to 2i and row i + hs/2 to 2i + 1.
+    """
+    out_dim = w.shape[0]
+    hs = out_dim // n_heads
+    return w.reshape(n_heads, 2, hs // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_deinterleave(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of `rope_interleave`: ggml's interleaved rows back to rotate-half order."""
+    hs = w.shape[0] // n_heads
+    return w.reshape(n_heads, hs // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """How a MoE model maps onto a llama.cpp architecture."""
+
+    arch: str  # "llama" or "bailingmoe"
+    n_shared: int  # shared experts written (bailingmoe needs at least one; a zero one adds nothing)
+
+
+def gguf_architecture(cfg: ModelConfig) -> str:
+    """The llama.cpp architecture a model is written as ("llama" or "bailingmoe"); refuses what neither computes."""
+    return _moe_layout(cfg).arch if cfg.use_moe else "llama"
+
+
+def _moe_layout(cfg: ModelConfig) -> MoELayout:
+    if cfg.moe_every != 1:
+        raise UserError(f"model.moe_every={cfg.moe_every}: GGUF export of a MoE model needs every block to be MoE "
+                        "(llama.cpp's MoE architectures have no dense/MoE layer pattern); "
+                        "export it with `nanolm export hf` instead")
+    if cfg.n_shared_experts == 0 and cfg.norm_topk:
+        return MoELayout("llama", 0)
+    return MoELayout("bailingmoe", max(cfg.n_shared_experts, 1))
+
+
+def gguf_tensors(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """(llama.cpp name, float32 tensor) for every weight the GGUF file holds, in file order.
+
+    Shapes are PyTorch's (out, in); GGUF lists dimensions in the reverse order,
+    which is llama.cpp's {in, out}. q and k projections are RoPE-interleaved.
+    Tied embeddings are written once (llama falls back to token_embd for the
+    output), except for bailingmoe, which requires an `output` tensor.
+    """
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    arch = gguf_architecture(cfg)
+    out: list[tuple[str, torch.Tensor]] = [("token_embd.weight", sd["embed_tokens.weight"])]
+    for i in range(cfg.n_layer):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", sd[p + "input_layernorm.weight"]),
+            (b + "attn_q.weight", rope_interleave(sd[p + "self_attn.q_proj.weight"], cfg.n_head)),
+            (b + "attn_k.weight", rope_interleave(sd[p + "self_attn.k_proj.weight"], cfg.n_kv_head)),
+            (b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"]),
+            (b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"]),
+            (b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]),
+        ]
+        if cfg.is_moe_layer(i):
+            out += _moe_tensors(sd, p + "mlp.", b, cfg)
+        else:
+            out += [(b + f"ffn_{n}.weight", sd[p + f"mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")]
+    out.append(("output_norm.weight", sd["norm.weight"]))
+    if not cfg.tie_embeddings or arch == "bailingmoe":
+        out.append(("output.weight", sd["lm_head.weight"]))
+    return out
+
+
+def _moe_tensors(sd: dict[str, torch.Tensor], p: str, b: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """The router, the experts stacked to (n_experts, out, in) and, for bailingmoe, the shared expert."""
+    out = [(b + "ffn_gate_inp.weight", sd[p + "gate.weight"])]  # (E, C)
+    for n in ("gate", "up", "down"):
+        out.append((b + f"ffn_{n}_exps.weight",
+                    torch.stack([sd[p + f"experts.{e}.{n}_proj.weight"] for e in range(cfg.n_experts)])))
+    layout = _moe_layout(cfg)
+    if layout.arch == "bailingmoe":
+        if cfg.n_shared_experts:
+            shared = {n: sd[p + f"shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down")}
+        else:  # bailingmoe always adds a shared expert; an all-zero one contributes exactly 0
+            h = cfg.moe_n_hidden
+            shared = {"gate": torch.zeros(h, cfg.d_model), "up": torch.zeros(h, cfg.d_model),
+                      "down": torch.zeros(cfg.d_model, h)}
+        out += [(b + f"ffn_{n}_shexp.weight", shared[n]) for n in ("gate", "up", "down")]
+    return out
+
+
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> str:
+    """"f32", "f16" or "q8_0" for one tensor: norms, vectors and the router f32; Q8_0 only on 32-multiple rows."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name:
+        return "f32"
+    if outtype == "q8_0" and shape[-1] % Q8_0_BLOCK != 0:
+        return "f16"
+    return outtype
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+@dataclass
+class GGUFVocab:
+    """The tokenizer fields of a GGUF file: one token string and type per model vocabulary id."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    chat_template: str
+
+
+def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
+    """The tokenizer of a checkpoint as GGUF wants it: `vocab_size` tokens by id, their types, merges, template.
+
+    Ids the tokenizer does not use (a model vocabulary larger than the
+    tokenizer's) become "[PAD<id>]" tokens of type UNUSED, as llama.cpp's
+    converter writes them.
+    """
+    from nanolm.tokenizer import CHAT_TEMPLATE, CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+
+    if not (ckpt_dir / TOKENIZER_FILE).is_file():
+        raise UserError(f"{ckpt_dir}: the checkpoint has no {TOKENIZER_FILE}, and GGUF carries the tokenizer; "
+                        f"copy the tokenizer the model was trained with ({TOKENIZER_FILE}, {CONFIG_FILE}) into it")
+    tok = Tokenizer.load(ckpt_dir)
+    data = json.loads(tok.path.read_text(encoding="utf-8"))
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise UserError(f"{tok.path}: not a BPE tokenizer; GGUF export supports tokenizers made by "
+                        "`nanolm tokenizer train`")
+    by_id: dict[int, tuple[str, int]] = {i: (t, TOKEN_NORMAL) for t, i in model["vocab"].items()}
+    for added in data.get("added_tokens") or []:
+        by_id[added["id"]] = (added["content"], TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED)
+    too_big = [i for i in by_id if i >= vocab_size]
+    if too_big:
+        raise UserError(f"{tok.path}: token id {max(too_big)} is outside the model's vocabulary "
+                        f"(model.vocab_size={vocab_size}); export with the tokenizer the model was trained with")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        t, kind = by_id.get(i, (f"[PAD{i}]", TOKEN_UNUSED))
+        tokens.append(t)
+        types.append(kind)
+    # tokenizers writes merges as "a b" strings (older) or [a, b] pairs (0.20+); GGUF stores "a b".
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    template = CHAT_TEMPLATE
+    config_file = tok.path.parent / CONFIG_FILE
+    if config_file.is_file():
+        try:
+            template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template") or CHAT_TEMPLATE
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise UserError(f"{config_file}: not a valid tokenizer config ({e}); retrain the tokenizer or "
+                            "delete the file to use nanolm's ChatML template") from None
+    return GGUFVocab(tokens, types, merges, template)
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _run_name(ckpt_dir: Path) -> str:
+    """The run directory's name for checkpoints inside a run (run/checkpoints/step-N), else the directory's."""
+    ckpt_dir = ckpt_dir.resolve()
+    return ckpt_dir.parent.parent.name if ckpt_dir.parent.name == "checkpoints" else ckpt_dir.name
+
+
+def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, outtype: str) -> None:
+    import gguf
+
+    arch = writer.arch
+    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(int(file_types[outtype]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.d_model)
+    writer.add_block_count(cfg.n_layer)
+    # llama's MoE graph sizes its experts by feed_forward_length.
+    writer.add_feed_forward_length(cfg.moe_n_hidden if cfg.use_moe else cfg.n_hidden)
+    writer.add_head_count(cfg.n_head)
+    writer.add_head_count_kv(cfg.n_kv_head)
+    writer.add_rope_freq_base(float(cfg.rope_theta))
+    writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.use_moe:
+        writer.add_expert_count(cfg.n_experts)
+        writer.add_expert_used_count(cfg.top_k)
+        if arch == "bailingmoe":
+            writer.add_expert_feed_forward_length(cfg.moe_n_hidden)
+            writer.add_expert_shared_count(_moe_layout(cfg).n_shared)
+            writer.add_expert_weights_norm(cfg.norm_topk)
+            writer.add_expert_weights_scale(1.0)
+            writer.add_leading_dense_block_count(0)
+
+    from nanolm.tokenizer import EOT_ID, IM_END_ID
+
+    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+    writer.add_tokenizer_pre(TOKENIZER_PRE)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    writer.add_token_merges(vocab.merges)
+    # nanolm has no BOS and prepends nothing; llama.cpp wants an id, so BOS names <|endoftext|> (as Qwen2 does)
+    # and add_bos_token=False keeps llama.cpp from prepending it.
+    writer.add_bos_token_id(EOT_ID)
+    writer.add_eos_token_id(IM_END_ID)  # a chat turn ends with <|im_end|>
+    writer.add_eot_token_id(IM_END_ID)
+    writer.add_pad_token_id(EOT_ID)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(vocab.chat_template)
+
+
+def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", adapter: str | Path | None = None,
+                outtype: str = "f16", quiet: bool = False) -> Path:
+    """Write a checkpoint (a LoRA adapter merged in) as a GGUF file for llama.cpp / ollama; returns out_file.
+
+    checkpoint: a run or checkpoint directory (its `which` checkpoint, "best"
+    or "last"); adapter: a LoRA run or checkpoint to merge into it first.
+    outtype: "f32", "f16" or "q8_0" for the weight matrices. The file is
+    written under a temporary name beside out_file and renamed into place.
+    """
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("GGUF export needs the gguf package: pip install 'nanolm[gguf]'") from None
+    from nanolm.model.lora import merge_lora
+    from nanolm.train.checkpoint import load_model
+
+    if outtype not in OUTTYPES:
+        raise UserError(f"outtype={outtype!r}: must be one of {', '.join(OUTTYPES)}")
+    out_file = Path(out_file)
+    if out_file.is_dir():
+        raise UserError(f"{out_file}: is a directory; give the path of the .gguf file to write")
+
+    model, run_cfg, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
+    cfg = run_cfg.model
+    arch = gguf_architecture(cfg)  # refuses unsupported MoE layouts before any work
+    merge_lora(model)
+    vocab = gguf_vocab(ckpt_dir, cfg.vocab_size)
+    tensors = gguf_tensors(model, cfg)
+
+    qtypes = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+    plan = []
+    for name, t in tensors:
+        qtype = qtypes[tensor_type(name, tuple(t.shape), outtype)]
+        nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(tuple(t.shape), qtype)))
+        plan.append((name, t, qtype, nbytes))
+
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    writer = gguf.GGUFWriter(None, arch)
+    try:
+        _write_metadata(writer, cfg, vocab, _run_name(ckpt_dir), outtype)
+        for name, t, qtype, nbytes in plan:
+            # The logical (out, in) shape and the byte count; raw_dtype tells the writer the ggml type.
+            writer.add_tensor_info(name, tuple(t.shape), np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total = sum(p[3] for p in plan)
+        # Converted one tensor at a time, so only one quantised copy is in memory at once.
+        with Progress(total, f"gguf {outtype}", "B", scale_bytes=True, enabled=not quiet) as bar:
+            for name, t, qtype, nbytes in plan:
+                writer.write_tensor_data(gguf.quants.quantize(t.numpy(), qtype))
+                bar.update(nbytes)
+        writer.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out_file)
+    except BaseException as e:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise UserError(f"{out_file}: could not write the GGUF file ({e.strerror or e}); "
+                            f"{fmt_bytes(shutil.disk_usage(out_file.parent).free)} free there; free some space "
+                            "or choose another path") from None
+        raise
+    fsync_dir(out_file.parent)
+    if not quiet:
+        print(f"wrote {out_file} ({arch}, {outtype}, {len(plan)} tensors, {fmt_bytes(out_file.stat().st_size)})")
+    return out_file
