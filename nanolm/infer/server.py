@@ -25,15 +25,16 @@ import asyncio
 import functools
 import hmac
 import json
+import queue
 import socket
 import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
@@ -151,6 +152,43 @@ class _Job:
             self._post(("text", piece))
 
 
+class _DaemonThreadExecutor(Executor):
+    """One daemon thread running submitted calls in order.
+
+    ThreadPoolExecutor's threads are joined at interpreter exit, so a generation
+    stuck behind a client that vanished could keep the process alive after the
+    server is gone; a daemon thread cannot.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args, kwargs = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to the awaiting coroutine
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._queue.put(None)
+        if wait:
+            self._thread.join(timeout=30)
+
+
 class _Worker:
     """Runs jobs one at a time on a single thread; admits at most `max_queue` at once.
 
@@ -161,14 +199,14 @@ class _Worker:
         self.max_queue = max_queue
         self.admitted = 0
         self.jobs: set[_Job] = set()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: _DaemonThreadExecutor | None = None
 
     def submit(self, job: _Job) -> bool:
         """Queue the job; False when the queue is full."""
         if self.admitted >= self.max_queue:
             return False
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanolm-generate")
+            self._executor = _DaemonThreadExecutor("nanolm-generate")
         self.admitted += 1
         self.jobs.add(job)
         fut = job.loop.run_in_executor(self._executor, job.run)
