@@ -16,6 +16,7 @@ import math
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,8 +31,9 @@ from nanolm.model import lora
 from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
-from nanolm.runtime import autocast, resolve_device, resolve_dtype, seed_everything
+from nanolm.runtime import autocast, resolve_dtype, seed_everything
 from nanolm.train import checkpoint as ckpt
+from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.stages import DistillObjective, DPOObjective, LMObjective, Objective
 from nanolm.train.optim import build_optimizer
@@ -143,10 +145,12 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     """Run (or resume) training as configured. Returns where it stopped and what it saved."""
     t_setup = time.perf_counter()
     tc, run_dir = cfg.train, Path(cfg.train.out_dir)
-    device = resolve_device(tc.device)
+    info = distributed.setup(tc.device)  # one process, or this rank of a torchrun launch
+    device = info.device
     dtype = resolve_dtype(tc.dtype, device)
     seed_everything(tc.seed)
-    say = lambda msg: log(msg, not quiet)  # noqa: E731
+    accum = distributed.per_rank_accum(tc.grad_accum, info)
+    say = lambda msg: log(msg, not quiet and info.is_main)  # noqa: E731
 
     if not cfg.data.path:
         raise UserError("data.path is empty; pass --data <dir made by `nanolm prepare`>")
@@ -160,7 +164,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             val_data = None
     except UserError:
         val_data = None
-    loader = Loader(train_data, tc.batch_size, tc.seq_len, seed=tc.seed)
+    loader = Loader(train_data, tc.batch_size, tc.seq_len, seed=tc.seed, rank=info.rank, world_size=info.world_size)
     tok_dir = _tokenizer_dir(train_data)
     token_bytes = _token_bytes(tok_dir, cfg.model.vocab_size) if val_data is not None else None
 
@@ -207,7 +211,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     step, tokens, best_val, elapsed_before = 0, 0, float("inf"), 0.0
-    metrics = MetricsWriter(run_dir, trackers=make_trackers(cfg, run_dir))
+    metrics = MetricsWriter(run_dir, enabled=info.is_main,
+                            trackers=make_trackers(cfg, run_dir) if info.is_main else ())
     if resume_src is not None:
         ckpt.load_optimizer(optimizer, resume_src)
         state = ckpt.read_json(resume_src / "state.json", "training state")
@@ -225,11 +230,15 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     fpt = flops_per_token(cfg.model, tc.seq_len)
     peak, peak_src = peak_flops(device, dtype)
     params = count_params(model)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / "config.json", cfg.to_dict())
     say(f"run dir: {run_dir.resolve()} (config saved as config.json)")
     for line in cfg.summary():
         say(f"  {line}")
+    if info.enabled:
+        say(f"data parallel: {info.world_size} processes | {accum} micro-batch(es) per rank per step | "
+            f"global batch {tokens_per_step:,} tokens/step as configured")
     say(f"stage: {tc.stage} | device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | "
         f"compile: {tc.compile}")
     active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
@@ -248,15 +257,22 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
         + f" | MFU peak: {peak / 1e12:.2f} TFLOP/s ({peak_src})")
 
-    train_model = torch.compile(model) if tc.compile else model
+    train_model = distributed.wrap(model, info)
+    if tc.compile:
+        train_model = torch.compile(train_model)
     model.train()
 
     def save(is_best: bool = False) -> Path:
-        state = {"tokens": tokens, "loader": loader.state_dict(), "rng": ckpt.rng_state(),
-                 "best_val_loss": best_val if math.isfinite(best_val) else None,
-                 "elapsed_s": elapsed_before + time.perf_counter() - t_start}
-        return ckpt.save_checkpoint(run_dir, step, model, optimizer, cfg, state, tokenizer_dir=tok_dir,
-                                    keep_last=tc.keep_last, is_best=is_best, adapter_base=adapter_base)
+        """Rank 0 writes (every rank holds the same weights and data position); the others wait for it."""
+        path = run_dir / "checkpoints" / f"step-{step:08d}"
+        if info.is_main:
+            state = {"tokens": tokens, "loader": loader.state_dict(), "rng": ckpt.rng_state(),
+                     "best_val_loss": best_val if math.isfinite(best_val) else None,
+                     "elapsed_s": elapsed_before + time.perf_counter() - t_start}
+            path = ckpt.save_checkpoint(run_dir, step, model, optimizer, cfg, state, tokenizer_dir=tok_dir,
+                                        keep_last=tc.keep_last, is_best=is_best, adapter_base=adapter_base)
+        distributed.barrier(info)
+        return path
 
     def run_eval() -> dict[str, float]:
         if val_data is None:
@@ -298,12 +314,15 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             for group in optimizer.param_groups:
                 group["lr"] = lr
             sums: dict[str, torch.Tensor] = {}
-            for _ in range(tc.grad_accum):
+            for micro in range(accum):
                 batch = loader.next_batch().to(device, non_blocking=True)
-                with autocast(device, dtype):
-                    loss, step_metrics = objective(train_model, batch)
-                loss = loss / tc.grad_accum
-                (scaler.scale(loss) if scaler else loss).backward()
+                # DDP all-reduces gradients on the last micro-batch's backward only.
+                sync = micro == accum - 1 or not info.enabled
+                with nullcontext() if sync else train_model.no_sync():
+                    with autocast(device, dtype):
+                        loss, step_metrics = objective(train_model, batch)
+                    loss = loss / accum
+                    (scaler.scale(loss) if scaler else loss).backward()
                 for k, v in step_metrics.items():
                     sums[k] = sums[k] + v if k in sums else v.clone()
                 tokens_step += batch.x.numel()
@@ -319,12 +338,14 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             optimizer.zero_grad(set_to_none=True)
             step += 1
             steps_done_here += 1
+            tokens_step *= info.world_size  # every rank consumed the same number of positions
             tokens += tokens_step
             tokens_window += tokens_step
             tokens_step = 0
 
             if step % tc.log_interval == 0 or step == tc.max_steps:
-                logged = {k: v.item() / tc.grad_accum for k, v in sums.items()}  # the host sync per log interval
+                # The host sync per log interval; averaged over the ranks, as their gradients are.
+                logged = {k: distributed.mean_across_ranks(v, info).item() / accum for k, v in sums.items()}
                 loss_val = logged.pop("loss")
                 losses[step] = loss_val
                 extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in logged.items())
@@ -370,6 +391,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         last_saved = ckpt.step_dirs(run_dir)[-1]
     metrics.write({"step": step, "tokens": tokens, "event": "stop", "reason": stop_reason})
     metrics.close()
+    distributed.teardown(info)
     say(f"stopped at step {step} ({stop_reason}); {fmt_count(tokens)} tokens; "
         f"checkpoint: {last_saved}" + (f"; best val loss {best_val:.4f}" if math.isfinite(best_val) else ""))
     return TrainResult(run_dir, step, tokens, last_saved, best_val, losses, stop_reason)
