@@ -14,6 +14,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from nanolm.errors import UserError
+
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
@@ -36,6 +38,19 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
+    """A JSON object from `path`; a missing, damaged or non-object file is a one-line UserError ending in `fix`."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing {what}; {fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt {what} ({e}); {fix}") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path}: corrupt {what} (not a JSON object); {fix}")
+    return d
 
 
 def fsync_dir(path: Path) -> None:

@@ -67,7 +67,7 @@ from safetensors.torch import load_file, save_file
 
 from nanolm.config import Config, ModelConfig, TrainConfig
 from nanolm.errors import UserError
-from nanolm.io import fsync_dir, write_json_atomic
+from nanolm.io import fsync_dir, read_json_object, write_json_atomic
 from nanolm.tokenizer import CONFIG_FILE, EOT_ID, IM_END_ID, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -364,15 +364,7 @@ def _publish(tmp: Path, out: Path) -> Path:
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing {what}; pass a transformers model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}); the file is damaged") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{path}: expected a JSON object ({what})")
-    return d
+    return read_json_object(path, what, "pass an intact transformers model directory")
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:

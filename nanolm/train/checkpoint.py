@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from nanolm.config import Config
 from nanolm.errors import UserError
 from nanolm.model.lora import ADAPTER_WEIGHTS, load_adapter, merge_lora, save_adapter
-from nanolm.io import fsync_dir, write_json_atomic
+from nanolm.io import fsync_dir, read_json_object, write_json_atomic
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 WEIGHTS = "model.safetensors"
@@ -160,15 +160,7 @@ def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing {what}; the checkpoint is incomplete, use another one") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: corrupt {what} ({e}); use another checkpoint") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{path}: corrupt {what} (not a JSON object); use another checkpoint")
-    return d
+    return read_json_object(path, what, "the checkpoint is incomplete or damaged: use another one")
 
 
 def load_run_config(ckpt: Path) -> Config:
