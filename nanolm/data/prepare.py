@@ -372,83 +372,66 @@ def _encode_pairs(state: dict[str, Any], pairs: list[tuple[list[tuple[str, str]]
 
 @dataclass
 class _Batch:
-    texts: list[str] = field(default_factory=list)  # text pieces, or
-    convs: list[list[tuple[str, str]]] = field(default_factory=list)  # conversations: (role, content)s, or
-    pairs: list[tuple[list[tuple[str, str]], str, str]] = field(default_factory=list)  # (prompt, chosen, rejected)
-    lasts: list[bool] = field(default_factory=list)
-    is_val: list[bool] = field(default_factory=list)
+    # Text pieces, conversations ((role, content)s) or preference pairs ((prompt, chosen, rejected)).
+    items: list = field(default_factory=list)
+    lasts: list[bool] = field(default_factory=list)  # per item: whether it ends a document
+    is_val: list[bool] = field(default_factory=list)  # per document (a pair counts as one)
     chars: int = 0
     nbytes: int = 0
 
 
-def _batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
-             sizes: list[int]) -> Iterator[_Batch]:
-    """Pieces of all files in order, grouped into batches, each piece tagged with its split."""
+# What a reader yields per item: (item, ends a document, characters, bytes read).
+Record = tuple[Any, bool, int, int]
+
+
+def _batches(files: list[Path], sizes: list[int], k: int,
+             records: Callable[[Path], Iterator[Record]]) -> Iterator[_Batch]:
+    """The items of all files in order, grouped into batches, each tagged with its document's split."""
     doc = 0
     batch = _Batch()
     for path, size in zip(files, sizes):
         read = 0
-        for piece in iter_pieces(path, skip_bad=skip_bad, stats=stats):
-            batch.texts.append(piece.text)
-            batch.lasts.append(piece.last)
+        for item, last, chars, nbytes in records(path):
+            batch.items.append(item)
+            batch.lasts.append(last)
             batch.is_val.append(k > 0 and doc % k == 1)
-            batch.chars += len(piece.text)
-            batch.nbytes += piece.nbytes
-            read += piece.nbytes
-            doc += piece.last
-            if batch.chars >= BATCH_CHARS or len(batch.texts) >= BATCH_PIECES:
+            batch.chars += chars
+            batch.nbytes += nbytes
+            read += nbytes
+            doc += last
+            if batch.chars >= BATCH_CHARS or len(batch.items) >= BATCH_PIECES:
                 yield batch
                 batch = _Batch()
         batch.nbytes += size - read  # trailing blank or skipped lines, so progress ends at 100%
-    if batch.texts or batch.nbytes:
+    if batch.items or batch.nbytes:
         yield batch
 
 
-def _chat_batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
-                  sizes: list[int]) -> Iterator[_Batch]:
-    """Conversations of all files in order, grouped into batches, each tagged with its split."""
-    doc = 0
-    batch = _Batch()
-    for path, size in zip(files, sizes):
-        read = 0
+def _text_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator[Record]]:
+    """Text pieces (a long .txt document comes in several)."""
+    def records(path: Path) -> Iterator[Record]:
+        for piece in iter_pieces(path, skip_bad=skip_bad, stats=stats):
+            yield piece.text, piece.last, len(piece.text), piece.nbytes
+    return records
+
+
+def _chat_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator[Record]]:
+    """Conversations as lists of (role, content)."""
+    def records(path: Path) -> Iterator[Record]:
         for messages, nbytes in iter_chat_records(path, skip_bad=skip_bad, stats=stats):
-            batch.convs.append([(m["role"], m["content"]) for m in messages])
-            batch.lasts.append(True)
-            batch.is_val.append(k > 0 and doc % k == 1)
-            batch.chars += sum(len(m["content"]) for m in messages)
-            batch.nbytes += nbytes
-            read += nbytes
-            doc += 1
-            if batch.chars >= BATCH_CHARS or len(batch.convs) >= BATCH_PIECES:
-                yield batch
-                batch = _Batch()
-        batch.nbytes += size - read
-    if batch.convs or batch.nbytes:
-        yield batch
+            conv = [(m["role"], m["content"]) for m in messages]
+            yield conv, True, sum(len(c) for _, c in conv), nbytes
+    return records
 
 
-def _pair_batches(files: list[Path], k: int, skip_bad: bool, stats: ReadStats,
-                  sizes: list[int]) -> Iterator[_Batch]:
-    """Preference pairs of all files in order, grouped into batches, each tagged with its split
-    (`is_val` holds one entry per pair, the split of both of its conversations)."""
-    pair = 0
-    batch = _Batch()
-    for path, size in zip(files, sizes):
-        read = 0
+def _pair_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator[Record]]:
+    """Preference pairs as (shared prompt, chosen reply, rejected reply); a pair is one item and one split entry."""
+    def records(path: Path) -> Iterator[Record]:
         for (chosen, rejected), nbytes in iter_preference_records(path, skip_bad=skip_bad, stats=stats):
             prompt = [(m["role"], m["content"]) for m in chosen[:-1]]
-            batch.pairs.append((prompt, chosen[-1]["content"], rejected[-1]["content"]))
-            batch.is_val.append(k > 0 and pair % k == 1)
-            batch.chars += sum(len(m["content"]) for m in chosen) + len(rejected[-1]["content"])
-            batch.nbytes += nbytes
-            read += nbytes
-            pair += 1
-            if batch.chars >= BATCH_CHARS or len(batch.pairs) >= BATCH_PIECES:
-                yield batch
-                batch = _Batch()
-        batch.nbytes += size - read
-    if batch.pairs or batch.nbytes:
-        yield batch
+            chars = sum(len(m["content"]) for m in chosen) + len(rejected[-1]["content"])
+            yield (prompt, chosen[-1]["content"], rejected[-1]["content"]), True, chars, nbytes
+    return records
 
 
 class _SplitWriter:
@@ -645,7 +628,7 @@ def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume
             fn, args = job(batch)
             pending.append((batch, pool.submit(_run_in_worker, fn, *args)))
             # The submitted call holds the lists until they are sent; free them after.
-            batch.texts, batch.convs, batch.pairs = [], [], []
+            batch.items = []
         while pending:
             done, future = pending.popleft()
             consume(done, *future.result())
@@ -759,14 +742,14 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         start = time.perf_counter()
         with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
             if chat:
-                _tokenize(_chat_batches(files, k, skip_bad, stats, sizes),
-                          lambda b: (_encode_chats, (b.convs, max_tokens)), consume_chat, tok.path, dtype, workers)
+                _tokenize(_batches(files, sizes, k, _chat_records(skip_bad, stats)),
+                          lambda b: (_encode_chats, (b.items, max_tokens)), consume_chat, tok.path, dtype, workers)
             elif dpo:
-                _tokenize(_pair_batches(files, k, skip_bad, stats, sizes),
-                          lambda b: (_encode_pairs, (b.pairs, max_tokens)), consume_pairs, tok.path, dtype, workers)
+                _tokenize(_batches(files, sizes, k, _pair_records(skip_bad, stats)),
+                          lambda b: (_encode_pairs, (b.items, max_tokens)), consume_pairs, tok.path, dtype, workers)
             else:
-                _tokenize(_batches(files, k, skip_bad, stats, sizes),
-                          lambda b: (_encode_pieces, (b.texts, b.lasts)), consume_text, tok.path, dtype, workers)
+                _tokenize(_batches(files, sizes, k, _text_records(skip_bad, stats)),
+                          lambda b: (_encode_pieces, (b.items, b.lasts)), consume_text, tok.path, dtype, workers)
         seconds = time.perf_counter() - start
         splits = {split: w.finish() for split, w in writers.items()}
         hashes = hashes_future.result()
