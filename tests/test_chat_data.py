@@ -17,7 +17,7 @@ from nanolm.data.prepare import FORMAT_VERSION, fit_conversation, prepare
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
-from chat_helpers import END, HINT, a, s, u, write_jsonl
+from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl
 
 
 CONVS = [
@@ -496,19 +496,7 @@ def test_an_epoch_holds_every_conversation_once_and_the_order_is_seeded(chat):
 
 
 def test_chat_ranks_split_the_stream_and_resume_exactly(chat):
-    ref = Loader(chat, batch_size=4, seq_len=SEQ, seed=7)
-    stream(ref, 3)
-    state = json.loads(json.dumps(ref.state_dict()))
-    continuation = stream(ref, 12)  # crosses into later epochs
-    ranks = [Loader(chat, batch_size=2, seq_len=SEQ, rank=r, world_size=2) for r in range(2)]
-    for r in ranks:
-        r.load_state_dict(state)
-    resumed = []
-    for _ in range(12):
-        parts = [stream(r, 1) for r in ranks]
-        resumed += parts[0] + parts[1]
-    assert resumed == continuation
-    assert ranks[0].state_dict() == ranks[1].state_dict() == ref.state_dict()
+    ref, state = assert_two_ranks_continue(chat, stream, SEQ)
     with pytest.raises(UserError, match=r"saved data position is for 59 conversations at seq_len 63, but .* has 60 "
                                         r"conversations at seq_len 63; resume with the same prepared data"):
         ref.load_state_dict({**state, "n_conversations": 59})

@@ -25,7 +25,7 @@ from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 from nanolm.train.objectives import dpo_loss, sequence_logps, split_pairs
 
-from chat_helpers import END, HINT, a, s, u, write_jsonl
+from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl
 
 
 # (chosen, rejected): one turn, with a system prompt, several turns (the earlier reply is context).
@@ -380,19 +380,7 @@ def test_an_epoch_holds_every_pair_once_seeded_and_by_length(dpo):
 
 
 def test_ranks_split_the_pair_stream_and_resume_exactly(dpo):
-    ref = Loader(dpo, batch_size=4, seq_len=SEQ, seed=7)
-    pair_stream(ref, 3)
-    state = json.loads(json.dumps(ref.state_dict()))
-    continuation = pair_stream(ref, 12)  # crosses into the next epochs
-    ranks = [Loader(dpo, batch_size=2, seq_len=SEQ, rank=r, world_size=2) for r in range(2)]
-    for r in ranks:
-        r.load_state_dict(state)
-    resumed = []
-    for _ in range(12):
-        parts = [pair_stream(r, 1) for r in ranks]
-        resumed += parts[0] + parts[1]
-    assert resumed == continuation
-    assert ranks[0].state_dict() == ranks[1].state_dict() == ref.state_dict()
+    ref, state = assert_two_ranks_continue(dpo, pair_stream, SEQ)
     with pytest.raises(UserError, match=r"saved data position is for 39 preference pairs at seq_len 63, but .* has "
                                         r"40 pairs at seq_len 63; resume with the same prepared data"):
         ref.load_state_dict({**state, "n_pairs": 39})
