@@ -35,7 +35,7 @@ from nanolm.errors import UserError
 from nanolm.progress import Progress, fmt_count
 from nanolm.runtime import autocast, resolve_device, resolve_dtype
 from nanolm.tokenizer import EOT_ID, Tokenizer
-from nanolm.train.objectives import IGNORE_INDEX, lm_loss
+from nanolm.train.stages import lm_scores
 
 ENCODE_CHARS = 1 << 20  # characters of documents tokenized per encode_batch call
 
@@ -179,17 +179,9 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
 
     token_bytes = torch.from_numpy(tok.token_byte_lengths().astype(np.float64))
     dtype = resolve_dtype("auto", dev)
-    loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
-    with torch.no_grad(), Progress(expected, "eval", "tok", enabled=not quiet) as bar:
-        for batch in batches:
-            batch = batch.to(dev)
-            with autocast(dev, dtype):
-                logits = model(batch.x, pos=batch.pos, seg=batch.seg)  # (B, T, V)
-            loss_sum += lm_loss(logits, batch.y, reduction="sum").item()
-            targets = batch.y[batch.y != IGNORE_INDEX].cpu()
-            n_tokens += targets.numel()
-            n_bytes += token_bytes[targets].sum().item()
-            bar.update(targets.numel())
+    with Progress(expected, "eval", "tok", enabled=not quiet) as bar:
+        loss_sum, n_tokens, n_bytes = lm_scores(model, (b.to(dev) for b in batches), lambda: autocast(dev, dtype),
+                                                token_bytes, on_batch=bar.update)
     if n_tokens == 0:
         raise UserError(f"{described}: no target tokens to score; pass more text")
     loss = loss_sum / n_tokens

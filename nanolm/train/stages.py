@@ -28,6 +28,29 @@ def _forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(batch.x, pos=batch.pos, seg=batch.seg)
 
 
+@torch.no_grad()
+def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+              token_bytes: torch.Tensor | None, on_batch: Callable[[int], None] | None = None
+              ) -> tuple[float, int, float]:
+    """(summed cross-entropy in nats, target tokens, UTF-8 bytes those targets stand for) over the batches.
+
+    Only targets != IGNORE_INDEX count (chat data: the assistant replies). token_bytes maps a token id to its
+    byte length (None: bytes are not counted). on_batch(n_targets) is called after each batch.
+    """
+    loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
+    for batch in batches:
+        with autocast():
+            logits = _forward(model, batch)
+        loss_sum += lm_loss(logits, batch.y, reduction="sum").item()
+        targets = batch.y[batch.y != IGNORE_INDEX].cpu()
+        n_tokens += targets.numel()
+        if token_bytes is not None:
+            n_bytes += token_bytes[targets].sum().item()
+        if on_batch is not None:
+            on_batch(targets.numel())
+    return loss_sum, n_tokens, n_bytes
+
+
 class LMObjective:
     """Next-token cross-entropy (+ aux_loss_coef x the MoE balance loss). The logged `loss` is the cross-entropy."""
 
@@ -44,19 +67,10 @@ class LMObjective:
         metrics["aux_loss"] = aux.detach()
         return ce + self.aux_loss_coef * aux, metrics
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
                  token_bytes: torch.Tensor | None) -> dict[str, float]:
         """Validation loss per target token, and bits per byte of the target text."""
-        loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
-        for batch in batches:
-            with autocast():
-                logits = _forward(model, batch)
-            loss_sum += lm_loss(logits, batch.y, reduction="sum").item()
-            targets = batch.y[batch.y != IGNORE_INDEX].cpu()  # chat data: only assistant tokens carry a loss
-            n_tokens += targets.numel()
-            if token_bytes is not None:
-                n_bytes += token_bytes[targets].sum().item()
+        loss_sum, n_tokens, n_bytes = lm_scores(model, batches, autocast, token_bytes)
         if n_tokens == 0:
             return {}
         out = {"val_loss": loss_sum / n_tokens}
