@@ -171,6 +171,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("tensorboard", "wandb")
 WANDB_MODES = ("offline", "online")
+PARALLEL = ("ddp", "fsdp")
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
 @dataclass
@@ -192,7 +194,10 @@ class TrainConfig:
     keep_last: int = 2  # step checkpoints to keep (the best one is always kept)
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA with bf16 support, else float32
     device: str = "auto"
-    compile: bool = False
+    compile: bool = False  # torch.compile the model: faster steps after a compile of a minute or more
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
+    sdpa_backend: str = "auto"  # attention kernel: auto (PyTorch picks), flash, efficient, cudnn (CUDA), math
+    parallel: str = "ddp"  # with torchrun: ddp (full copy per process) or fsdp (FSDP2: weights, grads, optimizer sharded)
     seed: int = 1337
     init_from: str = ""  # a checkpoint to start from (weights only)
     track: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: tensorboard, wandb
@@ -208,6 +213,9 @@ class TrainConfig:
         _check(self.max_minutes >= 0, f"train.max_minutes must be >= 0, got {self.max_minutes}")
         _check(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES, f"train.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _check(self.parallel in PARALLEL, f"train.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        _check(self.sdpa_backend in SDPA_BACKENDS,
+               f"train.sdpa_backend must be one of {', '.join(SDPA_BACKENDS)}, got {self.sdpa_backend!r}")
         self.track = tuple(dict.fromkeys(self.track))  # a list from code or a file; repeats dropped
         for name in self.track:
             _check(name in TRACKERS, f"train.track: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
