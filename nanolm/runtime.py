@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,3 +55,35 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+# The attention kernels scaled_dot_product_attention may be limited to (train.sdpa_backend).
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+
+
+def attention_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                     masked: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context factory that limits attention to one SDPA kernel ("auto": PyTorch's own choice).
+
+    The choice is tried once on a tiny input here, so a kernel that this
+    device, dtype or mask cannot use (flash needs CUDA or a CPU build with it
+    and plain causal masks on CUDA; efficient and cudnn need CUDA) stops the
+    run at start with a message instead of failing at the first step.
+    masked: the data packs several conversations per row, so attention gets an explicit mask.
+    """
+    if name == "auto":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, SDPA_BACKENDS[name])
+    q = torch.zeros(1, 1, 8, head_dim, device=device, dtype=dtype)  # (B, nh, T, hs)
+    mask = torch.ones(8, 8, dtype=torch.bool, device=device).tril() if masked else None
+    try:
+        with sdpa_kernel([backend]):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=not masked)
+    except RuntimeError:
+        what = f"{device.type} in {str(dtype).removeprefix('torch.')}" + (
+            " with the masks of packed conversations" if masked else "")
+        raise UserError(f"train.sdpa_backend={name}: PyTorch has no {name} attention kernel for {what}; "
+                        f"use --train.sdpa_backend auto (or math)") from None
+    return lambda: sdpa_kernel([backend])

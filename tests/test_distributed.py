@@ -1,4 +1,5 @@
-"""Data parallelism through torchrun with gloo on CPU: 2 processes train as 1 does, and resume across sizes."""
+"""Data parallelism through torchrun with gloo on CPU: 2 processes (DDP or FSDP2) train as 1 does, resume
+across sizes both ways, and never take the same sample within an epoch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from nanolm.train import checkpoint as ckpt
 from nanolm.train.loop import train
 from test_train import read_metrics, tiny_cfg
 
@@ -17,15 +20,18 @@ OVER = {"train.max_steps": 8, "train.grad_accum": 2, "train.eval_interval": 4, "
         "model.dropout": 0.0}
 
 
-def torchrun(data_dir: Path, out: Path, **over) -> subprocess.CompletedProcess:
+def torchrun_cmd(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def torchrun(data_dir: Path, out: Path, *extra: str, **over) -> subprocess.CompletedProcess:
     cfg = tiny_cfg(data_dir, out, **{**OVER, **over})
     out.parent.mkdir(parents=True, exist_ok=True)
     config = out.parent / f"{out.name}.json"
     config.write_text(json.dumps(cfg.to_dict()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "nanolm", "train", "--config", str(config)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return torchrun_cmd("-m", "nanolm", "train", "--config", str(config), *extra)
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -38,7 +44,7 @@ def test_two_processes_train_as_one_and_resume_as_one(data_dir, tmp_path):
 
     r = torchrun(data_dir, tmp_path / "two")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "data parallel: 2 processes | 1 micro-batch(es) per rank per step" in r.stdout
+    assert "data parallel: 2 processes (ddp) | 1 micro-batch(es) per rank per step" in r.stdout
     assert r.stdout.count("step      8/8") == 1  # only rank 0 logs
     two = losses(tmp_path / "two")
     assert list(two) == list(range(1, 9))  # each step once in metrics.jsonl: only rank 0 writes
@@ -62,3 +68,69 @@ def test_grad_accum_must_split_over_the_processes(data_dir, tmp_path, monkeypatc
     assert distributed.per_rank_accum(4, info) == 2
     with pytest.raises(UserError, match=r"train.grad_accum \(3\) must be a multiple of the number of processes"):
         distributed.per_rank_accum(3, info)
+
+
+@pytest.mark.slow
+def test_fsdp_trains_as_one_saves_full_weights_and_resumes_across_sizes(data_dir, tmp_path):
+    one = train(tiny_cfg(data_dir, tmp_path / "one", **OVER), quiet=True)
+
+    r = torchrun(data_dir, tmp_path / "fsdp", **{"train.parallel": "fsdp"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "data parallel: 2 processes (fsdp) | 1 micro-batch(es) per rank per step" in r.stdout
+    fsdp = losses(tmp_path / "fsdp")
+    assert list(fsdp) == list(range(1, 9))
+    for s in fsdp:
+        assert fsdp[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    # The checkpoint holds full, unsharded weights that one process loads, equal to the 1-process run's.
+    model, _, src = ckpt.load_model(tmp_path / "fsdp", "last")
+    ref, _, _ = ckpt.load_model(tmp_path / "one", "last")
+    assert src.name == "step-00000008"
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), name
+    optim = ckpt.read_optimizer(src)
+    assert optim["state"]["embed_tokens.weight"]["exp_avg"].shape == (400, 32)  # unsharded
+
+    # saved by 2 FSDP processes after 4 steps, resumed by 1 process
+    r = torchrun(data_dir, tmp_path / "down", **{"train.parallel": "fsdp", "train.max_tokens": 4 * 2 * 4 * 32})
+    assert r.returncode == 0, r.stderr[-2000:]
+    resumed = train(tiny_cfg(data_dir, tmp_path / "down", **OVER), resume=True, quiet=True)
+    for s in range(5, 9):
+        assert resumed.train_losses[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+
+    # saved by 1 process after 4 steps, resumed by 2 FSDP processes
+    part = train(tiny_cfg(data_dir, tmp_path / "up", **{**OVER, "train.max_tokens": 4 * 2 * 4 * 32}), quiet=True)
+    assert part.step == 4
+    r = torchrun(data_dir, tmp_path / "up", "--resume", **{"train.parallel": "fsdp"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout and r.stdout.count("resumed from") == 1
+    up = losses(tmp_path / "up")
+    for s in range(5, 9):
+        assert up[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_two_ranks_never_take_the_same_window_within_an_epoch(tokenizer_dir, tmp_path):
+    from nanolm.data.loader import Loader, PackedData
+    from nanolm.data.prepare import prepare
+    # Counting text: no two windows hold the same tokens, so a repeat in the rows is a repeated window.
+    corpus = tmp_path / "count.txt"
+    corpus.write_text("\n\n".join(" ".join(f"{i:05d}" for i in range(d * 100, d * 100 + 100)) for d in range(40)))
+    data_dir = tmp_path / "data"
+    prepare([corpus], tokenizer_dir, data_dir, val_fraction=0.0, workers=1, quiet=True)
+    out = tmp_path / "rows.json"
+    r = torchrun_cmd(str(Path(__file__).parent / "dist_worker.py"), str(data_dir), str(out), "2", "16")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    n, steps = got["epoch_windows"], got["steps"]
+    # The stream of one process with the same seed and the global batch, to compare with.
+    single = Loader(PackedData(data_dir), 4, 16, seed=7)
+    expected = [single.next_batch().x.tolist() for _ in range(steps)]
+    rank0, rank1 = got["rows"]
+    seen: list[tuple] = []
+    for s in range(steps):
+        assert rank0[s] + rank1[s] == expected[s]  # rank r takes the r-th half of each global batch
+        seen += [tuple(row) for row in rank0[s] + rank1[s]]
+    epoch0 = seen[:n]
+    assert len(set(epoch0)) == len(epoch0) == n  # every window once, on one rank or the other
+    assert set(seen[n:2 * n]) == set(epoch0)  # the next epoch: the same windows, in another order
+    assert seen[n:2 * n] != epoch0

@@ -12,6 +12,7 @@ from nanolm.config import load_config
 from nanolm.errors import UserError
 from nanolm.train import checkpoint as ckpt
 from nanolm.train.loop import train
+from nanolm.train.metrics import measured_matmul_flops
 
 
 def tiny_cfg(data_dir: Path, out: Path, **over):
@@ -55,6 +56,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(data_dir, tmp_path):
     # Same config, but a token budget stops it after 10 of the 20 steps (the schedule still spans 20).
     part = train(tiny_cfg(data_dir, tmp_path / "part", **{"train.max_tokens": 10 * 4 * 32}), quiet=True)
     assert part.step == 10 and part.stop_reason == "max_tokens"
+    measured_matmul_flops.cache_clear()  # as in a new process, where the MFU peak is measured again
     resumed = train(tiny_cfg(data_dir, tmp_path / "part"), resume=True, quiet=True)
     assert resumed.step == 20
     assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 21)}
@@ -166,3 +168,26 @@ def test_moe_parameter_report(tmp_path):
     assert p["active"] == count_params(Transformer(dense))["total"] + 8 * 8 * 512  # + the routers
     assert p["total"] > 3 * p["active"]
     assert flops_per_token(moe, 512) - flops_per_token(dense, 512) == 6 * 8 * 8 * 512  # router matmuls only
+
+
+def test_activation_checkpointing_and_attention_kernel_leave_the_losses_unchanged(data_dir, tmp_path):
+    over = {"train.max_steps": 6, "train.eval_interval": 3}
+    plain = train(tiny_cfg(data_dir, tmp_path / "plain", **over), quiet=True)
+    # Recomputing each block in backward (dropout included: its RNG state is replayed) gives the same steps.
+    recomputed = train(tiny_cfg(data_dir, tmp_path / "ac", **over, **{"train.activation_checkpointing": True}),
+                       quiet=True)
+    math_kernel = train(tiny_cfg(data_dir, tmp_path / "math", **over, **{"train.sdpa_backend": "math"}), quiet=True)
+    for s in plain.train_losses:
+        assert recomputed.train_losses[s] == pytest.approx(plain.train_losses[s], rel=1e-5)
+        assert math_kernel.train_losses[s] == pytest.approx(plain.train_losses[s], rel=1e-4)
+    # The checkpoint keeps the model's own names: it loads into a plain model.
+    model, _, _ = ckpt.load_model(tmp_path / "ac", "last")
+    assert "layers.0.self_attn.q_proj.weight" in model.state_dict()
+    assert recomputed.best_val_loss == pytest.approx(plain.best_val_loss, rel=1e-5)
+
+
+def test_an_attention_kernel_the_device_lacks_stops_at_start(data_dir, tmp_path):
+    with pytest.raises(UserError, match=r"train.sdpa_backend=efficient: PyTorch has no efficient attention kernel "
+                                        r"for cpu in float32; use --train.sdpa_backend auto"):
+        train(tiny_cfg(data_dir, tmp_path / "run", **{"train.sdpa_backend": "efficient"}), quiet=True)
+    assert not (tmp_path / "run" / "checkpoints").exists()

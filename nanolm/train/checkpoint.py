@@ -6,7 +6,7 @@ A run directory holds `checkpoints/step-XXXXXXXX/`, each a complete checkpoint:
     adapter.safetensors + adapter_config.json   only the adapter, with the fingerprint of its base
     config.json         the full run Config (model, data, optim, train)
     state.json          step, tokens seen, data position, RNG states, best validation loss
-    optimizer.pt        AdamW state (torch.save; loaded with weights_only=True)
+    optimizer.pt        AdamW state keyed by parameter name, unsharded (torch.save; loaded with weights_only=True)
     tokenizer.json, tokenizer_config.json   when the run knows its tokenizer
 
 A checkpoint is written into a hidden temporary directory and renamed into
@@ -77,11 +77,14 @@ def step_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in ckdir.iterdir() if p.is_dir() and STEP_RE.match(p.name))
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state: dict[str, Any] | None,
                     cfg: Config, state: dict[str, Any], *, tokenizer_dir: Path | None = None,
-                    keep_last: int = 2, is_best: bool = False, adapter_base: dict[str, Any] | None = None) -> Path:
+                    keep_last: int = 2, is_best: bool = False, adapter_base: dict[str, Any] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` atomically, update best.json, prune old ones. Returns its directory.
 
+    optimizer_state: `distributed.full_optimizer_state` (keyed by parameter name), or None.
+    weights: the full weights when `model` is sharded (`distributed.full_model_state`); else taken from `model`.
     adapter_base: for a LoRA run, {"base_fingerprint": ..., "base_checkpoint": ...}; only the adapter is saved.
     """
     ckdir = Path(run_dir) / "checkpoints"
@@ -97,11 +100,12 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
             save_adapter(tmp, model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
                          **adapter_base)
         else:
-            save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+            save_file(model_state(model) if weights is None else weights, str(tmp / WEIGHTS),
+                      metadata={"format": "pt", "step": str(step)})
         write_json_atomic(tmp / "config.json", cfg.to_dict())
         write_json_atomic(tmp / "state.json", {"step": step, **state})
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
@@ -200,16 +204,21 @@ def load_weights(model: nn.Module, ckpt: Path) -> None:
     model.load_state_dict(tensors, strict=True)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, ckpt: Path) -> None:
+def read_optimizer(ckpt: Path) -> dict[str, Any]:
+    """The saved optimizer state (keyed by parameter name), read without unpickling anything but tensors."""
     path = Path(ckpt) / "optimizer.pt"
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(sd)
     except FileNotFoundError:
         raise UserError(f"{path}: missing optimizer state; cannot resume exactly from this checkpoint") from None
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise UserError(f"{path}: corrupt or mismatched optimizer state ({type(e).__name__}: {e}); "
+        raise UserError(f"{path}: corrupt optimizer state ({type(e).__name__}: {e}); "
                         f"resume from another checkpoint") from None
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)
+            and all(isinstance(k, str) for k in sd["state"])):
+        raise UserError(f"{path}: not an optimizer state keyed by parameter name (written by an older nanolm?); "
+                        f"resume from another checkpoint, or start from its weights with --init-from")
+    return sd
 
 
 def is_adapter(ckpt: Path) -> bool:

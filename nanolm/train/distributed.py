@@ -1,19 +1,39 @@
-"""Data-parallel set-up from torchrun's environment: process group, device, DDP wrapping.
+"""How the model is laid out over processes: torchrun's process group, DDP or FSDP2, activation checkpointing.
 
 Launched by `torchrun --nproc_per_node N -m nanolm train ...`, every process
 reads RANK / LOCAL_RANK / WORLD_SIZE, joins one process group (NCCL on GPUs,
 gloo on CPUs) and trains on its own slice of the global data stream. Without
 torchrun's variables nothing is initialised and training runs as one process.
+
+`parallelize` applies everything that wraps the model from outside, in the
+order the wrappers need: activation checkpointing of each block, then DDP
+(every process holds all weights; gradients are all-reduced) or FSDP2
+(`fully_shard` per block and at the root: weights, gradients and optimizer
+state are split over the processes and gathered one block at a time).
+
+Checkpoints are always full and unsharded whatever the layout, so a run saved
+with N processes loads in one process, in generation and export, or resumes
+with M processes: `full_model_state` and `full_optimizer_state` gather them
+(every rank must call them; rank 0 gets the tensors), and the optimizer state
+is keyed by parameter names, not by position, so it fits any layout.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from nanolm.errors import UserError
 from nanolm.runtime import resolve_device
@@ -65,12 +85,93 @@ def per_rank_accum(grad_accum: int, info: DistInfo) -> int:
     return grad_accum // info.world_size
 
 
-def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
-    """DDP around the model when several processes train; the model itself otherwise."""
+def parallelize(model: nn.Module, info: DistInfo, *, parallel: str = "ddp",
+                activation_checkpointing: bool = False) -> nn.Module:
+    """Wrap `model` (already on its device, weights loaded) for training; returns the module to call.
+
+    FSDP2 changes `model` in place (its parameters become sharded DTensors), so
+    build the optimizer from `model` after this. DDP returns a wrapper around
+    `model`, whose own parameters stay the ones the optimizer updates.
+    """
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        blocks = tuple(type(b) for b in model.layers)
+        # Each block keeps only its input for backward and runs its forward again there.
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, blocks))
     if not info.enabled:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        for block in model.layers:  # a block's weights are gathered just before it runs, freed after
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the rest: embedding (tied to the LM head), final norm
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def grad_sync(train_model: nn.Module, sync: bool) -> Iterator[None]:
+    """Gradient accumulation: reduce gradients over the ranks only in the backward of the last micro-batch."""
+    if sync or not dist.is_initialized():
+        yield
+    elif is_sharded(train_model):
+        train_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            train_model.set_requires_gradient_sync(True)
+    else:
+        with train_model.no_sync():
+            yield
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor, such as the gradient norm of sharded parameters."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are another name's tensor (the LM head tied to the embedding)."""
+    seen: set[int] = set()
+    out = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.add(id(p))
+    return out
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights on the CPU, tied tensors once (safetensors refuses shared storage).
+
+    A collective under FSDP: every rank calls it; only rank 0 gets the tensors, the others {}.
+    """
+    if is_sharded(model):
+        aliases = _aliases(model)
+        return {k: v.contiguous() for k, v in get_model_state_dict(model, options=_FULL).items() if k not in aliases}
+    from nanolm.train.checkpoint import model_state
+    return model_state(model)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, unsharded, on the CPU (a collective under FSDP)."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a `full_optimizer_state` into this layout (every rank passes the same full state)."""
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def mean_across_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -16,7 +16,7 @@ import math
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +31,7 @@ from nanolm.model import lora
 from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
-from nanolm.runtime import autocast, resolve_dtype, seed_everything
+from nanolm.runtime import attention_kernel, autocast, resolve_dtype, seed_everything
 from nanolm.train import checkpoint as ckpt
 from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
@@ -206,6 +206,12 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     elif resume_src is not None:
         ckpt.load_weights(model, resume_src)
     model.to(device)
+    if tc.parallel == "fsdp" and info.enabled and cfg.uses_lora:
+        raise UserError("train.parallel=fsdp does not shard LoRA runs (their base is frozen and adapters are small); "
+                        "use --train.parallel ddp")
+    # DDP or FSDP2 and activation checkpointing wrap the model before the optimizer sees its parameters.
+    train_model = distributed.parallelize(model, info, parallel=tc.parallel,
+                                          activation_checkpointing=tc.activation_checkpointing)
     optimizer = build_optimizer(model, cfg.optim, device)
     objective = _objective(cfg, model, train_data, device, say)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -214,7 +220,11 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     metrics = MetricsWriter(run_dir, enabled=info.is_main,
                             trackers=make_trackers(cfg, run_dir) if info.is_main else ())
     if resume_src is not None:
-        ckpt.load_optimizer(optimizer, resume_src)
+        try:
+            distributed.load_full_optimizer_state(model, optimizer, ckpt.read_optimizer(resume_src))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise UserError(f"{resume_src}/optimizer.pt: does not match this run's trainable parameters "
+                            f"({type(e).__name__}: {e}); resume with the settings the run was saved with") from None
         state = ckpt.read_json(resume_src / "state.json", "training state")
         step, tokens = int(state["step"]), int(state["tokens"])
         best_val = float(state.get("best_val_loss") or float("inf"))
@@ -237,10 +247,11 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     for line in cfg.summary():
         say(f"  {line}")
     if info.enabled:
-        say(f"data parallel: {info.world_size} processes | {accum} micro-batch(es) per rank per step | "
+        say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {accum} micro-batch(es) per rank per step | "
             f"global batch {tokens_per_step:,} tokens/step as configured")
     say(f"stage: {tc.stage} | device: {device} | compute dtype: {str(dtype).removeprefix('torch.')} | "
-        f"compile: {tc.compile}")
+        f"compile: {tc.compile} | activation checkpointing: {tc.activation_checkpointing} | "
+        f"attention kernel: {tc.sdpa_backend}")
     active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
     say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
         f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {fpt / 1e6:.1f} MFLOPs/token (train)")
@@ -257,7 +268,15 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
         + f" | MFU peak: {peak / 1e12:.2f} TFLOP/s ({peak_src})")
 
-    train_model = distributed.wrap(model, info)
+    attention = attention_kernel(tc.sdpa_backend, device, dtype, cfg.model.head_dim, masked=train_data.is_chat)
+
+    def compute() -> ExitStack:
+        """The forward's context: mixed precision and the attention kernel."""
+        stack = ExitStack()
+        stack.enter_context(autocast(device, dtype))
+        stack.enter_context(attention())
+        return stack
+
     if tc.compile:
         train_model = torch.compile(train_model)
     model.train()
@@ -265,12 +284,16 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     def save(is_best: bool = False) -> Path:
         """Rank 0 writes (every rank holds the same weights and data position); the others wait for it."""
         path = run_dir / "checkpoints" / f"step-{step:08d}"
+        # Gathered on every rank (a collective under FSDP); rank 0 gets the full tensors.
+        weights = distributed.full_model_state(model) if distributed.is_sharded(model) else None
+        optim_state = distributed.full_optimizer_state(model, optimizer)
         if info.is_main:
             state = {"tokens": tokens, "loader": loader.state_dict(), "rng": ckpt.rng_state(),
                      "best_val_loss": best_val if math.isfinite(best_val) else None,
                      "elapsed_s": elapsed_before + time.perf_counter() - t_start}
-            path = ckpt.save_checkpoint(run_dir, step, model, optimizer, cfg, state, tokenizer_dir=tok_dir,
-                                        keep_last=tc.keep_last, is_best=is_best, adapter_base=adapter_base)
+            path = ckpt.save_checkpoint(run_dir, step, model, optim_state, cfg, state, tokenizer_dir=tok_dir,
+                                        keep_last=tc.keep_last, is_best=is_best, adapter_base=adapter_base,
+                                        weights=weights)
         distributed.barrier(info)
         return path
 
@@ -281,7 +304,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         model.eval()
         batches = (b.to(device) for b in
                    iter_eval_batches(val_data, tc.batch_size, tc.seq_len, tc.eval_batches))
-        res = objective.evaluate(model, batches, lambda: autocast(device, dtype), token_bytes)
+        res = objective.evaluate(model, batches, compute, token_bytes)
         model.train()
         if not res:
             return {}
@@ -316,10 +339,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             sums: dict[str, torch.Tensor] = {}
             for micro in range(accum):
                 batch = loader.next_batch().to(device, non_blocking=True)
-                # DDP all-reduces gradients on the last micro-batch's backward only.
-                sync = micro == accum - 1 or not info.enabled
-                with nullcontext() if sync else train_model.no_sync():
-                    with autocast(device, dtype):
+                # Gradients are reduced over the ranks in the last micro-batch's backward only.
+                with distributed.grad_sync(train_model, sync=micro == accum - 1):
+                    with compute():
                         loss, step_metrics = objective(train_model, batch)
                     loss = loss / accum
                     (scaler.scale(loss) if scaler else loss).backward()
@@ -329,7 +351,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             if scaler:
                 scaler.unscale_(optimizer)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            grad_norm = distributed.local_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()

@@ -41,8 +41,10 @@ _GPU_PEAKS = {
 def measured_matmul_flops(device_type: str, dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
     """FLOP/s of an n x n x n matrix multiply on this device, best of repeated timings."""
     device = torch.device(device_type)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # Its own generator: drawing from the global one would shift a run's dropout masks after a resume.
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):
         a @ b
