@@ -53,6 +53,8 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     from nanolm.config import override_fields
     g = p.add_argument_group("config fields (override the preset and the config file)")
     for name, typ in override_fields().items():
+        if name == "data.sets":  # given as --data DIR:key=value,... (see _config_from_args)
+            continue
         kind = getattr(typ, "__name__", str(typ))
         if typ is bool:
             g.add_argument(f"--{name}", dest=name, nargs="?", const="true", default=argparse.SUPPRESS,
@@ -62,12 +64,14 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 
 # Common fields with a short spelling too.
-_SHORTCUTS = {"data": "data.path", "out": "train.out_dir", "stage": "train.stage", "init_from": "train.init_from"}
+_SHORTCUTS = {"out": "train.out_dir", "stage": "train.stage", "init_from": "train.init_from"}
 
 
 def _config_from_args(args: argparse.Namespace):
-    from nanolm.config import load_config, override_fields
+    from nanolm.config import data_overrides, load_config, override_fields
     overrides = {k: v for k, v in vars(args).items() if k in override_fields()}
+    if getattr(args, "data", None) is not None:
+        overrides.update(data_overrides(args.data))
     for short, full in _SHORTCUTS.items():
         value = getattr(args, short, None)
         if value is not None:
@@ -238,7 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tr.add_argument("--preset", default=None, help="tiny, minimind-26m, minimind-104m, gpt2-124m")
     tr.add_argument("--config", default=None, help="a TOML or JSON file with model/data/optim/train sections")
-    tr.add_argument("--data", default=None, help="prepared data directory (data.path)")
+    tr.add_argument("--data", nargs="+", default=None, metavar="DIR",
+                    help="prepared data: one directory (data.path), or data sets (data.sets), each DIR or "
+                         "DIR:key=value,... with keys epochs, tokens, weight, name; used in turn, each but the last "
+                         "for its budget (a curriculum: wiki:epochs=2 sft, or wiki:tokens=5M sft), or with "
+                         "--data.mode mixture sampled by weight (wiki:weight=3 sft)")
     tr.add_argument("--out", default=None, help="run directory (train.out_dir)")
     tr.add_argument("--stage", default=None, help="train.stage")
     tr.add_argument("--init-from", dest="init_from", default=None, help="start from this checkpoint's weights")

@@ -107,3 +107,80 @@ def test_summary_lists_every_field():
                for line in lines)
     assert not any(line.startswith(("dpo:", "distill:")) for line in lines)
     assert not any(line.startswith("lora:") for line in load_config("tiny").summary())
+
+
+# ----------------------------------------------------------------------------- data sets: curricula and mixtures
+
+def test_data_sets_from_toml_json_and_round_trip(tmp_path):
+    from nanolm.config import DataSetConfig
+    f = tmp_path / "c.toml"
+    f.write_text('[data]\nmode = "mixture"\n[[data.sets]]\npath = "/d/wiki"\nweight = 3\n'
+                 '[[data.sets]]\npath = "/e/wiki"\n[[data.sets]]\npath = "/d/sft"\nname = "chat"\n')
+    cfg = load_config("tiny", f)
+    assert cfg.data.mode == "mixture" and cfg.data.path == ""
+    assert cfg.data.sets == (DataSetConfig("/d/wiki", weight=3.0, name="wiki"),
+                             DataSetConfig("/e/wiki", name="wiki-2"), DataSetConfig("/d/sft", name="chat"))
+    saved = json.loads(json.dumps(cfg.to_dict()))  # as config.json holds it
+    assert saved["data"]["sets"][1] == {"path": "/e/wiki", "epochs": 0.0, "tokens": 0, "weight": 1.0,
+                                        "name": "wiki-2"}
+    assert Config.from_dict(saved) == cfg
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"data": {"sets": [{"path": "/d/a", "epochs": 1.5}, {"path": "/d/b", "tokens": 5000}]}}))
+    cfg = load_config("tiny", j)
+    assert [(s.name, s.epochs, s.tokens) for s in cfg.data.sets] == [("a", 1.5, 0), ("b", 0.0, 5000)]
+    assert "data: path='' sets=/d/a:epochs=1.5,name=a /d/b:tokens=5000,name=b mode=curriculum" in cfg.summary()
+    # one data set is data.path, as before
+    assert load_config("tiny", overrides={"data.path": "/d/a"}).data.sets == ()
+
+
+def test_data_values_from_the_command_line():
+    from nanolm.config import data_overrides
+    assert data_overrides(["/d/wiki"]) == {"data.path": "/d/wiki", "data.sets": []}
+    over = data_overrides(["/d/wiki:epochs=2", "/d/x:y/sft:tokens=5M,name=chat", "/d/z:weight=0.5"])
+    assert over == {"data.path": "", "data.sets": [{"path": "/d/wiki", "epochs": 2.0},
+                                                   {"path": "/d/x:y/sft", "tokens": 5_000_000, "name": "chat"},
+                                                   {"path": "/d/z", "weight": 0.5}]}
+    assert data_overrides(["a:tokens=2B", "b:tokens=1.5k", "c"])["data.sets"][:2] == [
+        {"path": "a", "tokens": 2_000_000_000}, {"path": "b", "tokens": 1500}]
+    assert data_overrides(["/d/a:b"]) == {"data.path": "/d/a:b", "data.sets": []}  # no key=value: all path
+    cfg = load_config("tiny", overrides={**data_overrides(["/d/a:epochs=1", "/d/b"])})
+    assert [s.name for s in cfg.data.sets] == ["a", "b"] and cfg.data.sets[0].epochs == 1.0
+    with pytest.raises(UserError, match=r"--data a:foo=1: unknown key 'foo'; use epochs, tokens, weight, name"):
+        data_overrides(["a:foo=1"])
+    with pytest.raises(UserError, match=r"--data a:tokens=5X: tokens must be a whole number of tokens such as"):
+        data_overrides(["a:tokens=5X", "b"])
+    with pytest.raises(UserError, match=r"--data a:weight=heavy: weight must be a number, got 'heavy'"):
+        data_overrides(["a:weight=heavy"])
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"path": "/d/a", "sets": [{"path": "/d/b"}]},
+     "data.path and data.sets are both set; give one data set as data.path or several as data.sets"),
+    ({"sets": [{"path": "/d/a", "epochs": 1, "tokens": 10}, {"path": "/d/b"}]},
+     "data.sets[0] (a): give epochs or tokens, not both"),
+    ({"mode": "mixture", "sets": [{"path": "/d/a", "weight": 0}, {"path": "/d/b"}]},
+     "data.sets[0] (a): weight must be > 0, got 0"),
+    ({"mode": "mixture", "sets": [{"path": "/d/a"}, {"path": "/d/b", "epochs": 2}]},
+     "data.sets[1] (b): epochs and tokens are budgets of a curriculum; a mixture samples"),
+    ({"sets": [{"path": "/d/a", "epochs": 1, "weight": 2}, {"path": "/d/b"}]},
+     ("data.sets[0] (a): weight 2 applies only to a mixture; a curriculum uses its sets in turn (use data.mode "
+      "mixture, or drop the weight)")),
+    ({"sets": [{"path": "/d/a"}, {"path": "/d/b"}]},
+     "data.sets[0] (a) needs epochs or tokens: in a curriculum every set but the last has a budget"),
+    ({"sets": [{"path": "/d/a", "epochs": -1}]}, "data.sets[0] (a): epochs must be >= 0, got -1"),
+    ({"sets": [{"path": ""}]}, "data.sets[0].path is empty"),
+    ({"sets": [{"path": "/d/a", "epochs": 1, "name": "x"}, {"path": "/d/b", "name": "x"}]},
+     "data.sets[0].name 'x' is used twice"),
+    ({"sets": [{"path": "/d/a", "name": "a b"}]}, "data.sets[0].name 'a b' may hold only letters, digits"),
+    ({"mode": "random", "sets": [{"path": "/d/a"}]}, "data.mode must be one of curriculum, mixture, got 'random'"),
+    ({"sets": [{"path": "/d/a", "epochs": "two"}]}, "data.sets[0].epochs: expected a number, got 'two'"),
+    ({"sets": [{"path": "/d/a", "steps": 2}]}, "unknown field data.sets[0].steps; known fields: data.sets[0].path"),
+    ({"sets": {"path": "/d/a"}}, "data.sets must be a list of tables/objects ([[data.sets]] in TOML), got dict"),
+])
+def test_bad_data_sets_name_the_field(tmp_path, data, message):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"data": data}))
+    with pytest.raises(UserError) as e:
+        load_config("tiny", f)
+    assert message in str(e.value) and str(e.value).startswith(f"{f}: ")
+    assert "\n" not in str(e.value)

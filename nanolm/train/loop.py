@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from nanolm.config import Config
-from nanolm.data.loader import Loader, PackedData, iter_eval_batches
+from nanolm.data.loader import PackedData, iter_eval_batches
+from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
 from nanolm.io import write_json_atomic
 from nanolm.model import lora
@@ -129,7 +130,8 @@ def _objective(cfg: Config, model: torch.nn.Module, data: PackedData, device: to
     if (stage == "dpo") != (kind == "dpo"):
         fix = ("prepare preference pairs with `nanolm prepare --format dpo`" if stage == "dpo"
                else "preference data trains with --stage dpo")
-        raise UserError(f"{cfg.data.path}: train.stage={stage} cannot train on {kind} data; {fix}")
+        where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
+        raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
     lm = LMObjective(model, cfg.model.aux_loss_coef)
     if stage == "dpo":
         if cfg.uses_lora:
@@ -152,21 +154,16 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     accum = distributed.per_rank_accum(tc.grad_accum, info)
     say = lambda msg: log(msg, not quiet and info.is_main)  # noqa: E731
 
-    if not cfg.data.path:
-        raise UserError("data.path is empty; pass --data <dir made by `nanolm prepare`>")
-    train_data = PackedData(Path(cfg.data.path), "train")
+    # One data set (data.path) or a curriculum/mixture of several (data.sets); see nanolm/data/sources.py.
+    loader = DataStream.from_config(cfg, rank=info.rank, world_size=info.world_size)
+    train_data = loader  # what the loop asks of the data (kind, is_chat, vocab_size, manifest), for all sets
+    several = len(loader.sets) > 1
     if train_data.vocab_size > cfg.model.vocab_size:
-        raise UserError(f"{cfg.data.path}: the data's tokenizer has {train_data.vocab_size} tokens but "
+        raise UserError(f"{loader.sets[0].path}: the data's tokenizer has {train_data.vocab_size} tokens but "
                         f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size {train_data.vocab_size}")
-    try:
-        val_data: PackedData | None = PackedData(Path(cfg.data.path), "val")
-        if val_data.n_tokens <= tc.seq_len:
-            val_data = None
-    except UserError:
-        val_data = None
-    loader = Loader(train_data, tc.batch_size, tc.seq_len, seed=tc.seed, rank=info.rank, world_size=info.world_size)
+    val_sets = loader.val_sets(tc.seq_len)  # [(set name, val split)] of the sets that have one
     tok_dir = _tokenizer_dir(train_data)
-    token_bytes = _token_bytes(tok_dir, cfg.model.vocab_size) if val_data is not None else None
+    token_bytes = _token_bytes(tok_dir, cfg.model.vocab_size) if val_sets else None
 
     # Where the weights come from: a checkpoint of this run (resume), init_from, or a fresh init.
     resume_src: Path | None = None
@@ -255,11 +252,13 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
     say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
         f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {fpt / 1e6:.1f} MFLOPs/token (train)")
-    say(f"data: {fmt_count(train_data.n_tokens)} train tokens, "
-        f"{fmt_count(val_data.n_tokens) if val_data else 0} val tokens | "
-        f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {tokens_per_step:,} tokens/step | "
-        f"one epoch = {loader.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps")
-    say(f"data stream: {loader.describe()}")
+    val_tokens = sum(v.n_tokens for _, v in val_sets)
+    say(f"data: {f'{len(loader.sets)} sets as a {loader.mode}, ' if several else ''}"
+        f"{fmt_count(train_data.n_tokens)} train tokens, {fmt_count(val_tokens)} val tokens | "
+        f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {tokens_per_step:,} tokens/step"
+        + ("" if several else f" | one epoch = {loader.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
+    for line in loader.describe():
+        say(f"data stream: {line}")
     for tracker in metrics.trackers:
         say(f"tracking: {tracker.describe()}")
     say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
@@ -298,20 +297,28 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         return path
 
     def run_eval() -> dict[str, float]:
-        if val_data is None:
+        """Validation on each set's val split (eval_batches each); with several sets, per-set metrics as
+        `val_loss/<name>` and their (mixture: weighted) mean as `val_loss`, which picks the best checkpoint."""
+        if not val_sets:
             return {}
         t0 = time.perf_counter()
         model.eval()
-        batches = (b.to(device) for b in
-                   iter_eval_batches(val_data, tc.batch_size, tc.seq_len, tc.eval_batches))
-        res = objective.evaluate(model, batches, compute, token_bytes)
+        per_set = {}
+        for name, val_data in val_sets:
+            batches = (b.to(device) for b in
+                       iter_eval_batches(val_data, tc.batch_size, tc.seq_len, tc.eval_batches))
+            per_set[name] = objective.evaluate(model, batches, compute, token_bytes)
+        res = loader.combine_eval(per_set)
         model.train()
         if not res:
             return {}
         res["eval_s"] = time.perf_counter() - t0
         metrics.write({"step": step, "tokens": tokens, **res})
-        shown = " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in res.items() if k != "eval_s")
-        say(f"step {step:>6} | {shown} | eval {res['eval_s']:.1f}s")
+        def shown(k: str) -> str:  # with several sets: the mean, then each set's value
+            per = ", ".join(f"{name} {res[f'{k}/{name}']:.4f}" for name, _ in val_sets if f"{k}/{name}" in res)
+            return f"{k.replace('_', ' ')} {res[k]:.4f}" + (f" ({per})" if per else "")
+        line = " | ".join(shown(k) for k in res if k != "eval_s" and "/" not in k)
+        say(f"step {step:>6} | {line} | eval {res['eval_s']:.1f}s")
         return res
 
     last_saved: Path | None = None
@@ -323,6 +330,12 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
 
     with _StopFlag() as flag:
         while step < tc.max_steps:
+            for event in loader.pop_events():  # a curriculum moved on during the last step
+                say(f"step {step:>6} | {event['message']}")
+                metrics.write({"step": step, "tokens": tokens, "event": "data_set", **event})
+            if loader.exhausted:
+                stop_reason = "data_done"
+                break
             if tc.max_tokens and tokens >= tc.max_tokens:
                 stop_reason = "max_tokens"
                 break
@@ -385,10 +398,13 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                     remaining = min(remaining, max(0, tc.max_tokens - tokens) / tok_s)
                 if tc.max_minutes:
                     remaining = min(remaining, max(0.0, tc.max_minutes * 60 - elapsed))
+                # With several data sets: where the step's last micro-batch came from (DataStream.position).
+                where = {"data": loader.position()} if several else {}
                 metrics.write({"step": step, "tokens": tokens, "loss": loss_val, **logged, "lr": lr,
                                "grad_norm": grad_norm.item(), "tokens_per_s": tok_s, "mfu": mfu,
-                               "elapsed_s": elapsed})
-                say(f"step {step:>6}/{tc.max_steps} | loss {loss_val:.4f}{extra} | lr {lr:.2e} | "
+                               "elapsed_s": elapsed, **where})
+                shown_set = f" [{where['data']['set']} epoch {where['data']['epoch']}]" if several else ""
+                say(f"step {step:>6}/{tc.max_steps}{shown_set} | loss {loss_val:.4f}{extra} | lr {lr:.2e} | "
                     f"grad {grad_norm.item():.3f} | {fmt_count(tok_s)} tok/s | MFU {mfu * 100:.1f}% | "
                     f"ETA {fmt_duration(remaining)}")
                 t_window, tokens_window = time.perf_counter(), 0
