@@ -337,9 +337,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA with bf16 support, else float32
     device: str = "auto"
     compile: bool = False  # torch.compile the model: faster steps after a compile of a minute or more
-    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
     sdpa_backend: str = "auto"  # attention kernel: auto (PyTorch picks), flash, efficient, cudnn (CUDA), math
-    parallel: str = "ddp"  # with torchrun: ddp (full copy per process) or fsdp (FSDP2: weights, grads, optimizer sharded)
+    parallel: str = "ddp"  # with torchrun: ddp (a full copy per process) or fsdp (FSDP2: all state sharded)
     seed: int = 1337
     init_from: str = ""  # a checkpoint to start from (weights only)
     track: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: tensorboard, wandb
