@@ -341,6 +341,7 @@ class TrainConfig:
     sdpa_backend: str = "auto"  # attention kernel: auto (PyTorch picks), flash, efficient, cudnn (CUDA), math
     parallel: str = "ddp"  # with torchrun: ddp (a full copy per process) or fsdp (FSDP2: all state sharded)
     seed: int = 1337
+    max_nonfinite_steps: int = 3  # steps with a NaN/inf loss or gradient are skipped; this many in a row stop the run
     init_from: str = ""  # a checkpoint to start from (weights only)
     track: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: tensorboard, wandb
     wandb_project: str = "nanolm"
@@ -348,7 +349,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
-        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last"):
+        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last",
+                     "max_nonfinite_steps"):
             _check(getattr(self, name) > 0, f"train.{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("max_tokens", "eval_interval", "save_interval"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")

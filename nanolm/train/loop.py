@@ -36,6 +36,7 @@ from nanolm.runtime import attention_kernel, autocast, resolve_dtype, seed_every
 from nanolm.train import checkpoint as ckpt
 from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
+from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
 from nanolm.train.stages import DistillObjective, DPOObjective, LMObjective, Objective
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at
@@ -141,6 +142,27 @@ def _objective(cfg: Config, model: torch.nn.Module, data: PackedData, device: to
         teacher = _teacher_model(cfg, data, device, say)
         return DistillObjective(teacher, cfg.distill.temperature, cfg.distill.alpha, data.vocab_size, lm)
     return lm
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _replay(objective: Objective, model: torch.nn.Module, batches: list, compute: Callable,
+            rng: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
+    """The step's forward and backward passes again, with the RNG (dropout) as the step began; the run's own
+    RNG stream is left as it was. Runs on the model itself, not its DDP wrapper: no gradient all-reduce."""
+    losses = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
+        for batch in batches:
+            with compute():
+                loss, _ = objective(model, batch)
+            loss.backward()
+            losses.append(loss.detach())
+    return losses
 
 
 def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:
@@ -283,6 +305,10 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     def save(is_best: bool = False) -> Path:
         """Rank 0 writes (every rank holds the same weights and data position); the others wait for it."""
         path = run_dir / "checkpoints" / f"step-{step:08d}"
+        if not weights_are_finite(model):
+            raise UserError(f"step {step}: the weights hold NaN or inf values, so no checkpoint was written; the "
+                            f"previous checkpoints are untouched: resume from them with a lower optim.lr "
+                            f"(now {cfg.optim.lr:g})")
         # Gathered on every rank (a collective under FSDP); rank 0 gets the full tensors.
         weights = distributed.full_model_state(model) if distributed.is_sharded(model) else None
         optim_state = distributed.full_optimizer_state(model, optimizer)
@@ -322,6 +348,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         return res
 
     last_saved: Path | None = None
+    nonfinite_in_row, nonfinite_total, first_nonfinite = 0, 0, ""
     losses: dict[int, float] = {}
     stop_reason = "max_steps"
     t_start = time.perf_counter()
@@ -350,8 +377,11 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             for group in optimizer.param_groups:
                 group["lr"] = lr
             sums: dict[str, torch.Tensor] = {}
+            rng_at_start = _rng_state(device)  # to replay the step the same way if it turns out non-finite
+            step_batches = []
             for micro in range(accum):
                 batch = loader.next_batch().to(device, non_blocking=True)
+                step_batches.append(batch)
                 # Gradients are reduced over the ranks in the last micro-batch's backward only.
                 with distributed.grad_sync(train_model, sync=micro == accum - 1):
                     with compute():
@@ -365,11 +395,34 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                 scaler.unscale_(optimizer)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = distributed.local_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
+            # A NaN/inf loss or gradient skips the update (fp16: the scaler already skips inf gradients).
+            finite = step_is_finite(sums["loss"], None if scaler else grad_norm)
+            if finite:
+                nonfinite_in_row = 0
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
             else:
-                optimizer.step()
+                if scaler:
+                    scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                nonfinite_in_row += 1
+                nonfinite_total += 1
+                where = ""
+                if nonfinite_in_row == 1:  # the first of a streak: replay it with hooks to name the layer
+                    where = locate_nonfinite(model, lambda: _replay(objective, model, step_batches, compute,
+                                                                    rng_at_start, device))
+                loss_now = distributed.mean_across_ranks(sums["loss"], info).item() / accum
+                metrics.write({"step": step + 1, "tokens": tokens, "event": "nonfinite", "loss": str(loss_now),
+                               "grad_norm": str(grad_norm.item()), "in_a_row": nonfinite_in_row,
+                               "total": nonfinite_total, **({"where": where} if where else {})})
+                say(f"step {step + 1:>6} | non-finite step (loss {loss_now}, grad norm {grad_norm.item()}): update "
+                    f"skipped, {nonfinite_in_row} in a row of at most {tc.max_nonfinite_steps}"
+                    + (f" | {where}" if where else ""))
+                if where:
+                    first_nonfinite = f"step {step + 1}, {where}"
             optimizer.zero_grad(set_to_none=True)
             step += 1
             steps_done_here += 1
@@ -377,6 +430,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             tokens += tokens_step
             tokens_window += tokens_step
             tokens_step = 0
+            if nonfinite_in_row >= tc.max_nonfinite_steps:
+                stop_reason = "nonfinite"
+                break
 
             if step % tc.log_interval == 0 or step == tc.max_steps:
                 # The host sync per log interval; averaged over the ranks, as their gradients are.
@@ -432,4 +488,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     distributed.teardown(info)
     say(f"stopped at step {step} ({stop_reason}); {fmt_count(tokens)} tokens; "
         f"checkpoint: {last_saved}" + (f"; best val loss {best_val:.4f}" if math.isfinite(best_val) else ""))
+    if stop_reason == "nonfinite":
+        raise UserError(f"stopped: {nonfinite_in_row} steps in a row had a NaN/inf loss or gradient (first at "
+                        f"{first_nonfinite}); their updates were skipped, so {last_saved} holds finite weights; "
+                        f"lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps, check the data near "
+                        f"that step, or raise train.max_nonfinite_steps, then --resume")
     return TrainResult(run_dir, step, tokens, last_saved, best_val, losses, stop_reason)
