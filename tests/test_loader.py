@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from nanolm.data import loader as loader_module
 from nanolm.data.loader import Loader, PackedData, iter_eval_batches
 from nanolm.data.prepare import FORMAT_VERSION, prepare
 from nanolm.errors import UserError
@@ -219,3 +220,114 @@ def test_loader_reads_prepare_output(tmp_path):
         hits = [s for s in range(0, len(stream) - 16, 16) if np.array_equal(stream[s:s + 16], row_x)]
         assert hits and np.array_equal(stream[hits[0] + 1:hits[0] + 17], row_y)
     assert (x == 0).any()  # documents are packed, separated by <|endoftext|>
+
+
+# Shards of 2001, 1501 and 999 tokens with seq_len 8: 250 + 187 + 124 = 561 windows; with
+# SHUFFLE_BLOCK = 64, epochs are shuffled in 9 blocks, the last of 49 windows.
+BIG = [2001, 1501, 999]
+BLOCK = 64
+
+
+@pytest.fixture
+def big(tmp_path, monkeypatch) -> PackedData:
+    monkeypatch.setattr(loader_module, "SHUFFLE_BLOCK", BLOCK)
+    return PackedData(make_data(tmp_path / "big", {"train": BIG}))
+
+
+def window_ids(data: PackedData, loader: Loader, steps: int) -> list[int]:
+    """Global window ids of the rows of the loader's next `steps` batches (tokens are positions)."""
+    first = np.cumsum([0] + [len(s) for s in data.shards])  # global position of each shard's first token
+    ids = np.cumsum([0] + data.n_windows(T).tolist())
+    out = []
+    for p in take(loader, steps):
+        s = int(np.searchsorted(first, p, side="right")) - 1
+        assert (p - first[s]) % T == 0
+        out.append(int(ids[s] + (p - first[s]) // T))
+    return out
+
+
+def test_two_level_shuffle_takes_the_blocks_in_a_seeded_order_each_shuffled(big):
+    loader = Loader(big, batch_size=7, seq_len=T, seed=3)  # 561 = 80 x 7 + 1: batches straddle the epochs
+    assert loader.epoch_windows == 561
+    stream = window_ids(big, loader, 161)
+    for epoch, order in enumerate((stream[:561], stream[561:1122])):
+        assert sorted(order) == list(range(561))  # every window once
+        blocks = np.random.default_rng([3, epoch]).permutation(9)
+        expected = [b * BLOCK + i for b in blocks.tolist()
+                    for i in np.random.default_rng([3, epoch, b]).permutation(min(BLOCK, 561 - b * BLOCK)).tolist()]
+        assert order == expected
+    assert stream[:561] != stream[561:1122]
+    assert window_ids(big, Loader(big, batch_size=11, seq_len=T, seed=3), 102) == stream[:1122]  # any batch size
+    assert window_ids(big, Loader(big, batch_size=7, seq_len=T, seed=4), 80) != stream[:560]
+    assert len(loader._orders[loader.epoch]._cache) <= 2  # a block's order at a time, not the epoch's
+
+
+def test_two_level_shuffle_resumes_exactly_and_ranks_take_disjoint_windows(big):
+    ref = Loader(big, batch_size=5, seq_len=T, seed=3)
+    window_ids(big, ref, 30)  # 150 windows: inside the epoch's third block
+    state = json.loads(json.dumps(ref.state_dict()))
+    assert state == {"epoch": 0, "cursor": 150, "seed": 3, "seq_len": T, "epoch_windows": 561}
+    continuation = window_ids(big, ref, 100)  # into epoch 1
+
+    same = Loader(big, batch_size=5, seq_len=T)
+    same.load_state_dict(state)
+    assert window_ids(big, same, 100) == continuation
+    ranks = [Loader(big, batch_size=1, seq_len=T, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    resumed = [w for _ in range(250) for r in ranks for w in window_ids(big, r, 1)]
+    assert resumed == continuation
+
+    ranks = [Loader(big, batch_size=4, seq_len=T, seed=8, rank=r, world_size=2) for r in range(2)]
+    seen = [window_ids(big, r, 70) for r in ranks]  # 70 steps of 8 windows: all of epoch 0 but one window
+    assert ranks[0].state_dict()["epoch"] == 0 and not set(seen[0]) & set(seen[1])
+    assert len(set(seen[0]) | set(seen[1])) == 560
+
+
+def test_up_to_shuffle_block_windows_the_epoch_is_one_permutation(data, monkeypatch):
+    monkeypatch.setattr(loader_module, "SHUFFLE_BLOCK", 12)  # exactly the 12 windows of `data`
+    whole = take(Loader(data, batch_size=4, seq_len=T, seed=3), 3)
+    window_start = np.array([0, 8, 16, 24, 32, 41, 49, 57, 65, 74, 82, 90])
+    assert whole == window_start[np.random.default_rng([3, 0]).permutation(12)].tolist()
+    monkeypatch.setattr(loader_module, "SHUFFLE_BLOCK", 11)
+    blocked = take(Loader(data, batch_size=4, seq_len=T, seed=3), 3)
+    assert blocked != whole and sorted(blocked) == sorted(whole)
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssFile from /proc (Linux)")
+def test_gather_reads_windows_without_mapping_the_data_into_the_process(tmp_path, monkeypatch):
+    n, seq = 1 << 22, 1024  # 16 MiB of uint32 tokens, 4095 windows
+    data = PackedData(make_data(tmp_path / "d", {"train": [n]}))
+    windows = np.random.default_rng(0).permutation(int(data.n_windows(seq).sum()))
+
+    def read_all() -> int:
+        """Gather every window in random order; the growth of the file-backed resident set, KiB."""
+        data.gather(windows[:2], seq)
+        before = _rss_file_kib()
+        for b in range(0, len(windows), 64):
+            rows = data.gather(windows[b:b + 64], seq)
+            assert np.array_equal(rows, windows[b:b + 64, None] * seq + np.arange(seq + 1))
+        return _rss_file_kib() - before
+
+    assert read_all() < 2048  # pread: the pages stay in the page cache, out of the process
+    monkeypatch.delattr(loader_module.os, "pread")  # the fallback: fancy indexing into the memory map
+    assert read_all() > 8192
+
+
+def test_shard_files_open_at_most_max_open_shards_and_a_shrunk_one_is_a_user_error(data, monkeypatch):
+    monkeypatch.setattr(loader_module, "MAX_OPEN_SHARDS", 2)
+    batches = list(iter_eval_batches(data, batch_size=5, seq_len=T))
+    assert [starts(b.x) for b in batches] == [[0, 8, 16, 24, 32], [41, 49, 57, 65, 74], [82, 90]]
+    assert all(torch.equal(b.y, b.x + 1) for b in batches)
+    assert list(data._files._fds) == [1, 2]  # the least recently read shard was closed
+    fresh = PackedData(data.data_dir)
+    with open(data.data_dir / "train-00002.bin", "r+b") as f:
+        f.truncate(60)  # 15 of its 26 tokens
+    with pytest.raises(UserError, match=r"train-00002.bin: ends before byte 68; it changed after it was opened, "
+                                        r"or the data is damaged: run `nanolm prepare` again"):
+        fresh.gather(np.array([10]), T)  # its second window: bytes 32..68

@@ -12,7 +12,24 @@ seq_len): the inputs x = window[:-1] and targets y = window[1:] of consecutive
 windows tile the shard with no padding and no gap; the last (n - 1) % T tokens
 of each shard are never a target. Documents run into each other, separated by
 their end-of-text token, as in GPT-2/nanoGPT pretraining; pos and seg are None
-(plain causal attention, positions 0..T-1).
+(plain causal attention, positions 0..T-1). Epoch e's order of its n windows
+(numbered across the shards in order) is `np.random.default_rng([seed,
+e]).permutation(n)`. Past `SHUFFLE_BLOCK` windows that permutation would grow
+with the data (8 bytes a window: 1.5 GB at 100B tokens, seq_len 512), so the
+shuffle takes two levels: the windows fall into ceil(n / SHUFFLE_BLOCK) blocks
+of consecutive windows (the last one shorter), the same generator permutes the
+blocks, and the epoch takes the blocks in that order, each block's windows in
+the order of `np.random.default_rng([seed, e, block]).permutation(its size)`,
+made when a batch first needs them (the loader keeps the last two). Memory then
+stays at a few blocks' orders, however large the data; the cost is that a
+stretch of SHUFFLE_BLOCK windows of the stream comes from one region of the
+data (at seq_len 512, 0.5B consecutive tokens), which is also what keeps the
+reads of data larger than the page cache local. Windows are read with
+`os.pread` from the shard files (`PackedData.gather`), not through the memory
+maps: pages touched through a map stay in the process's resident set (they are
+counted in its peak RSS, and a random read faults in the pages around it too),
+so reading a multi-GB shard at random through its map grows the RSS to the
+size of the data, while pread leaves them in the kernel's page cache only.
 
 Chat data (prepared with `format="chat"`). The unit is a block of seq_len + 1
 tokens holding whole conversations (each without its trailing end-of-text
@@ -65,7 +82,10 @@ stream.
 from __future__ import annotations
 
 import bisect
+import collections
 import json
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -89,6 +109,11 @@ PAD_MULTIPLE = 8
 # Preference pairs are sorted by length within runs of this many of an epoch's
 # shuffled order, so that a batch holds pairs of about one length.
 LENGTH_CHUNK = 1024
+# Text epochs of more than this many windows are shuffled in two levels (see the module doc);
+# at or below it, one permutation of the epoch (8 bytes a window: 8 MiB at the threshold).
+SHUFFLE_BLOCK = 1 << 20
+# Shard files PackedData keeps open for reading windows (the least recently read closes first).
+MAX_OPEN_SHARDS = 64
 
 
 @dataclass
@@ -120,10 +145,50 @@ class Batch:
         return Batch(pin(self.x), pin(self.y), pin(self.pos), pin(self.seg), self.pairs)
 
 
+class _ShardFiles:
+    """Shard files opened for reading on first use, at most MAX_OPEN_SHARDS at a time.
+
+    Plain file descriptors read with os.pread (no file position), so a forked
+    process can share them; closed when this object is collected. One thread
+    at a time: another could find its descriptor closed to make room.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # shard -> fd, oldest first
+        weakref.finalize(self, _close_fds, self._fds)
+
+    def read_into(self, shard: int, offset: int, out: np.ndarray, nbytes: int) -> None:
+        """Fill `out` (contiguous, nbytes long) with the shard's bytes from `offset`."""
+        fd = self._fds.get(shard)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN_SHARDS:
+                os.close(self._fds.popitem(last=False)[1])
+            fd = self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+        else:
+            self._fds.move_to_end(shard)
+        view = memoryview(out).cast("B")
+        got = 0
+        while got < nbytes:  # pread may return less than asked (signals, network file systems)
+            chunk = os.pread(fd, nbytes - got, offset + got)
+            if not chunk:
+                raise UserError(f"{self.paths[shard]}: ends before byte {offset + nbytes}; it changed after "
+                                "it was opened, or the data is damaged: run `nanolm prepare` again")
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+
+
+def _close_fds(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
 class PackedData:
     """The shards of one split of a prepared data directory, memory-mapped read-only.
 
-    shards[i] is a 1-D memmap of token ids; offsets[i] the uint64 document starts;
+    shards[i] is a 1-D memmap of token ids (`gather` reads text windows from the files instead, see the
+    module doc); offsets[i] the uint64 document starts;
     masks[i] (chat and preference data, else None) the uint8 loss mask of shards[i].
     kind: "text", "chat" or "dpo" (preference pairs), from the manifest's options.format.
     """
@@ -181,6 +246,7 @@ class PackedData:
                                 "not whole pairs; the data is damaged, run `nanolm prepare --format dpo` again")
         self.n_tokens: int = sum(len(s) for s in self.shards)
         self.n_docs: int = int(entry["n_docs"])  # for preference data: conversations, two per pair
+        self._files = _ShardFiles([self.data_dir / s["bin"] for s in entry["shards"]])
 
     def _map(self, name: str, dtype: np.dtype, count: int) -> np.memmap:
         path = self.data_dir / name
@@ -198,17 +264,30 @@ class PackedData:
         return np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
 
     def gather(self, windows: np.ndarray, seq_len: int) -> np.ndarray:
-        """Global window ids (B,) -> int64 tokens (B, seq_len + 1), by one fancy index per shard."""
+        """Global window ids (B,) -> int64 tokens (B, seq_len + 1).
+
+        Each window is one `os.pread` from its shard's file into a (B, seq_len + 1)
+        buffer of the shard dtype, so no page of the data is mapped into the process
+        (see the module doc); where os.pread is missing (Windows), one fancy index
+        per shard into the memory maps.
+        """
         counts = self.n_windows(seq_len)
         starts = np.concatenate([[0], np.cumsum(counts)])
+        windows = np.asarray(windows, dtype=np.int64)
         shard = np.searchsorted(starts, windows, side="right") - 1
-        out = np.empty((len(windows), seq_len + 1), dtype=np.int64)
-        cols = np.arange(seq_len + 1)
-        for s in np.unique(shard):
-            rows = np.nonzero(shard == s)[0]
-            local = windows[rows] - starts[s]
-            out[rows] = self.shards[s][local[:, None] * seq_len + cols]  # (b, T+1)
-        return out
+        local = windows - starts[shard]  # window index within its shard
+        if not hasattr(os, "pread"):
+            out = np.empty((len(windows), seq_len + 1), dtype=np.int64)
+            cols = np.arange(seq_len + 1)
+            for s in np.unique(shard):
+                rows = np.nonzero(shard == s)[0]
+                out[rows] = self.shards[s][local[rows, None] * seq_len + cols]  # (b, T+1)
+            return out
+        buf = np.empty((len(windows), seq_len + 1), dtype=self.dtype)  # (B, T+1)
+        row_bytes = buf.shape[1] * self.dtype.itemsize
+        for i, (s, w) in enumerate(zip(shard.tolist(), local.tolist())):
+            self._files.read_into(s, w * seq_len * self.dtype.itemsize, buf[i], row_bytes)
+        return buf.astype(np.int64)
 
     def documents(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, start, length) of every document in split order, int64 each; length without the EOT."""
@@ -537,7 +616,9 @@ class Loader:
             if self._pairs is not None:
                 self._orders[epoch] = self._pairs.group(rng.permutation(len(self._pairs.kept)))
             elif self._chat is None:
-                self._orders[epoch] = rng.permutation(self._n_windows)
+                n = self._n_windows
+                self._orders[epoch] = rng.permutation(n) if n <= SHUFFLE_BLOCK else \
+                    _BlockShuffle(n, SHUFFLE_BLOCK, self.seed, epoch, rng)
             else:
                 convs, starts = self._chat.plan(rng.permutation(len(self._chat.kept)))
                 self._orders[epoch] = _shuffle_blocks(convs, starts, rng)
@@ -634,6 +715,47 @@ class Loader:
             raise UserError(f"the saved data position (epoch {epoch}, cursor {cursor}) is out of range; "
                             "the checkpoint's state is damaged")
         self.cursor = cursor
+
+
+class _BlockShuffle:
+    """The order of a text epoch's n windows in two levels (see the module doc), sliced like an array.
+
+    Holds the blocks' order (n / block entries) and the orders of the last two
+    blocks read (block int64 each), not the n int64 of a full permutation.
+    """
+
+    def __init__(self, n: int, block: int, seed: int, epoch: int, rng: np.random.Generator) -> None:
+        self.n, self.block, self.seed, self.epoch = n, block, seed, epoch
+        self.blocks = rng.permutation(-(-n // block))  # block ids in the epoch's order
+        sizes = np.minimum(block, n - self.blocks * block)
+        self.starts = np.zeros(len(sizes) + 1, dtype=np.int64)  # where each block begins in the epoch
+        np.cumsum(sizes, out=self.starts[1:])
+        self._cache: dict[int, np.ndarray] = {}  # position in the block order -> its windows, in order
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _windows(self, j: int) -> np.ndarray:
+        """The windows of the epoch's j-th block, in their shuffled order."""
+        if j not in self._cache:
+            if len(self._cache) >= 2:  # batches move forward, so the oldest is done with
+                del self._cache[next(iter(self._cache))]
+            b = int(self.blocks[j])
+            size = int(self.starts[j + 1] - self.starts[j])
+            self._cache[j] = b * self.block + np.random.default_rng([self.seed, self.epoch, b]).permutation(size)
+        return self._cache[j]
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        lo, hi, step = s.indices(self.n)
+        if step != 1:
+            raise ValueError("a block-shuffled order is read in contiguous slices")
+        parts = []
+        j = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi:
+            end = min(hi, int(self.starts[j + 1]))
+            parts.append(self._windows(j)[lo - self.starts[j]:end - self.starts[j]])
+            lo, j = end, j + 1
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _shuffle_blocks(convs: np.ndarray, starts: np.ndarray,
