@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -100,23 +101,20 @@ class Attention(nn.Module):
             k = cache.k[layer][:, :, :start + T]  # (B, nkv, S, hs)
             v = cache.v[layer][:, :, :start + T]
 
-        if self.n_kv_head != self.n_head:
-            # Each key/value head serves n_head / n_kv_head query heads.
-            rep = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(rep, dim=1)  # (B, nh, S, hs)
-            v = v.repeat_interleave(rep, dim=1)
-
-        dropout = self.dropout if self.training else 0.0
+        # Grouped-query attention: each key/value head serves n_head / n_kv_head query heads. SDPA reads
+        # the shared heads in place (enable_gqa) instead of copying them out to n_head heads.
+        sdpa = partial(F.scaled_dot_product_attention, dropout_p=self.dropout if self.training else 0.0,
+                       enable_gqa=self.n_kv_head != self.n_head)
         if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = sdpa(q, k, v, attn_mask=mask)
         elif start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
+            y = sdpa(q, k, v, is_causal=T > 1)
         elif T == 1:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # one new token sees the whole cache
+            y = sdpa(q, k, v)  # one new token sees the whole cache
         else:
             # T new tokens after `start` cached ones: token i sees positions <= start + i.
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = sdpa(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
         return self.o_proj(y)
 
