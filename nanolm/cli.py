@@ -156,7 +156,8 @@ def _cmd_import(args: argparse.Namespace) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from nanolm.infer.server import serve
     serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NANOLM_API_KEY"),
-          adapter=args.adapter, which="last" if args.last else "best", device=args.device)
+          adapter=args.adapter, which="last" if args.last else "best", device=args.device,
+          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
@@ -303,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--adapter", default=None, help="a LoRA run to apply, unmerged")
     sv.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
     sv.add_argument("--device", default="auto")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests admitted at once (running or waiting); more get 429 (default 64)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                    help="largest request body; a larger one gets 413 unread (default 1 MiB)")
     sv.set_defaults(func=_cmd_serve)
 
     pl = sub.add_parser("plot", help="loss, lr, tokens/s and grad-norm of one or more runs, as a PNG")

@@ -13,8 +13,13 @@ included); the next gets 429. A client that goes away, mid-stream or while
 waiting, cancels its request, which frees its place after at most one token.
 
 Every failure a client causes is a 4xx with OpenAI's error body
-`{"error": {"message", "type", "param", "code"}}`, never a 500. FastAPI and
-uvicorn are the `serve` extra, imported only when a server is built.
+`{"error": {"message", "type", "param", "code"}}`, never a 500. What one
+request may cost is bounded before any work is done for it: a body over
+`max_body_bytes` gets 413 without being read into memory, a prompt whose
+byte count alone shows it cannot fit the context is refused untokenized, and
+at most MAX_STOPS stop strings are checked per token. `GET /health` (no API
+key) says whether the server is up and how many requests it has admitted.
+FastAPI and uvicorn are the `serve` extra, imported only when a server is built.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers'
@@ -50,6 +55,11 @@ DISCONNECT_POLL_S = 0.25
 # a chat reply without it may run to the end of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Every stop string is looked for after every token; OpenAI takes up to 4, so 16 leaves room and keeps
+# that check from multiplying the worker's time per token (20 000 stop strings made it 50x slower).
+MAX_STOPS = 16
+# The default request size limit: a whole context of text, JSON-escaped, is far less for nanolm's models.
+MAX_BODY_BYTES = 1 << 20
 
 
 def _require_extra(*modules: str) -> None:
@@ -288,6 +298,8 @@ def _schemas() -> Any:
         def _stop_not_empty(cls, v: list[str]) -> list[str]:
             if any(s == "" for s in v):
                 raise ValueError("stop strings must not be empty")
+            if len(v) > MAX_STOPS:
+                raise ValueError(f"at most {MAX_STOPS} stop strings are allowed, got {len(v)}")
             return v
 
         @field_validator("n")
@@ -395,9 +407,20 @@ class _Sizes:
 
 # --- the app -----------------------------------------------------------------------------------------
 
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes of text one token can stand for: a special token's name or the longest BPE token."""
+    from nanolm.tokenizer import SPECIAL_TOKENS
+
+    return max(int(tokenizer.token_byte_lengths().max()), *(len(s.encode("utf-8")) for s in SPECIAL_TOKENS))
+
+
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
-               max_queue: int = 64) -> "FastAPI":
-    """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`."""
+               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES) -> "FastAPI":
+    """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`.
+
+    At most `max_queue` requests are admitted at once (the next gets 429), and a request body over
+    `max_body_bytes` gets 413.
+    """
     _require_extra("fastapi")
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -407,6 +430,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
 
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise UserError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests admitted at once)")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise UserError(f"max_body_bytes={max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
+    # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
+    # cheap (1 MiB of text took 1.1 s of the event loop and 230 MiB that stayed resident), so a prompt
+    # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
+    # whose normalizer shrinks text (NFKC maps a 4-byte letter to 1 byte); nanolm's have none.
+    max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
     chat_model, completion_model = _schemas()
     worker = _Worker(max_queue)
     created = int(time.time())
@@ -447,12 +477,40 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
         return JSONResponse(_error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
                             status_code=500)
 
+    def too_large(size: int | None) -> _ApiError:
+        what = f"is {size} bytes, over" if size is not None else "passes"
+        return _ApiError(413, f"the request body {what} this server's limit of {max_body_bytes} bytes; "
+                              "shorten the prompt or the conversation", None, "request_too_large")
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused as soon as it is known to pass max_body_bytes: by its declared length, before
+        reading any of it, else while it arrives. uvicorn discards the unread rest after the response."""
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large(int(declared))
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body_bytes:
+                raise too_large(None)
+        return bytes(body)
+
     async def parse(request: Request, schema: Any) -> Any:
+        body = await read_body(request)
         try:
-            return schema.model_validate_json(await request.body())
+            return schema.model_validate_json(body)
         except ValidationError as e:
             message, param = _validation_error(e.errors(include_url=False))
             raise _ApiError(400, message, param) from None
+
+    def encode_prompt(text: str, req: Any) -> list[int]:
+        """The prompt's token ids; a prompt too long by its byte count alone is refused before tokenizing."""
+        size = len(text.encode("utf-8"))
+        if size > max_prompt_bytes:
+            raise _ApiError(400, f"the prompt is {size} bytes long, more tokens than the model's context of "
+                                 f"{engine.max_seq_len} tokens can hold; shorten the prompt or the conversation",
+                            "messages" if isinstance(req, chat_model) else "prompt", "context_length_exceeded")
+        return tokenizer.encode(text)
 
     def start(prompt_ids: list[int], req: Any, max_tokens: int | None) -> _Job:
         if len(prompt_ids) >= engine.max_seq_len:
@@ -510,6 +568,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "nanolm"}
 
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        # Outside /v1, so no API key: for load balancers and monitors. `admitted` counts requests
+        # generating or waiting for the worker; it returns to 0 when the server is idle.
+        return {"status": "ok", "model": model_name, "admitted": worker.admitted, "max_queue": worker.max_queue}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
@@ -525,7 +589,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, chat_model)
         messages = [{"role": ROLES[m.role], "content": m.content} for m in req.messages]
-        prompt_ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
+        prompt_ids = encode_prompt(tokenizer.render_chat(messages, add_generation_prompt=True), req)
         sizes = _Sizes(len(prompt_ids))
         job = start(prompt_ids, req, req.max_completion_tokens or req.max_tokens)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -556,7 +620,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
     async def completions(request: Request) -> Response:
         req = await parse(request, completion_model)
         # An empty prompt starts a fresh document, as after an end-of-text token.
-        prompt_ids = tokenizer.encode(req.prompt) or [tokenizer.eot_id]
+        prompt_ids = encode_prompt(req.prompt, req) or [tokenizer.eot_id]
         sizes = _Sizes(len(prompt_ids))
         job = start(prompt_ids, req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -631,7 +695,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           adapter: str | Path | None = None, which: str = "best", device: str = "auto",
-          model_name: str | None = None, max_queue: int = 64) -> None:
+          model_name: str | None = None, max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Load a checkpoint and serve it until interrupted. Listens on loopback unless `host` says otherwise."""
     _require_extra("fastapi", "uvicorn")
     import uvicorn
@@ -645,7 +709,7 @@ def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, 
         model, _, src = load_model(checkpoint, which, dev, adapter=adapter)
         name = model_name or default_model_name(Path(adapter) if adapter is not None else src)
         app = create_app(Engine(model, dev), Tokenizer.load(src), model_name=name, api_key=api_key,
-                         max_queue=max_queue)
+                         max_queue=max_queue, max_body_bytes=max_body_bytes)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}]", file=sys.stderr)
