@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
         raise UserError(f"{path}: missing {what}; {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: corrupt {what} ({e}); {fix}") from None
+    except RecursionError:  # e.g. a file of a million "["
+        raise UserError(f"{path}: corrupt {what} (nested too deeply); {fix}") from None
     if not isinstance(d, dict):
         raise UserError(f"{path}: corrupt {what} (not a JSON object); {fix}")
     return d
@@ -65,3 +68,37 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine; True where that cannot be told (not POSIX).
+
+    Tells leftovers of a killed writer (named with its pid) from files a running one is writing.
+    """
+    if os.name != "posix":
+        return True  # on Windows os.kill(pid, 0) would terminate the process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def write_failure(e: BaseException) -> str:
+    """Why a write failed, in one line: the OS's words for an OSError, else the first line of the message
+    (safetensors and torch.save raise their own types: "... No space left on device (os error 28)")."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def space_note(path: Path, needed: int) -> str:
+    """For the message of a failed write under `path`: "about 1.2 MiB needed, 0.4 MiB free on that disk"."""
+    note = f"about {needed / 2**20:.1f} MiB needed"
+    try:
+        return f"{note}, {shutil.disk_usage(path).free / 2**20:.1f} MiB free on that disk"
+    except OSError:
+        return note

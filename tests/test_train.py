@@ -132,7 +132,8 @@ def test_failed_save_keeps_previous_checkpoint(data_dir, tmp_path, monkeypatch):
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ckpt, "save_file", full_disk)
-    with pytest.raises(UserError, match="could not write checkpoint \\(No space left on device\\).*MiB free"):
+    with pytest.raises(UserError, match=r"could not write checkpoint \(model\.safetensors: No space left on device\); "
+                                        r"about [\d.]+ MiB needed, [\d.]+ MiB free on that disk"):
         train(tiny_cfg(data_dir, run, **{"train.max_steps": 10}), resume=True, quiet=True)
     assert ckpt.resolve_checkpoint(run, "last") == before
     assert (before / "model.safetensors").read_bytes() == good

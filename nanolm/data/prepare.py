@@ -66,10 +66,13 @@ both (so they keep one prompt) and each final reply is cut at the end if need
 be; a pair is skipped when either would keep no target. The manifest gives
 `options.format = "dpo"` and a "dpo" section with the number of pairs.
 
-Everything is written into a temporary directory inside out_dir and moved
-into place at the end, old manifest removed first and new manifest last, so
-an interrupted run leaves either the previous data untouched or no manifest,
-never a manifest that points at partial shards. Running again with the same
+Everything, manifest included, is written into a temporary directory inside
+out_dir (`.prepare-<pid>-*`) and moved into place at the end by renames only,
+old manifest removed first and new manifest last, so an interrupted run leaves
+either the previous data untouched or no manifest, never a manifest that points
+at partial shards, and a failed write (a full disk) leaves out_dir as it was
+and says how much space the data needs. The temporary directories of killed
+runs are removed by the next run. Running again with the same
 inputs (path, size, mtime and sha256 of every source), tokenizer and options
 does nothing and says so.
 """
@@ -100,7 +103,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
 from nanolm.errors import UserError
-from nanolm.io import fsync_dir, write_json_atomic
+from nanolm.io import fsync_dir, pid_alive, space_note, write_failure, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
@@ -454,6 +457,7 @@ class _SplitWriter:
         self._idx: BinaryIO | None = None
         self._mask: BinaryIO | None = None
         self._n = 0  # tokens in the open shard
+        self.written = 0  # bytes handed to the shard files so far
         self._docs = 0  # complete documents in the open shard
         self._trainable = 0  # mask ones in the open shard
 
@@ -466,6 +470,7 @@ class _SplitWriter:
         self._idx = open(self.tmp_dir / f"{stem}.idx", "wb")
         if self.with_mask:
             self._mask = open(self.tmp_dir / f"{stem}.mask", "wb")
+        self.written += 8
         self._idx.write(np.zeros(1, dtype=np.uint64).data)
         self._n = self._docs = self._trainable = 0
 
@@ -487,6 +492,7 @@ class _SplitWriter:
     def _write(self, tokens: np.ndarray, doc_ends: np.ndarray, mask: np.ndarray | None) -> None:
         """tokens of the open shard; doc_ends: end offsets, relative to tokens[0], of the documents they complete."""
         assert self._bin is not None and self._idx is not None
+        self.written += tokens.nbytes + 8 * len(doc_ends) + (len(tokens) if self._mask is not None else 0)
         self._bin.write(np.ascontiguousarray(tokens).data)
         self._idx.write((doc_ends + self._n).astype(np.uint64).data)
         if self._mask is not None:
@@ -517,7 +523,10 @@ class _SplitWriter:
     def discard(self) -> None:
         """Close the open shard's files after a failure (the temp directory is removed anyway)."""
         for f in self._files():
-            f.close()
+            try:
+                f.close()
+            except OSError:  # flushing the rest failed too (a full disk): the file is dropped anyway
+                pass
         self._bin = self._idx = self._mask = None
 
     def finish(self) -> dict[str, Any]:
@@ -582,8 +591,27 @@ def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, opt
         return False
 
 
+class _WriteError(Exception):
+    """A write into the output failed (e.g. a full disk), told apart from a failed read of the sources."""
+
+    def __init__(self, part: str, err: OSError) -> None:
+        super().__init__(f"{part}: {err}")
+        self.part, self.err = part, err
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """Remove the temporary directories of killed runs (.prepare-<pid>-*, their process gone)."""
+    for p in out_dir.iterdir():
+        m = re.match(r"\.prepare-(\d+)-", p.name)
+        if m and p.is_dir() and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Move the new shards from tmp into out_dir, replacing the old ones, manifest last."""
+    """Move the new shards and manifest from tmp into out_dir, replacing the old ones, manifest last.
+
+    Renames only (all written and fsynced already), so a full disk cannot stop it part-way.
+    """
     names = {s[key] for split in manifest["splits"].values() for s in split["shards"]
              for key in ("bin", "idx", "mask") if key in s}
     # Without a manifest the directory is not prepared data, whatever shards it holds.
@@ -593,7 +621,7 @@ def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
             p.unlink()
     for name in sorted(names):
         os.replace(tmp / name, out_dir / name)
-    write_json_atomic(out_dir / MANIFEST, manifest)
+    os.replace(tmp / MANIFEST, out_dir / MANIFEST)
     fsync_dir(out_dir)
 
 
@@ -695,6 +723,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         options = {"format": format, "max_tokens": max_tokens, **options}
     before = [_stat(f) for f in files]
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if out_dir.is_dir():
+        _remove_leftovers(out_dir)
 
     if _up_to_date(_read_manifest(out_dir), out_dir, tok.fingerprint, options, before):
         log(f"{out_dir}: up to date (same sources, tokenizer and options); nothing to do")
@@ -707,7 +737,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, {what}tokenizer vocab {tok.vocab_size} ({dtype.name}), "
         f"{workers} worker(s) -> {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-", dir=out_dir))
     # Hash the sources on a thread while tokenizing (hashlib and file reads release the GIL).
     hasher, stop_hashing = ThreadPoolExecutor(1), threading.Event()
     stats = ReadStats()
@@ -737,21 +767,39 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         fitting["too_long"] += too_long
         progress.update(batch.nbytes)
 
+    consumed = [0]  # input bytes whose tokens went to the writers: sizes the data if a write fails
+
+    def writing(consume: Callable[..., None]) -> Callable[..., None]:
+        """`consume`, with a failed write (a full disk) told apart from a failed read of the sources."""
+        def run(batch: _Batch, *result: Any) -> None:
+            consumed[0] += batch.nbytes
+            try:
+                consume(batch, *result)
+            except OSError as e:
+                raise _WriteError("the token shards", e) from e
+        return run
+
     try:
         hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
         start = time.perf_counter()
         with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
             if chat:
                 _tokenize(_batches(files, sizes, k, _chat_records(skip_bad, stats)),
-                          lambda b: (_encode_chats, (b.items, max_tokens)), consume_chat, tok.path, dtype, workers)
+                          lambda b: (_encode_chats, (b.items, max_tokens)), writing(consume_chat), tok.path, dtype,
+                          workers)
             elif dpo:
                 _tokenize(_batches(files, sizes, k, _pair_records(skip_bad, stats)),
-                          lambda b: (_encode_pairs, (b.items, max_tokens)), consume_pairs, tok.path, dtype, workers)
+                          lambda b: (_encode_pairs, (b.items, max_tokens)), writing(consume_pairs), tok.path, dtype,
+                          workers)
             else:
                 _tokenize(_batches(files, sizes, k, _text_records(skip_bad, stats)),
-                          lambda b: (_encode_pieces, (b.items, b.lasts)), consume_text, tok.path, dtype, workers)
+                          lambda b: (_encode_pieces, (b.items, b.lasts)), writing(consume_text), tok.path, dtype,
+                          workers)
         seconds = time.perf_counter() - start
-        splits = {split: w.finish() for split, w in writers.items()}
+        try:
+            splits = {split: w.finish() for split, w in writers.items()}
+        except OSError as e:
+            raise _WriteError("the token shards", e) from e
         hashes = hashes_future.result()
         for f, b in zip(files, before):
             if _stat(f) != b:
@@ -802,7 +850,20 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
             manifest["dpo"] = {"template": "chatml", "mask": "final reply", "max_tokens": max_tokens,
                                "n_pairs": n_docs // 2, "n_trainable": n_trainable,
                                "truncated": fitting["truncated"], "skipped_too_long": fitting["too_long"]}
+        try:
+            write_json_atomic(tmp / MANIFEST, manifest)
+        except OSError as e:
+            raise _WriteError(MANIFEST, e) from e
         _install(tmp, out_dir, manifest)
+    except _WriteError as e:
+        for w in writers.values():
+            w.discard()
+        shutil.rmtree(tmp, ignore_errors=True)  # before measuring the free space
+        # The shards' size, extrapolated from what was written for the input consumed so far; plus the manifest.
+        written = sum(w.written for w in writers.values())
+        needed = (written * total // consumed[0] if consumed[0] else written) + (1 << 16)
+        raise UserError(f"{out_dir}: could not write {e.part} ({write_failure(e.err)}); {space_note(out_dir, needed)}; "
+                        f"{out_dir} is left as it was; free some space and run `nanolm prepare` again") from None
     finally:
         stop_hashing.set()
         hasher.shutdown(wait=True)

@@ -13,7 +13,12 @@ A checkpoint is written into a hidden temporary directory and renamed into
 place, so a step directory exists only once it is whole: a crash during a save
 leaves the previous checkpoints untouched. `best.json` names the step with the
 lowest validation loss; the newest step directory is `last`. Old step
-directories beyond `keep_last` are pruned, except the best one.
+directories beyond `keep_last` are pruned, except the best one; a pruned
+directory is renamed out of sight before it is deleted, so a kill mid-delete
+leaves no partial `step-*`. Each state.json also records the best step
+(`best_step`), so a best.json left stale by a kill is rewritten at the next
+save. What killed saves leave behind (hidden directories and files named with
+the pid of a process that is gone) is removed at the next save.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ from safetensors.torch import load_file, save_file
 
 from nanolm.config import Config
 from nanolm.errors import UserError
-from nanolm.model.lora import ADAPTER_WEIGHTS, load_adapter, merge_lora, save_adapter
-from nanolm.io import fsync_dir, read_json_object, write_json_atomic
+from nanolm.model.lora import ADAPTER_WEIGHTS, load_adapter, lora_state_dict, merge_lora, save_adapter
+from nanolm.io import fsync_dir, pid_alive, read_json_object, space_note, write_failure, write_json_atomic
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
+# What a killed save leaves in checkpoints/: its temp dir, a step moved aside for a re-save, a pruned
+# step being deleted, a temp file of best.json; each named with the writer's pid.
+LEFTOVER_RE = re.compile(r"^\.(tmp|old|del)-step-(\d{8})-(\d+)$|^\.best\.json\.(\d+)\.[0-9a-f]+\.tmp$")
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -89,36 +97,50 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
     """
     ckdir = Path(run_dir) / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(ckdir)
     final = ckdir / f"step-{step:08d}"
+    earlier = [d for d in step_dirs(run_dir) if int(d.name[5:]) < step]
+    best_step = step if is_best else _recorded_best_step(ckdir, earlier[-1] if earlier else None)
+    tensors = None if adapter_base is not None else model_state(model) if weights is None else weights
+    # What this save needs on disk, for the message if the disk is full: tensors + JSON and tokenizer files.
+    needed = (_nbytes(lora_state_dict(model) if tensors is None else tensors) + _nbytes(optimizer_state) + (1 << 16)
+              + sum((Path(tokenizer_dir) / n).stat().st_size for n in TOKENIZER_FILES
+                    if tokenizer_dir is not None and (Path(tokenizer_dir) / n).is_file()))
     tmp = ckdir / f".tmp-step-{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    part = tmp.name  # the file being written, for that message
     try:
-        if adapter_base is not None:
+        tmp.mkdir()
+        part = ADAPTER_WEIGHTS if tensors is None else WEIGHTS
+        if tensors is None:
             lc = cfg.lora
             save_adapter(tmp, model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
                          **adapter_base)
         else:
-            save_file(model_state(model) if weights is None else weights, str(tmp / WEIGHTS),
-                      metadata={"format": "pt", "step": str(step)})
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+        part = "config.json"
         write_json_atomic(tmp / "config.json", cfg.to_dict())
-        write_json_atomic(tmp / "state.json", {"step": step, **state})
+        part = "state.json"
+        write_json_atomic(tmp / "state.json", {"step": step, **state, "best_step": best_step})
         if optimizer_state is not None:
+            part = "optimizer.pt"
             torch.save(optimizer_state, tmp / "optimizer.pt")
+        part = "tokenizer files"
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        part = "fsync"
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    except OSError as e:
+    # A full disk raises OSError here, SafetensorError from safetensors, RuntimeError from torch.save.
+    except (OSError, SafetensorError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(ckdir).free
-        raise UserError(f"{final}: could not write checkpoint ({e.strerror or e}); {free / 2**20:.0f} MiB free on "
-                        f"that disk; the previous checkpoints are untouched; free some space and resume "
-                        f"with --resume") from None
+        raise UserError(f"{final}: could not write checkpoint ({part}: {write_failure(e)}); "
+                        f"{space_note(ckdir, needed)}; the previous checkpoints are untouched; free some space "
+                        f"and resume with --resume") from None
     if final.exists():  # re-saving a step after a resume: swap the old copy out, then delete it
         old = ckdir / f".old-step-{step:08d}-{os.getpid()}"
         os.replace(final, old)
@@ -129,13 +151,62 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
     fsync_dir(ckdir)
 
     best_file = ckdir / "best.json"
-    if is_best:
-        write_json_atomic(best_file, {"step": step, "val_loss": state.get("best_val_loss")})
-    best_step = _read_best_step(ckdir)
+    if best_step is not None and (is_best or _read_best_step(ckdir) != best_step):
+        try:
+            write_json_atomic(best_file, {"step": best_step, "val_loss": state.get("best_val_loss")})
+        except OSError as e:
+            raise UserError(f"{best_file}: could not update it ({write_failure(e)}); checkpoint {final} is saved; "
+                            f"free some space and resume with --resume") from None
     for old_dir in step_dirs(run_dir)[:-keep_last]:
         if int(STEP_RE.match(old_dir.name).group(1)) != best_step:
-            shutil.rmtree(old_dir, ignore_errors=True)
+            # Out of sight first: a kill mid-delete must not leave a partial step-* directory.
+            gone = ckdir / f".del-{old_dir.name}-{os.getpid()}"
+            os.replace(old_dir, gone)
+            shutil.rmtree(gone, ignore_errors=True)
     return final
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state: about what save_file or torch.save write for it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _recorded_best_step(ckdir: Path, newest: Path | None) -> int | None:
+    """The best step as of checkpoint `newest` (its state.json; best.json for checkpoints from before
+    state.json recorded it)."""
+    if newest is None:
+        return None
+    try:
+        state = json.loads((newest / "state.json").read_text(encoding="utf-8"))
+        if "best_step" in state:
+            return None if state["best_step"] is None else int(state["best_step"])
+    except (OSError, ValueError, TypeError):
+        pass
+    return _read_best_step(ckdir)
+
+
+def _remove_leftovers(ckdir: Path) -> None:
+    """Remove what killed saves left in checkpoints/ (see LEFTOVER_RE) once their process is gone; a step moved
+    aside for a re-save goes back into place if its new copy never arrived."""
+    for p in ckdir.iterdir():
+        m = LEFTOVER_RE.match(p.name)
+        if m is None:
+            continue
+        pid = int(m.group(3) or m.group(4))
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        if m.group(1) == "old" and not (ckdir / f"step-{m.group(2)}").exists():
+            os.replace(p, ckdir / f"step-{m.group(2)}")
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def _read_best_step(ckdir: Path) -> int | None:
@@ -212,7 +283,8 @@ def read_optimizer(ckpt: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(f"{path}: missing optimizer state; cannot resume exactly from this checkpoint") from None
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise UserError(f"{path}: corrupt optimizer state ({type(e).__name__}: {e}); "
+        first = (str(e).strip().splitlines() or [""])[0][:200]  # torch's unpickling errors run to many lines
+        raise UserError(f"{path}: corrupt optimizer state ({type(e).__name__}: {first}); "
                         f"resume from another checkpoint") from None
     if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)
             and all(isinstance(k, str) for k in sd["state"])):

@@ -198,6 +198,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         if saved_cfg.model != cfg.model:
             raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
                             f"resume with the same model settings (saved: {saved_cfg.model})")
+    elif ckpt.step_dirs(run_dir):
+        raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
+                        f"another --out for a new run")
     if tc.stage in ("sft", "lora", "dpo") and not tc.init_from:
         raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
                         f"checkpoint>")
@@ -210,6 +213,13 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         if ckpt.is_adapter(src):
             raise UserError(f"{src}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
                             f"with `nanolm lora merge`")
+        if (src / "tokenizer.json").is_file():  # its weights are tied to the ids of its tokenizer
+            from nanolm.tokenizer import Tokenizer
+            theirs, ours = Tokenizer.load(src).fingerprint, train_data.manifest["tokenizer"]["fingerprint"]
+            if theirs != ours:
+                raise UserError(f"{src}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
+                                f"prepared with {ours[:12]}, so its token ids mean other text; prepare the data "
+                                f"with {src / 'tokenizer.json'}")
         ckpt.load_weights(model, src)
         say(f"initialised weights from {src}")
         if cfg.uses_lora:
@@ -236,6 +246,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     step, tokens, best_val, elapsed_before = 0, 0, float("inf"), 0.0
+    if resume_src is None and info.is_main:  # a fresh start: what a run killed before its first save logged goes
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     metrics = MetricsWriter(run_dir, enabled=info.is_main,
                             trackers=make_trackers(cfg, run_dir) if info.is_main else ())
     if resume_src is not None:
@@ -245,11 +257,20 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             raise UserError(f"{resume_src}/optimizer.pt: does not match this run's trainable parameters "
                             f"({type(e).__name__}: {e}); resume with the settings the run was saved with") from None
         state = ckpt.read_json(resume_src / "state.json", "training state")
-        step, tokens = int(state["step"]), int(state["tokens"])
-        best_val = float(state.get("best_val_loss") or float("inf"))
-        elapsed_before = float(state.get("elapsed_s", 0.0))
-        loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
+        try:  # a damaged state.json: a missing field, a wrong type, an RNG state of the wrong size
+            step, tokens = int(state["step"]), int(state["tokens"])
+            if step < 0 or tokens < 0:
+                raise ValueError(f"step {step}, tokens {tokens}")
+            best_val = float(state.get("best_val_loss") or float("inf"))
+            elapsed_before = float(state.get("elapsed_s", 0.0))
+            loader.load_state_dict(state["loader"])
+            ckpt.set_rng_state(state["rng"])
+        except UserError as e:  # the data position does not fit this data
+            raise UserError(f"{resume_src}/state.json: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"{resume_src}/state.json: damaged training state ({type(e).__name__}: {first}); "
+                            "resume from an earlier checkpoint (move this one away) or start a new run") from None
         metrics.truncate_after(step)
         say(f"resumed from {resume_src} at step {step} ({fmt_count(tokens)} tokens seen)")
 
