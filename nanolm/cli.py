@@ -116,7 +116,8 @@ def _engine_from_args(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
-    from nanolm.infer.generate import complete
+    from nanolm.infer.generate import check_text, complete
+    check_text(args.prompt, "--prompt")  # bytes that are not UTF-8 cannot be echoed, nor tokenized
     engine, tok, params, _ = _engine_from_args(args)
     sys.stdout.write(args.prompt)
     complete(engine, tok, args.prompt, params)

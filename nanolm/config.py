@@ -11,6 +11,7 @@ generated from the dataclass fields. Every dataclass validates itself in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -68,6 +69,8 @@ class ModelConfig:
         _check(self.n_hidden >= 0, f"model.n_hidden must be >= 0 (0 = automatic), got {self.n_hidden}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
+        _check(self.init_std >= 0, f"model.init_std must be >= 0, got {self.init_std}")
         if self.n_hidden == 0:
             self.n_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
         if self.use_moe:
@@ -191,20 +194,21 @@ def parse_data_set(spec: str) -> dict[str, Any]:
     path, sep, options = spec.rpartition(":")
     if not sep or not _SET_OPTIONS.match(options):
         return {"path": spec}
+    where = f"--data {_shown(spec, 200)}"
     out: dict[str, Any] = {"path": path}
     for item in options.split(","):
         key, value = item.split("=", 1)
         if key not in _SET_KEYS:
-            raise UserError(f"--data {spec}: unknown key {key!r}; use {', '.join(_SET_KEYS)}")
+            raise UserError(f"{where}: unknown key {key!r}; use {', '.join(_SET_KEYS)}")
         if key == "tokens":
-            out[key] = _parse_count(value, f"--data {spec}: tokens")
+            out[key] = _parse_count(value, f"{where}: tokens")
         elif key == "name":
             out[key] = value
         else:
             try:
                 out[key] = float(value)
             except ValueError:
-                raise UserError(f"--data {spec}: {key} must be a number, got {value!r}") from None
+                raise UserError(f"{where}: {key} must be a number, got {value!r}") from None
     return out
 
 
@@ -260,6 +264,7 @@ class OptimConfig:
                f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
                f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         _check(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
@@ -355,6 +360,8 @@ class TrainConfig:
         for name in ("max_tokens", "eval_interval", "save_interval"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         _check(self.max_minutes >= 0, f"train.max_minutes must be >= 0, got {self.max_minutes}")
+        # torch.manual_seed takes at most 64 bits and numpy's generators no negative seed.
+        _check(0 <= self.seed < 2**63, f"train.seed must be in [0, 2**63), got {self.seed}")
         _check(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES, f"train.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _check(self.parallel in PARALLEL, f"train.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
@@ -507,9 +514,13 @@ def preset(name: str) -> Config:
 
 # ----------------------------------------------------------------------------- building from dicts
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # slow (it evaluates the annotations), and the same every time
+
+
 def _field_type(cls: type, f: dataclasses.Field) -> Any:
-    hints = typing.get_type_hints(cls)
-    return hints[f.name]
+    return _type_hints(cls)[f.name]
 
 
 def _coerce(value: Any, typ: Any, where: str) -> Any:
@@ -540,14 +551,19 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 pass
         raise UserError(f"{where}: expected an integer, got {value!r}")
     if typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise UserError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # no field means "unlimited" by inf; nan passes no range check
+            raise UserError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if typ is str:
         if isinstance(value, str):
             return value
@@ -568,13 +584,20 @@ def _dataclass_items(typ: Any) -> type | None:
     return None
 
 
+def _shown(key: str, limit: int = 40) -> str:
+    """A user's key for a one-line message: as is when short and printable, else quoted with escapes and cut."""
+    if len(key) <= limit and key.isprintable():
+        return key
+    return json.dumps(key[:limit]) + ("..." if len(key) > limit else "")
+
+
 def _build(cls: type, d: Any, source: str, prefix: str) -> Any:
     if not isinstance(d, dict):
         raise UserError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a table/object, got {type(d).__name__}")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise UserError(f"{source}: unknown field {prefix}{unknown[0]}; known fields: "
+        raise UserError(f"{source}: unknown field {prefix}{_shown(unknown[0])}; known fields: "
                         f"{', '.join(prefix + k for k in known)}")
     kwargs = {}
     for name, value in d.items():
@@ -613,6 +636,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             d = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{p}: invalid JSON ({e}); fix the file") from None
+        except RecursionError:
+            raise UserError(f"{p}: invalid JSON (nested too deeply); fix the file") from None
     elif p.suffix == ".toml":
         try:
             import tomllib
@@ -622,6 +647,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             d = tomllib.loads(text.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{p}: invalid TOML ({e}); fix the file") from None
+        except RecursionError:
+            raise UserError(f"{p}: invalid TOML (nested too deeply); fix the file") from None
     else:
         raise UserError(f"{p}: config files must end in .toml or .json")
     if not isinstance(d, dict):
@@ -647,7 +674,7 @@ def overrides_to_dict(overrides: dict[str, Any]) -> dict[str, Any]:
     known = override_fields()
     for key, value in overrides.items():
         if key not in known:
-            raise UserError(f"unknown option --{key}; see `nanolm train --help` for the list")
+            raise UserError(f"unknown option --{_shown(key)}; see `nanolm train --help` for the list")
         node = nested
         *parents, leaf = key.split(".")
         for p in parents:
@@ -665,8 +692,9 @@ def load_config(preset_name: str | None = None, config_file: str | Path | None =
     file_d = read_config_file(config_file) if config_file else {}
     over_d = overrides_to_dict(overrides) if overrides else {}
     # The stage (from the overrides, else the file, else the preset) brings its defaults first.
-    stage = (over_d.get("train", {}).get("stage") or file_d.get("train", {}).get("stage")
-             or base.train.stage)
+    # (A "train" that is no table is reported when the Config is built.)
+    stage = next((t.get("stage") for t in (over_d.get("train"), file_d.get("train")) if isinstance(t, dict)
+                  and t.get("stage")), base.train.stage)
     d = _deep_merge(d, stage_defaults(stage, base) if stage in STAGES else {})
     if config_file:
         d = _deep_merge(d, file_d)

@@ -737,7 +737,9 @@ def _is_cached(corpus: Corpus, out_dir: Path) -> bool:
         return False
     try:
         source = json.loads(source_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(source, dict):  # damaged: fetch anew
         return False
     # Written by another nanolm whose registry pinned something else: fetch anew.
     if (source.get("package"), source.get("version"), source.get("sha256")) != \

@@ -93,9 +93,9 @@ def window_batches(tokens: np.ndarray, seq_len: int, batch_size: int) -> Iterato
 def _prepared_stream(data: PackedData, limit: int | None) -> np.ndarray:
     """The split's shards end to end (each ends with a whole document), at most `limit` tokens."""
     parts, total = [], 0
-    for shard in data.shards:
+    for i, shard in enumerate(data.shards):
         take = len(shard) if limit is None else min(len(shard), limit - total)
-        parts.append(np.asarray(shard[:take], dtype=np.int64))
+        parts.append(data.check_ids(np.asarray(shard[:take], dtype=np.int64), i))  # a damaged shard: UserError
         total += take
         if limit is not None and total >= limit:
             break
@@ -148,6 +148,10 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
         raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so its text cannot be tokenized; "
                         "use a checkpoint written by nanolm train")
     tok = Tokenizer.load(ckpt_dir)
+    if tok.vocab_size > cfg.model.vocab_size:  # its ids would index past the embedding
+        raise UserError(f"{tok.path}: the tokenizer has {tok.vocab_size} tokens but the model only "
+                        f"{cfg.model.vocab_size} (model.vocab_size); this tokenizer.json does not belong to "
+                        f"{ckpt_dir}: put back the one it was trained with")
     T = seq_len or cfg.train.seq_len
     if T > cfg.model.max_seq_len:
         raise UserError(f"seq_len={T}: the model was built for at most {cfg.model.max_seq_len} tokens "

@@ -152,16 +152,27 @@ class Tokenizer:
         except json.JSONDecodeError as e:
             raise UserError(f"{file}:{e.lineno}: not valid JSON ({e.msg}); "
                             "the file is damaged, retrain it with `nanolm tokenizer train`") from None
+        except RecursionError:
+            raise UserError(f"{file}: not valid JSON (nested too deeply); "
+                            "the file is damaged, retrain it with `nanolm tokenizer train`") from None
         try:
             tok = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises plain Exception with a serde message
-            raise UserError(f"{file}: not a tokenizer.json that `tokenizers` can read ({e}); "
+            detail = repr(str(e))[1:-1][:200]  # it quotes values of the file, newlines and all
+            raise UserError(f"{file}: not a tokenizer.json that `tokenizers` can read ({detail}); "
                             "retrain it with `nanolm tokenizer train`") from None
         for want_id, name in enumerate(SPECIAL_TOKENS):
             got = tok.token_to_id(name)
             if got != want_id:
                 raise UserError(f"{file}: special token {name} has id {got}, nanolm needs {want_id}; "
                                 "use a tokenizer made by `nanolm tokenizer train`")
+            # In the vocabulary is not enough: unless it is an added special token, text holding it is
+            # split into pieces, and rendered chats lose their turn markers.
+            ids = tok.encode(name, add_special_tokens=False).ids
+            if ids != [want_id]:
+                raise UserError(f"{file}: the text {name} encodes to {ids[:8]}, not to its id {want_id} (it is "
+                                "not listed in added_tokens as special); use a tokenizer made by "
+                                "`nanolm tokenizer train`")
         return cls(tok, data, file.resolve())
 
     def save(self, out_dir: Path | str) -> Path:

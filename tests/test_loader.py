@@ -33,7 +33,8 @@ def make_data(root: Path, shard_lens: dict[str, list[int]], fingerprint: str = F
         splits[split] = {"shards": shards, "n_tokens": pos, "n_docs": len(lens)}
     manifest = {"format": "nanolm-tokens", "version": FORMAT_VERSION, "dtype": "uint32", "splits": splits,
                 "tokenizer": {"path": "/somewhere/tokenizer.json", "fingerprint": fingerprint,
-                              "vocab_size": 70000, "eot_id": 0}}
+                              # token p is p itself, so the ids run to the longest split's length
+                              "vocab_size": max(70000, *(e["n_tokens"] for e in splits.values())), "eot_id": 0}}
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 

@@ -79,6 +79,7 @@ TXT_PIECE_CHARS = 1 << 20
 # Bad lines whose location is kept for the final report when skip_bad is on.
 MAX_EXAMPLES = 5
 
+BOM = "\ufeff"  # a UTF-8 byte-order mark at the start of a file is dropped
 SKIP_HINT = "fix the line or pass --skip-bad to skip such lines"
 
 # Files are decoded with errors="surrogateescape": a byte that is not valid
@@ -134,12 +135,27 @@ def _json_type(value: Any) -> str:
     return "an object"
 
 
+def _shown(value: str, limit: int = 40, quote: bool = False) -> str:
+    """A user's string (a key, a role) for a one-line message: as is when short and printable (quoted if
+    `quote`), else quoted with escapes and cut, so a key holding a newline or megabytes of text cannot break
+    or flood the line."""
+    cut = value[:limit]
+    more = "..." if len(value) > limit else ""
+    if not (quote or more) and cut.isprintable():
+        return cut
+    return json.dumps(cut, ensure_ascii=not cut.isprintable()) + more
+
+
+def _keys(obj: dict) -> str:
+    return ", ".join(_shown(k) for k in list(obj)[:5]) or "none"
+
+
 def _text_of(obj: Any) -> str:
     """The pretraining record: an object with a string "text"."""
     if not isinstance(obj, dict):
         raise _BadRecord(f'expected a JSON object like {{"text": "..."}}, got {_json_type(obj)}')
     if "text" not in obj:
-        keys = ", ".join(list(obj)[:5]) or "none"
+        keys = _keys(obj)
         raise _BadRecord(f'no "text" field (keys: {keys})')
     text = obj["text"]
     if not isinstance(text, str):
@@ -204,7 +220,7 @@ def _conversation_of(obj: Any) -> list[dict[str, str]]:
     if key is None:
         if "instruction" in obj or "output" in obj:
             return _alpaca(obj)
-        keys = ", ".join(list(obj)[:5]) or "none"
+        keys = _keys(obj)
         raise _BadRecord(f'no "conversations", "messages" or "instruction"/"output" field (keys: {keys}); '
                          f"expected {_CHAT_SHAPE}")
     turns = _turn_list(key, obj[key])
@@ -235,7 +251,7 @@ def _check_turns(key: str, turns: list[tuple[str, Any]]) -> list[dict[str, str]]
             raise _BadRecord(f'{where} has no "role"; use one of {", ".join(ROLES)}')
         role = m["role"]
         if role not in ROLES:
-            shown = json.dumps(role, ensure_ascii=False) if isinstance(role, str) else _json_type(role)
+            shown = _shown(role, quote=True) if isinstance(role, str) else _json_type(role)
             raise _BadRecord(f"{where} has unknown role {shown}; allowed roles: {', '.join(ROLES)}")
         if "content" not in m:
             raise _BadRecord(f'{where} ({role}) has no "content"')
@@ -289,7 +305,7 @@ def _pair_of(obj: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         raise _BadRecord(f"expected a JSON object like {_PAIR_SHAPE}, got {_json_type(obj)}")
     for side in ("chosen", "rejected"):
         if side not in obj:
-            keys = ", ".join(list(obj)[:5]) or "none"
+            keys = _keys(obj)
             raise _BadRecord(f'no "{side}" field (keys: {keys}); expected {_PAIR_SHAPE}')
     prompt: list[tuple[str, Any]] | None = None
     if "prompt" in obj:
@@ -314,7 +330,9 @@ def _pair_of(obj: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
 
 def _open_text(path: Path, newline: str | None) -> TextIO:
     try:
-        return open(path, encoding="utf-8-sig", errors="surrogateescape", newline=newline)
+        # Plain utf-8, the BOM dropped by the readers: "utf-8-sig" silently loses a file of one or two bytes
+        # that begin a BOM (b"\xef"), where the file's invalid UTF-8 must be reported.
+        return open(path, encoding="utf-8", errors="surrogateescape", newline=newline)
     except FileNotFoundError:
         raise UserError(f"{path}: no such file; check the path") from None
     except IsADirectoryError:
@@ -337,6 +355,8 @@ def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
         raw = f.buffer.raw  # type: ignore[attr-defined]
         pos = 0
         for lineno, line in enumerate(f, 1):
+            if lineno == 1:
+                line = line.removeprefix(BOM)
             if not line or line.isspace():
                 continue
             try:
@@ -349,6 +369,8 @@ def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
                     # Past the end of the text means at its end, not after the line break.
                     col = min(e.pos, len(line.rstrip("\r\n"))) + 1
                     raise _BadRecord(f"invalid JSON ({e.msg} at column {col})") from None
+                except RecursionError:  # e.g. a line of a million "["
+                    raise _BadRecord("invalid JSON (nested too deeply)") from None
                 value = parse(obj)
             except _BadRecord as e:
                 where = f"{path}:{lineno}: {e}"
@@ -385,6 +407,8 @@ def _iter_txt(path: Path, skip_bad: bool, stats: ReadStats, piece_chars: int) ->
             seg = f.readline(piece_chars)
             if not seg:
                 break
+            if lineno == 0:
+                seg = seg.removeprefix(BOM)
             if at_line_start:
                 lineno += 1
             at_line_start = seg.endswith("\n")

@@ -184,6 +184,37 @@ def _close_fds(fds: dict[int, int]) -> None:
     fds.clear()
 
 
+def _check_manifest(m: dict[str, Any], path: Path) -> None:
+    """UserError naming the first field of a manifest that is missing or of the wrong type (a damaged file)."""
+    def need(ok: bool, field: str, want: str) -> None:
+        if not ok:
+            raise UserError(f"{path}: {field} is missing or not {want}; the manifest is damaged, run `nanolm "
+                            "prepare` again")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    tok, splits = m.get("tokenizer"), m.get("splits")
+    need(isinstance(tok, dict) and count(tok.get("vocab_size")) and tok["vocab_size"] > 0, "tokenizer.vocab_size",
+         "a positive integer")
+    need(isinstance(tok.get("fingerprint"), str), "tokenizer.fingerprint", "a string")
+    need(m.get("dtype") in ("uint16", "uint32"), "dtype", "uint16 or uint32")
+    need(isinstance(m.get("options", {}), dict), "options", "an object")
+    need(isinstance(splits, dict) and set(splits) <= {"train", "val"}, "splits", "an object of train and val")
+    for name, e in splits.items():
+        need(isinstance(e, dict) and count(e.get("n_docs")), f"splits.{name}.n_docs", "an integer >= 0")
+        need(isinstance(e.get("shards"), list), f"splits.{name}.shards", "a list")
+        for i, s in enumerate(e["shards"]):
+            where = f"splits.{name}.shards[{i}]"
+            need(isinstance(s, dict), where, "an object")
+            for key in ("n_tokens", "n_docs"):
+                need(count(s.get(key)), f"{where}.{key}", "an integer >= 0")
+            for key in ("bin", "idx", "mask"):  # file names beside the manifest; mask for chat and dpo data
+                v = s.get(key)
+                need((key == "mask" and v is None) or (isinstance(v, str) and v == Path(v).name and v[:1] != "."),
+                     f"{where}.{key}", "a file name")
+
+
 class PackedData:
     """The shards of one split of a prepared data directory, memory-mapped read-only.
 
@@ -205,11 +236,12 @@ class PackedData:
         try:
             m = json.loads(manifest_path.read_text(encoding="utf-8"))
             version = m.get("version")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             raise UserError(f"{manifest_path}: not a nanolm manifest; run `nanolm prepare` again") from None
         if version != FORMAT_VERSION:
             raise UserError(f"{manifest_path}: data format version {version!r}, this nanolm reads version "
                             f"{FORMAT_VERSION}; run `nanolm prepare` again")
+        _check_manifest(m, manifest_path)
         self.manifest: dict[str, Any] = m
         self.vocab_size: int = int(m["tokenizer"]["vocab_size"])
         self.dtype = np.dtype(m["dtype"])
@@ -282,15 +314,33 @@ class PackedData:
             for s in np.unique(shard):
                 rows = np.nonzero(shard == s)[0]
                 out[rows] = self.shards[s][local[rows, None] * seq_len + cols]  # (b, T+1)
-            return out
+            return self.check_ids(out, shard)
         buf = np.empty((len(windows), seq_len + 1), dtype=self.dtype)  # (B, T+1)
         row_bytes = buf.shape[1] * self.dtype.itemsize
         for i, (s, w) in enumerate(zip(shard.tolist(), local.tolist())):
             self._files.read_into(s, w * seq_len * self.dtype.itemsize, buf[i], row_bytes)
-        return buf.astype(np.int64)
+        return self.check_ids(buf.astype(np.int64), shard)
+
+    def check_ids(self, ids: np.ndarray, shard: np.ndarray | int) -> np.ndarray:
+        """ids (rows read from shard[row], or all from one shard), after checking that each is in the
+        vocabulary: a damaged shard would otherwise index past the embedding (on CUDA, a device-side assert)."""
+        if ids.size and ids.max() >= self.vocab_size:
+            row = np.argwhere(ids >= self.vocab_size)[0]
+            s = shard if isinstance(shard, int) else int(shard[row[0]])
+            name = self.manifest["splits"][self.split]["shards"][s]["bin"]
+            raise UserError(f"{self.data_dir / name}: holds token id {int(ids[tuple(row)])}, outside the vocabulary "
+                            f"of {self.vocab_size} tokens ({MANIFEST}); the data is damaged, run `nanolm prepare` "
+                            "again")
+        return ids
 
     def documents(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, start, length) of every document in split order, int64 each; length without the EOT."""
+        for i, o in enumerate(self.offsets):  # each document holds at least its EOT
+            o = np.asarray(o, dtype=np.int64)
+            if len(o) == 0 or o[0] != 0 or o[-1] != len(self.shards[i]) or (np.diff(o) < 1).any():
+                name = self.manifest["splits"][self.split]["shards"][i]["idx"]
+                raise UserError(f"{self.data_dir / name}: document offsets do not run from 0 up to the shard's "
+                                f"{len(self.shards[i])} tokens; the data is damaged, run `nanolm prepare` again")
         shard = np.concatenate([np.full(len(o) - 1, i, dtype=np.int64) for i, o in enumerate(self.offsets)])
         start = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in self.offsets])
         length = np.concatenate([np.diff(np.asarray(o, dtype=np.int64)) - 1 for o in self.offsets])
@@ -422,7 +472,7 @@ class _Conversations:
         self._positions = np.arange(self.block, dtype=np.int64)
 
     def _raw(self, shard: int, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64)
+        ids = self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
         return ids, np.asarray(self.data.masks[shard][start:start + length])  # type: ignore[index]
 
     def tokens(self, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -502,7 +552,7 @@ class _Pairs:
 
     def _raw(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
         shard, start, length = int(self.shard[doc]), int(self.start[doc]), int(self.length[doc])
-        ids = np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64)
+        ids = self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
         return ids, np.asarray(self.data.masks[shard][start:start + length])  # type: ignore[index]
 
     def tokens(self, k: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:

@@ -224,6 +224,13 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
                             f"is this a transformers config.json?")
         return v
 
+    def get_float(name: str, default: float, value: Any = None) -> float:
+        v = hf_config.get(name, default) if value is None else value
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UserError(f"{where_cfg}: {name} must be a number, got {json.dumps(v)}; "
+                            f"is this a transformers config.json?")
+        return float(v)
+
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM) and qwen2_moe "
@@ -257,10 +264,10 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
         vocab_size=get_int("vocab_size"), d_model=d_model, n_layer=n_layer, n_head=n_head,
         n_kv_head=n_head if kv is None else get_int("num_key_value_heads"),
         n_hidden=get_int("intermediate_size"),
-        max_seq_len=get_int("max_position_embeddings", 2048), rope_theta=float(theta),
-        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)), dropout=0.0,
+        max_seq_len=get_int("max_position_embeddings", 2048), rope_theta=get_float("rope_theta", 0.0, theta),
+        norm_eps=get_float("rms_norm_eps", 1e-6), dropout=0.0,
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        init_std=float(hf_config.get("initializer_range", 0.02)),
+        init_std=get_float("initializer_range", 0.02),
     )
     moe = model_type == "qwen2_moe"
     if moe:
@@ -277,7 +284,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
             # A width that is no multiple of the expert width is the zero stand-in for "no shared expert".
             n_shared_experts=shared // moe_hidden if moe_hidden > 0 and shared % moe_hidden == 0 else 0,
             norm_topk=bool(hf_config.get("norm_topk_prob", False)),
-            aux_loss_coef=_round(float(hf_config.get("router_aux_loss_coef", 0.001)) * top_k / max(n_moe, 1)),
+            aux_loss_coef=_round(get_float("router_aux_loss_coef", 0.001) * top_k / max(n_moe, 1)),
         )
     try:
         cfg = ModelConfig(**fields)

@@ -9,11 +9,13 @@ on a TTY, or scripted (one user turn per line of stdin).
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Iterator, TextIO
 
 from nanolm.infer.engine import Engine, SamplingParams
-from nanolm.infer.generate import stream_text
+from nanolm.errors import UserError
+from nanolm.infer.generate import check_text, stream_text
 from nanolm.tokenizer import Tokenizer
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit"
@@ -24,7 +26,7 @@ class ChatSession:
         self.engine = engine
         self.tok = tokenizer
         self.params = params
-        self.system = system
+        self.system = check_text(system, "the system prompt")
         self.turns: list[dict[str, str]] = []  # user/assistant messages, oldest first
         self.dropped_total = 0
         self.last_dropped = 0  # exchanges dropped to fit the last reply
@@ -33,7 +35,7 @@ class ChatSession:
         self.turns = []
 
     def set_system(self, text: str) -> None:
-        self.system = text
+        self.system = check_text(text, "the system prompt")
         self.reset()
 
     def _messages(self, turns: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -42,6 +44,7 @@ class ChatSession:
     def prompt_ids(self, user_text: str) -> tuple[list[int], int]:
         """Token ids of the conversation plus the new user turn, and how many old exchanges were dropped to fit."""
         # Keep room for a useful reply: the requested length, capped at half the context.
+        check_text(user_text, "the user turn")
         room = min(self.params.max_new_tokens, self.engine.max_seq_len // 2)
         limit = self.engine.max_seq_len - max(room, 1)
         turns = self.turns + [{"role": "user", "content": user_text}]
@@ -78,14 +81,24 @@ def run_chat(session: ChatSession, stdin: TextIO | None = None, out: TextIO | No
     interactive = stdin.isatty() if interactive is None else interactive
     if interactive:
         out.write(f"nanolm chat ({HELP})\n")
-    while True:
+    for lineno in itertools.count(1):
         if interactive:
             out.write("\nyou> ")
             out.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except UnicodeDecodeError as e:  # stdin decoded strictly (a UTF-8 locale)
+            # (It decodes a chunk ahead of the line, so the line number would not be the bad line's.)
+            raise UserError(f"stdin: not UTF-8 text ({e.reason}); give UTF-8 text") from None
         if not line:
             break
-        text = line.rstrip("\r\n")
+        try:
+            text = check_text(line.rstrip("\r\n"), f"stdin line {lineno}")
+        except UserError as e:
+            if not interactive:
+                raise
+            out.write(f"[{e}]\n")  # at a terminal, say so and let the user type it again
+            continue
         if not text.strip():
             continue
         if text.startswith("/"):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Iterable, Iterator, TextIO
 
+from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.tokenizer import Tokenizer
 
@@ -14,7 +16,9 @@ class StreamDecoder:
 
     A byte-level token can end in the middle of a multi-byte UTF-8 character
     (common with Chinese and emoji), so text is emitted only up to the last
-    complete character and the rest waits for the next token.
+    complete character and the rest waits for the next token. An id past the
+    tokenizer's vocabulary (a model's vocab_size is often rounded up beyond
+    it, and an undertrained model may sample one) stands for no text.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -23,6 +27,8 @@ class StreamDecoder:
         self.emitted = 0  # characters of the decoded text already returned
 
     def push(self, token_id: int) -> str:
+        if not 0 <= token_id < self.tok.vocab_size:
+            return ""
         self.ids.append(token_id)
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):
@@ -38,9 +44,33 @@ class StreamDecoder:
         return piece
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, what: str) -> str:
+    """`text`, or UserError when it holds a lone surrogate: what Python makes of bytes that are not UTF-8 (in
+    command-line arguments, or stdin under a C locale), and what the tokenizer cannot take."""
+    m = _SURROGATE.search(text)
+    if m:
+        c = ord(m.group())
+        bad = f"the byte 0x{c - 0xDC00:02x}, which is not UTF-8" if c >= 0xDC80 else f"a lone surrogate \\u{c:04x}"
+        raise UserError(f"{what}: holds {bad}, at character {m.start() + 1}; give UTF-8 text")
+    return text
+
+
+def check_vocab(engine: Engine, tokenizer: Tokenizer) -> None:
+    """UserError when the tokenizer has ids the model has no embedding for (a tokenizer.json that does not
+    belong to the checkpoint): encoding a prompt would index past the embedding."""
+    n = engine.model.config.vocab_size
+    if tokenizer.vocab_size > n:
+        raise UserError(f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {n} "
+                        "(model.vocab_size); use the tokenizer the checkpoint was trained with")
+
+
 def stream_text(engine: Engine, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
                 stop_ids: Iterable[int]) -> Iterator[str]:
     """Generate and yield text pieces as soon as they form whole characters."""
+    check_vocab(engine, tokenizer)
     dec = StreamDecoder(tokenizer)
     for tid in engine.generate(prompt_ids, params, stop_ids=list(stop_ids)):
         piece = dec.push(tid)
@@ -55,7 +85,7 @@ def complete(engine: Engine, tokenizer: Tokenizer, prompt: str, params: Sampling
              out: TextIO | None = None) -> str:
     """Continue `prompt`, printing the continuation as it is generated; returns it."""
     out = out if out is not None else sys.stdout
-    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    ids = tokenizer.encode(check_text(prompt, "the prompt")) or [tokenizer.eot_id]
     pieces = []
     for piece in stream_text(engine, tokenizer, ids, params, (tokenizer.eot_id, tokenizer.im_end_id)):
         pieces.append(piece)
