@@ -269,6 +269,35 @@ def train_throughput(cfg: Config, device: torch.device, dtype: torch.dtype, batc
     }
 
 
+def trainer_throughput(preset_name: str, device: torch.device, dtype: torch.dtype, batch_size: int, seq_len: int,
+                       warmup: int, steps: int, compile_model: bool, seed: int, workdir: Path) -> dict[str, Any]:
+    """Median tokens/s of `nanolm train` itself, end to end: the loader reading a prepared token set, the
+    step, the NaN guard, logging every step to metrics.jsonl. The loop's own tokens/s of each logged step
+    (its wall time from the previous log line to this one) is what is taken, after the warm-up steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bigdata import write_token_set  # bench/bigdata.py: random ids in `nanolm prepare`'s format
+
+    from nanolm.config import load_config
+    from nanolm.train.loop import train
+
+    data = workdir / "data"
+    if not (data / "manifest.json").is_file():
+        write_token_set(data, (warmup + steps + 4) * batch_size * (seq_len + 1) * 2, vocab_size=6400, seed=seed)
+    run = workdir / f"run-{dtype_name(dtype)}{'-compiled' if compile_model else ''}"
+    cfg = load_config(preset_name, overrides={
+        "data.path": str(data), "train.out_dir": str(run), "train.device": device.type,
+        "train.dtype": dtype_name(dtype), "train.compile": compile_model, "train.batch_size": batch_size,
+        "train.seq_len": seq_len, "train.grad_accum": 1, "train.max_steps": warmup + steps,
+        "train.log_interval": 1, "train.eval_interval": 0, "train.save_interval": 0, "train.seed": seed})
+    say(f"trainer {dtype_name(dtype)}{' compiled' if compile_model else ''}: nanolm train for "
+        f"{warmup + steps} steps")
+    train(cfg, quiet=True)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    tok_s = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r][warmup:]
+    return {"dtype": dtype_name(dtype), "compile": compile_model, "tokens_per_s": statistics.median(tok_s),
+            "tokens_per_s_steps": tok_s}
+
+
 # ----------------------------------------------------------------------------- 3. generation
 
 def weight_matrices(model: nn.Module) -> list[torch.Tensor]:
@@ -407,6 +436,15 @@ def print_report(res: dict[str, Any]) -> None:
                   f"{r['achieved_flops'] / 1e9:>10.1f}{_pct(r['mfu']):>8}{fmt_bytes(r['peak_mem_bytes']):>12}"
                   f"{r['first_step_s']:>12.2f}{r['final_loss']:>7.3f}{r['cpu_cores_busy']:>7.2f}")
 
+    if res["trainer"]:
+        print("\nnanolm train end to end (loader, step, NaN guard, a metrics line per step) vs the model-only "
+              "steps above")
+        print(f"  {'dtype':<10}{'compile':<9}{'tok/s':>10}{'model-only':>12}{'ratio':>8}")
+        for r in res["trainer"]:
+            ref = r["model_only_tokens_per_s"]
+            print(f"  {r['dtype']:<10}{'yes' if r['compile'] else 'no':<9}{r['tokens_per_s']:>10.0f}"
+                  f"{'-' if ref is None else f'{ref:.0f}':>12}{_pct(r['ratio']):>8}")
+
     if res["generate"]:
         g0 = res["generate"][0]
         print(f"\ngeneration: batch 1, KV cache, greedy, prompt {g0['prompt_len']}, {g0['new_tokens']} new tokens; "
@@ -458,7 +496,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated compute dtypes (float32 = no autocast); float16 runs without a grad scaler")
-    p.add_argument("--parts", default="matmul,train,generate", help="which of matmul,train,generate to run")
+    p.add_argument("--parts", default="matmul,train,trainer,generate",
+                   help="which of matmul,train,trainer,generate to run (trainer: `nanolm train` end to end)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-sizes", default="",
@@ -478,8 +517,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     cfg = preset(args.preset)
     parts = [s.strip() for s in args.parts.split(",") if s.strip()]
-    if not parts or any(s not in ("matmul", "train", "generate") for s in parts):
-        p.error(f"--parts: choose from matmul,train,generate, got {args.parts!r}")
+    if not parts or any(s not in ("matmul", "train", "trainer", "generate") for s in parts):
+        p.error(f"--parts: choose from matmul,train,trainer,generate, got {args.parts!r}")
     dtypes = [s.strip() for s in args.dtypes.split(",") if s.strip()]
     if not dtypes or any(s not in DTYPES for s in dtypes):
         p.error(f"--dtypes: choose from {','.join(DTYPES)}, got {args.dtypes!r}")
@@ -527,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "params": count_params(Transformer(cfg.model)), "flops_per_token": fpt},
         "train_shape": {"batch_size": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
                         "steps": args.steps},
-        "matmul": {}, "train": [], "generate": [],
+        "matmul": {}, "train": [], "trainer": [], "generate": [],
     }
     say(f"{args.preset} on {device} ({torch.get_num_threads()} threads), dtypes {','.join(args.dtype_list)}")
 
@@ -561,6 +600,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["achieved_flops"] = r["tokens_per_s"] * fpt
                 r["mfu"] = r["achieved_flops"] / ceiling if ceiling else None
             res["train"].append(r)
+
+    if "trainer" in args.parts_list:
+        import tempfile
+        runs = [(dtype, False) for dtype in dtypes] + ([(dtype, True) for dtype in dtypes] if args.compile else [])
+        with tempfile.TemporaryDirectory(prefix="nanolm-bench-") as tmp:
+            for dtype, compiled in runs:
+                r = trainer_throughput(args.preset, device, dtype, args.batch_size, args.seq_len,
+                                       args.warmup + (1 if compiled else 0), args.steps, compiled, args.seed,
+                                       Path(tmp))
+                if compiled:
+                    torch._dynamo.reset()
+                model_only = next((m for m in res["train"] if m.get("dtype") == r["dtype"]
+                                   and m.get("compile") == compiled and not m.get("error")), None)
+                r["model_only_tokens_per_s"] = model_only["tokens_per_s"] if model_only else None
+                r["ratio"] = r["tokens_per_s"] / model_only["tokens_per_s"] if model_only else None
+                res["trainer"].append(r)
 
     if "generate" in args.parts_list:
         torch.manual_seed(args.seed)

@@ -192,3 +192,12 @@ def test_an_attention_kernel_the_device_lacks_stops_at_start(data_dir, tmp_path)
                                         r"for cpu in float32; use --train.sdpa_backend auto"):
         train(tiny_cfg(data_dir, tmp_path / "run", **{"train.sdpa_backend": "efficient"}), quiet=True)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_compiled_training_takes_the_steps_of_eager_training(data_dir, tmp_path):
+    over = {"train.max_steps": 4, "model.dropout": 0.0, "train.eval_interval": 0}
+    eager = train(tiny_cfg(data_dir, tmp_path / "eager", **over), quiet=True)
+    compiled = train(tiny_cfg(data_dir, tmp_path / "compiled", **over, **{"train.compile": True}), quiet=True)
+    for s in eager.train_losses:
+        assert compiled.train_losses[s] == pytest.approx(eager.train_losses[s], rel=1e-5)

@@ -320,6 +320,10 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         return stack
 
     if tc.compile:
+        from torch import _dynamo
+        # Where the compiler cannot run (no C++ compiler for the CPU backend, an unsupported device), the
+        # model runs uncompiled, with PyTorch's warning, instead of the run failing.
+        _dynamo.config.suppress_errors = True
         train_model = torch.compile(train_model)
     model.train()
 
