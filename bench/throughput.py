@@ -39,6 +39,7 @@ runs can be told apart; compare `--threads 1`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import ctypes.util
 import gc
@@ -450,12 +451,15 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"\ngeneration: batch 1, KV cache, greedy, prompt {g0['prompt_len']}, {g0['new_tokens']} new tokens; "
               f"floor = fastest batch-1 matvec pass over all weights, held in that dtype")
         print(f"  {'dtype':<10}{'prefill ms':>11}{'ms/token':>10}{'tok/s':>9}{'e2e tok/s':>11}"
-              f"{'floor ms':>10}{'floor GB/s':>12}{'x floor':>9}{'peak mem':>12}{'cores':>7}")
+              f"{'floor ms':>10}{'floor GB/s':>12}{'x floor':>9}{'overhead':>10}{'peak mem':>12}{'cores':>7}")
         for r in res["generate"]:
             print(f"  {r['dtype']:<10}{r['prefill_s'] * 1e3:>11.1f}{r['decode_s_per_token'] * 1e3:>10.2f}"
                   f"{r['decode_tokens_per_s']:>9.1f}{r['e2e_tokens_per_s']:>11.1f}{r['floor_s'] * 1e3:>10.2f}"
                   f"{r['bandwidth_bytes_per_s'] / 1e9:>12.1f}{r['floor_ratio']:>9.2f}"
-                  f"{fmt_bytes(r['peak_mem_bytes']):>12}{r['cpu_cores_busy']:>7.2f}")
+                  f"{r['overhead_s_per_token'] * 1e3:>10.2f}{fmt_bytes(r['peak_mem_bytes']):>12}"
+                  f"{r['cpu_cores_busy']:>7.2f}")
+        print("  overhead: ms/token of the same depth and heads at width 64 (Python, dispatch, small ops: the "
+              "part of a token that is not weight traffic)")
     print(f"\nprocess peak RSS (ru_maxrss) {fmt_bytes(res['ru_maxrss_bytes'])}; total {res['elapsed_s']:.0f}s")
     for w in res["warnings"]:
         print(f"warning: {w}")
@@ -627,6 +631,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             say(f"floor {dtype_name(dtype)}: {floor['floor_s'] * 1e3:.2f} ms per weight pass")
             r.update(floor)
             r["floor_ratio"] = r["decode_s_per_token"] / floor["floor_s"]
+            # The per-token cost that is not weight traffic (Python, op dispatch, small kernels): the same
+            # depth and heads at width 64, whose matmuls are too small to matter.
+            narrow = dataclasses.replace(cfg.model, d_model=64, n_hidden=0, moe_n_hidden=0)
+            thin = generation_throughput(Transformer(narrow).to(device), device, dtype, args.prompt_len,
+                                         args.new_tokens, args.gen_repeats, args.seed)
+            r["overhead_s_per_token"] = thin["decode_s_per_token"]
             res["generate"].append(r)
         del model
 
