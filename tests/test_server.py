@@ -34,10 +34,10 @@ CTX = 96
 STOPS = (2, 0)  # <|im_end|>, <|endoftext|>: where the server stops a reply
 
 
-def tiny_model() -> Transformer:
+def tiny_model(vocab_size: int = 400) -> Transformer:
     # Untied, larger random weights: varied output (including split multi-byte characters), not one token repeated.
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=400, d_model=32, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=CTX,
+    return Transformer(ModelConfig(vocab_size=vocab_size, d_model=32, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=CTX,
                                    tie_embeddings=False, init_std=0.2))
 
 
@@ -500,3 +500,18 @@ def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
     assert proc.returncode in (0, -signal.SIGINT)
     reader.join(5)
     assert "Application shutdown complete." in "".join(lines.queue)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_start(tok):
+    small = Engine(tiny_model(vocab_size=tok.vocab_size - 1))
+    with pytest.raises(UserError, match=rf"the tokenizer has {tok.vocab_size} tokens but the model only "
+                                        rf"{tok.vocab_size - 1}"):
+        create_app(small, tok, model_name="tiny")
+
+
+def test_text_that_is_not_utf8_is_a_400(base):
+    for path, body in (("/v1/chat/completions",
+                        '{"model": "tiny", "messages": [{"role": "user", "content": "a \\ud800 b"}]}'),
+                       ("/v1/completions", b'{"model": "tiny", "prompt": "a \xff b"}')):
+        r = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
-from nanolm.infer.generate import StreamDecoder
+from nanolm.infer.generate import StreamDecoder, check_vocab
 from nanolm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -432,6 +432,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
         raise UserError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests admitted at once)")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise UserError(f"max_body_bytes={max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
+    check_vocab(engine, tokenizer)  # refused at start, not as a failure inside the first request
     # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
     # cheap (1 MiB of text took 1.1 s of the event loop and 230 MiB that stayed resident), so a prompt
     # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
