@@ -165,6 +165,87 @@ def _replay(objective: Objective, model: torch.nn.Module, batches: list, compute
     return losses
 
 
+def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a resume continues from (the run's newest), after checking it fits this config; None for
+    a fresh start, which a run directory that already holds checkpoints refuses."""
+    tc = cfg.train
+    resume_src: Path | None = None
+    if resume:
+        steps = ckpt.step_dirs(run_dir)
+        if not steps:
+            raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
+        resume_src = steps[-1]
+        saved_cfg = ckpt.load_run_config(resume_src)
+        if saved_cfg.model != cfg.model:
+            raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
+                            f"resume with the same model settings (saved: {saved_cfg.model})")
+    elif ckpt.step_dirs(run_dir):
+        raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
+                        f"another --out for a new run")
+    if tc.stage in ("sft", "lora", "dpo") and not tc.init_from:
+        raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
+                        f"checkpoint>")
+    return resume_src
+
+
+def _build_model(cfg: Config, resume_src: Path | None, data_fingerprint: str, say: Callable[[str], None]
+                 ) -> tuple[Transformer, dict[str, Any] | None]:
+    """The model with its weights from a checkpoint of this run (resume), from train.init_from, or fresh; for
+    LoRA, the frozen base with its adapters. Returns it (on the CPU) and, for LoRA, what its adapter
+    checkpoints record about their base."""
+    tc = cfg.train
+    model = Transformer(cfg.model)
+    adapter_base = None
+    if tc.init_from and (resume_src is None or cfg.uses_lora):
+        # A LoRA run always rebuilds its frozen base from init_from; other runs resume all weights.
+        src = ckpt.resolve_checkpoint(tc.init_from, "best")
+        if ckpt.is_adapter(src):
+            raise UserError(f"{src}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
+                            f"with `nanolm lora merge`")
+        if (src / "tokenizer.json").is_file():  # its weights are tied to the ids of its tokenizer
+            from nanolm.tokenizer import Tokenizer
+            theirs = Tokenizer.load(src).fingerprint
+            if theirs != data_fingerprint:
+                raise UserError(f"{src}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
+                                f"prepared with {data_fingerprint[:12]}, so its token ids mean other text; prepare "
+                                f"the data with {src / 'tokenizer.json'}")
+        ckpt.load_weights(model, src)
+        say(f"initialised weights from {src}")
+        if cfg.uses_lora:
+            adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(src)}
+    if cfg.uses_lora:
+        if adapter_base is None:
+            raise UserError("LoRA trains adapters on a trained base; pass --init-from <run or checkpoint>")
+        if resume_src is not None:
+            lora.load_adapter(resume_src, model)
+        else:
+            lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
+        lora.mark_only_lora_as_trainable(model)
+    elif resume_src is not None:
+        ckpt.load_weights(model, resume_src)
+    return model, adapter_base
+
+
+def _restore_state(resume_src: Path, loader: DataStream) -> tuple[int, int, float, float]:
+    """Read state.json back into the data stream and the RNG; returns (step, tokens, best val loss, elapsed s)."""
+    state = ckpt.read_json(resume_src / "state.json", "training state")
+    try:  # a damaged state.json: a missing field, a wrong type, an RNG state of the wrong size
+        step, tokens = int(state["step"]), int(state["tokens"])
+        if step < 0 or tokens < 0:
+            raise ValueError(f"step {step}, tokens {tokens}")
+        best_val = float(state.get("best_val_loss") or float("inf"))
+        elapsed_before = float(state.get("elapsed_s", 0.0))
+        loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+    except UserError as e:  # the data position does not fit this data
+        raise UserError(f"{resume_src}/state.json: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{resume_src}/state.json: damaged training state ({type(e).__name__}: {first}); "
+                        "resume from an earlier checkpoint (move this one away) or start a new run") from None
+    return step, tokens, best_val, elapsed_before
+
+
 def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:
     """Run (or resume) training as configured. Returns where it stopped and what it saved."""
     t_setup = time.perf_counter()
@@ -188,52 +269,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     token_bytes = _token_bytes(tok_dir, cfg.model.vocab_size) if val_sets else None
 
     # Where the weights come from: a checkpoint of this run (resume), init_from, or a fresh init.
-    resume_src: Path | None = None
-    if resume:
-        steps = ckpt.step_dirs(run_dir)
-        if not steps:
-            raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
-        resume_src = steps[-1]
-        saved_cfg = ckpt.load_run_config(resume_src)
-        if saved_cfg.model != cfg.model:
-            raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
-                            f"resume with the same model settings (saved: {saved_cfg.model})")
-    elif ckpt.step_dirs(run_dir):
-        raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
-                        f"another --out for a new run")
-    if tc.stage in ("sft", "lora", "dpo") and not tc.init_from:
-        raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
-                        f"checkpoint>")
-
-    model = Transformer(cfg.model)
-    adapter_base = None  # LoRA: what its adapter checkpoints record about their base
-    if tc.init_from and (resume_src is None or cfg.uses_lora):
-        # A LoRA run always rebuilds its frozen base from init_from; other runs resume all weights.
-        src = ckpt.resolve_checkpoint(tc.init_from, "best")
-        if ckpt.is_adapter(src):
-            raise UserError(f"{src}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
-                            f"with `nanolm lora merge`")
-        if (src / "tokenizer.json").is_file():  # its weights are tied to the ids of its tokenizer
-            from nanolm.tokenizer import Tokenizer
-            theirs, ours = Tokenizer.load(src).fingerprint, train_data.manifest["tokenizer"]["fingerprint"]
-            if theirs != ours:
-                raise UserError(f"{src}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
-                                f"prepared with {ours[:12]}, so its token ids mean other text; prepare the data "
-                                f"with {src / 'tokenizer.json'}")
-        ckpt.load_weights(model, src)
-        say(f"initialised weights from {src}")
-        if cfg.uses_lora:
-            adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(src)}
-    if cfg.uses_lora:
-        if adapter_base is None:
-            raise UserError("LoRA trains adapters on a trained base; pass --init-from <run or checkpoint>")
-        if resume_src is not None:
-            lora.load_adapter(resume_src, model)
-        else:
-            lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
-        lora.mark_only_lora_as_trainable(model)
-    elif resume_src is not None:
-        ckpt.load_weights(model, resume_src)
+    resume_src = _resume_source(cfg, run_dir, resume)
+    model, adapter_base = _build_model(cfg, resume_src, train_data.manifest["tokenizer"]["fingerprint"], say)
     model.to(device)
     if tc.parallel == "fsdp" and info.enabled and cfg.uses_lora:
         raise UserError("train.parallel=fsdp does not shard LoRA runs (their base is frozen and adapters are small); "
@@ -256,21 +293,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         except (KeyError, ValueError, RuntimeError) as e:
             raise UserError(f"{resume_src}/optimizer.pt: does not match this run's trainable parameters "
                             f"({type(e).__name__}: {e}); resume with the settings the run was saved with") from None
-        state = ckpt.read_json(resume_src / "state.json", "training state")
-        try:  # a damaged state.json: a missing field, a wrong type, an RNG state of the wrong size
-            step, tokens = int(state["step"]), int(state["tokens"])
-            if step < 0 or tokens < 0:
-                raise ValueError(f"step {step}, tokens {tokens}")
-            best_val = float(state.get("best_val_loss") or float("inf"))
-            elapsed_before = float(state.get("elapsed_s", 0.0))
-            loader.load_state_dict(state["loader"])
-            ckpt.set_rng_state(state["rng"])
-        except UserError as e:  # the data position does not fit this data
-            raise UserError(f"{resume_src}/state.json: {e}") from None
-        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise UserError(f"{resume_src}/state.json: damaged training state ({type(e).__name__}: {first}); "
-                            "resume from an earlier checkpoint (move this one away) or start a new run") from None
+        step, tokens, best_val, elapsed_before = _restore_state(resume_src, loader)
         metrics.truncate_after(step)
         say(f"resumed from {resume_src} at step {step} ({fmt_count(tokens)} tokens seen)")
 
