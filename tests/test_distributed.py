@@ -134,3 +134,25 @@ def test_two_ranks_never_take_the_same_window_within_an_epoch(tokenizer_dir, tmp
     assert len(set(epoch0)) == len(epoch0) == n  # every window once, on one rank or the other
     assert set(seen[n:2 * n]) == set(epoch0)  # the next epoch: the same windows, in another order
     assert seen[n:2 * n] != epoch0
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_on_two_processes_as_on_one(data_dir, tokenizer_dir, tmp_path):
+    from conftest import make_corpus
+
+    from nanolm.data.prepare import prepare
+    other = tmp_path / "other"
+    prepare([make_corpus(tmp_path, n_docs=80, seed=5)], tokenizer_dir, other, val_fraction=0.1, workers=1,
+            quiet=True)
+    sets = {"data.path": "", "data.mode": "mixture",
+            "data.sets": [{"path": str(data_dir), "weight": 2}, {"path": str(other), "weight": 1}]}
+    one = train(tiny_cfg(data_dir, tmp_path / "one", **OVER, **sets), quiet=True)
+    r = torchrun(data_dir, tmp_path / "two", **sets)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "data: 2 sets as a mixture" in r.stdout
+    two = losses(tmp_path / "two")
+    assert list(two) == list(range(1, 9))
+    for s in two:
+        assert two[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    logged = [r["data"]["set"] for r in read_metrics(tmp_path / "two") if "loss" in r]
+    assert len(set(logged)) == 2  # both sets took part

@@ -709,12 +709,14 @@ class Loader:
     def next_batch(self) -> Batch:
         """This rank's next batch: (batch_size, seq_len) tensors; for preference data (2 * batch_size, width)
         with width <= seq_len, rows in pairs (see `Batch`)."""
-        b = self.batch_size
-        ranges = self._ranges(self.cursor + self.rank * b, b)
-        self.cursor += b * self.world_size
-        while self.cursor >= self._units(self.epoch):
-            self.cursor -= self._units(self.epoch)
-            self.epoch += 1
+        batch = self.peek(self.rank * self.batch_size)
+        self.skip(self.batch_size * self.world_size)
+        return batch
+
+    def peek(self, offset: int) -> Batch:
+        """The batch of the batch_size units `offset` units past the stream position, without taking them
+        (`next_batch` is peek(rank * batch_size) then skip(batch_size * world_size))."""
+        ranges = self._ranges(self.cursor + offset, self.batch_size)
         if self._pairs is not None:
             pairs = np.concatenate([self._order(e)[lo:hi] for e, lo, hi in ranges])
             return self._pairs.batch(pairs, self.pin_memory)
@@ -726,6 +728,13 @@ class Loader:
             convs, starts = self._order(e)
             blocks += [convs[starts[j]:starts[j + 1]] for j in range(lo, hi)]
         return self._chat.batch(blocks, self.pin_memory)
+
+    def skip(self, n: int) -> None:
+        """Move the stream position n units on (into the next epochs as needed)."""
+        self.cursor += n
+        while self.cursor >= self._units(self.epoch):
+            self.cursor -= self._units(self.epoch)
+            self.epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
         """The global stream position (identical on every rank), JSON-serialisable."""

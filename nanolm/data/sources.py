@@ -33,18 +33,20 @@ run would have. The last set may have no budget: it is then used until the
 run stops. If it has one, the stream is `exhausted` once that is spent, and
 the loop stops after that step ("data_done").
 
-Mixture (`data.mode = "mixture"`): each global micro-batch comes from the set
-that is furthest behind its share, i.e. with the largest
-w_i * (n + b) - units_i, where w_i is its weight over the sum of the weights,
-n the units taken from all sets so far and b = batch_size * world_size
-(ties go to the earlier set). This is a smooth weighted round-robin: after
-any number of micro-batches, each set's count is within one micro-batch of
-its exact share, and the order depends on nothing but the weights, computed
-in exact fractions. Every set keeps its own Loader stream, which continues
-where it left off whenever the set comes up again. A step of several
-micro-batches mixes the sets; the price is that the interleaving is made in
-micro-batches of batch_size * world_size units, so a run on another number
-of processes sees the same proportions in another order.
+Mixture (`data.mode = "mixture"`): the stream is a sequence of slots of
+batch_size units, numbered over all ranks (a call of `next_batch()` on each
+of world_size ranks takes the next world_size slots, rank r the r-th). Each
+slot comes from the set that is furthest behind its share, i.e. with the
+largest w_i * (n + b) - units_i, where w_i is its weight over the sum of the
+weights, n the units taken from all sets so far and b = batch_size (ties go
+to the earlier set). This is a smooth weighted round-robin: after any number
+of slots, each set's count is within one slot of its exact share, and the
+order depends on nothing but the weights, computed in exact fractions. Every
+set keeps its own Loader stream, which continues where it left off whenever
+the set comes up again. Since the slots and their sets do not depend on the
+number of processes, 2 processes take the batches 1 process takes with twice
+the accumulation, and a resume on another number of processes continues the
+same sequence. A step of several slots mixes the sets.
 
 Set i's Loader is seeded with train.seed + i, so a directory listed twice is
 read in another order the second time. The state (`state_dict`) holds each
@@ -117,6 +119,7 @@ class DataStream:
         self.grad_accum = grad_accum
         self.seq_len = seq_len
         self.step_units = batch_size * world_size  # units of one set that one next_batch() on every rank takes
+        self.rank, self.world_size = rank, world_size
         parts = [PackedData(Path(s.path), "train") for s in specs]
         first = parts[0]
         for s, p in zip(specs[1:], parts[1:]):
@@ -241,15 +244,18 @@ class DataStream:
 
     # -------------------------------------------------------------------- batches
 
-    def _pick(self) -> int:
-        """The set the next batch comes from (without taking it)."""
+    def _pick(self, units: list[int] | None = None) -> int:
+        """The set the next batch (a mixture: the next slot) comes from, given the units taken so far."""
         if self.mode != "mixture":
             return self.active
-        after = sum(self.units) + self.step_units
-        return max(range(len(self.sets)), key=lambda i: (self.sets[i].weight * after - self.units[i], -i))
+        units = self.units if units is None else units
+        after = sum(units) + self.batch_size
+        return max(range(len(self.sets)), key=lambda i: (self.sets[i].weight * after - units[i], -i))
 
     def next_batch(self) -> Batch:
         """This rank's next micro-batch, from the set whose turn it is (see module doc)."""
+        if self.mode == "mixture":
+            return self._next_slot()
         i = self._pick()
         loader = self.sets[i].loader
         self._last = (i, loader.epoch, loader.cursor)
@@ -257,6 +263,29 @@ class DataStream:
         self.units[i] += self.step_units
         if self.mode == "curriculum":
             self._advance()
+        return batch
+
+    def _next_slot(self) -> Batch:
+        """Mixture: the sets of the world_size slots this call takes on all ranks, in slot order; this rank
+        reads its own slot, at the offset that the earlier slots of its set in this call leave, and every
+        set's stream moves on by the units its slots took."""
+        taken = [0] * len(self.sets)  # units of each set taken by the earlier slots of this call
+        units, mine = list(self.units), None
+        for r in range(self.world_size):
+            i = self._pick(units)
+            if r == self.rank:
+                mine = (i, taken[i])
+            if r == 0:  # the position logged (by rank 0): where slot 0 of this call starts in its set
+                loader = self.sets[i].loader
+                self._last = (i, loader.epoch, loader.cursor)
+            units[i] += self.batch_size
+            taken[i] += self.batch_size
+        i, offset = mine  # type: ignore[misc]
+        batch = self.sets[i].loader.peek(offset)
+        for j, n in enumerate(taken):
+            if n:
+                self.sets[j].loader.skip(n)
+        self.units = units
         return batch
 
     def _advance(self) -> None:
