@@ -264,6 +264,8 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
     if train_data.vocab_size > cfg.model.vocab_size:
         raise UserError(f"{loader.sets[0].path}: the data's tokenizer has {train_data.vocab_size} tokens but "
                         f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size {train_data.vocab_size}")
+    # An attention kernel this device cannot run stops the run here, before anything is written.
+    attention = attention_kernel(tc.sdpa_backend, device, dtype, cfg.model.head_dim, masked=train_data.is_chat)
     val_sets = loader.val_sets(tc.seq_len)  # [(set name, val split)] of the sets that have one
     tok_dir = _tokenizer_dir(train_data)
     token_bytes = _token_bytes(tok_dir, cfg.model.vocab_size) if val_sets else None
@@ -332,8 +334,6 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")
         + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
         + f" | MFU peak: {peak / 1e12:.2f} TFLOP/s ({peak_src})")
-
-    attention = attention_kernel(tc.sdpa_backend, device, dtype, cfg.model.head_dim, masked=train_data.is_chat)
 
     def compute() -> ExitStack:
         """The forward's context: mixed precision and the attention kernel."""
