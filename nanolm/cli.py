@@ -158,7 +158,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from nanolm.infer.server import serve
     serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NANOLM_API_KEY"),
           adapter=args.adapter, which="last" if args.last else "best", device=args.device,
-          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests admitted at once (running or waiting); more get 429 (default 64)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
                     help="largest request body; a larger one gets 413 unread (default 1 MiB)")
+    sv.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a request body may take to arrive after its headers; then 408 (default 30)")
     sv.set_defaults(func=_cmd_serve)
 
     pl = sub.add_parser("plot", help="loss, lr, tokens/s and grad-norm of one or more runs, as a PNG")

@@ -515,3 +515,19 @@ def test_text_that_is_not_utf8_is_a_400(base):
                        ("/v1/completions", b'{"model": "tiny", "prompt": "a \xff b"}')):
         r = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_that_stops_arriving_gets_408_and_the_server_goes_on(engine, tok):
+    import socket
+    with running(create_app(engine, tok, model_name="tiny", body_timeout_s=0.5)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\", ")  # then nothing more
+            reply = conn.recv(65536).decode()
+        status, _, rest = reply.partition("\r\n")
+        assert status == "HTTP/1.1 408 Request Timeout"
+        body = json.loads(rest.split("\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "request_timeout" and "did not arrive within 0.5 s" in body["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200

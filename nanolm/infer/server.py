@@ -15,7 +15,8 @@ waiting, cancels its request, which frees its place after at most one token.
 Every failure a client causes is a 4xx with OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}`, never a 500. What one
 request may cost is bounded before any work is done for it: a body over
-`max_body_bytes` gets 413 without being read into memory, a prompt whose
+`max_body_bytes` gets 413 without being read into memory, one that does not
+arrive within `body_timeout_s` gets 408, a prompt whose
 byte count alone shows it cannot fit the context is refused untokenized, and
 at most MAX_STOPS stop strings are checked per token. `GET /health` (no API
 key) says whether the server is up and how many requests it has admitted.
@@ -60,6 +61,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MAX_STOPS = 16
 # The default request size limit: a whole context of text, JSON-escaped, is far less for nanolm's models.
 MAX_BODY_BYTES = 1 << 20
+# A request body must arrive within this many seconds of its headers; a client that stops sending gets 408
+# instead of holding its connection open for good.
+BODY_TIMEOUT_S = 30.0
 
 
 def _require_extra(*modules: str) -> None:
@@ -415,7 +419,8 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
-               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES) -> "FastAPI":
+               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> "FastAPI":
     """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`.
 
     At most `max_queue` requests are admitted at once (the next gets 429), and a request body over
@@ -432,6 +437,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
         raise UserError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests admitted at once)")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise UserError(f"max_body_bytes={max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
+    if not (isinstance(body_timeout_s, (int, float)) and body_timeout_s > 0):
+        raise UserError(f"body_timeout_s={body_timeout_s!r}: must be a number of seconds > 0")
     check_vocab(engine, tokenizer)  # refused at start, not as a failure inside the first request
     # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
     # cheap (1 MiB of text took 1.1 s of the event loop and 230 MiB that stayed resident), so a prompt
@@ -490,10 +497,19 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
         if declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
             raise too_large(int(declared))
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > max_body_bytes:
-                raise too_large(None)
+
+        async def receive() -> None:
+            async for part in request.stream():
+                body.extend(part)
+                if len(body) > max_body_bytes:
+                    raise too_large(None)
+
+        try:
+            await asyncio.wait_for(receive(), body_timeout_s)
+        except asyncio.TimeoutError:
+            raise _ApiError(408, f"the request body did not arrive within {body_timeout_s:g} s of its headers "
+                                 f"({len(body)} bytes came); send the whole request at once", None,
+                            "request_timeout") from None
         return bytes(body)
 
     async def parse(request: Request, schema: Any) -> Any:
@@ -696,7 +712,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           adapter: str | Path | None = None, which: str = "best", device: str = "auto",
-          model_name: str | None = None, max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+          model_name: str | None = None, max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
+          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
     """Load a checkpoint and serve it until interrupted. Listens on loopback unless `host` says otherwise."""
     _require_extra("fastapi", "uvicorn")
     import uvicorn
@@ -710,7 +727,7 @@ def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, 
         model, _, src = load_model(checkpoint, which, dev, adapter=adapter)
         name = model_name or default_model_name(Path(adapter) if adapter is not None else src)
         app = create_app(Engine(model, dev), Tokenizer.load(src), model_name=name, api_key=api_key,
-                         max_queue=max_queue, max_body_bytes=max_body_bytes)
+                         max_queue=max_queue, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}]", file=sys.stderr)
