@@ -60,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanolm.config import PRESETS, Config, preset
+from nanolm.io import first_line, write_json_atomic
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_bytes
@@ -484,13 +485,6 @@ def contention_warnings(res: dict[str, Any], device: torch.device) -> list[str]:
     return out
 
 
-def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -593,7 +587,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 -- a failed torch.compile is a result to report
                 if not compiled:
                     raise
-                first = (str(e).strip().splitlines() or [""])[0][:200]
+                first = first_line(e)
                 say(f"train {dtype_name(dtype)} compiled failed: {type(e).__name__}: {first}")
                 r = {"dtype": dtype_name(dtype), "compile": True, "error": f"{type(e).__name__}: {first}"}
             finally:
@@ -648,6 +642,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     line = json.dumps(res)
     print(line, flush=True)
     if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.json_out, res)
         say(f"wrote {args.json_out}")
     return res

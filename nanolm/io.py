@@ -86,13 +86,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def first_line(e: BaseException, limit: int | None = 200) -> str:
+    """An exception's message cut to its first line (at most `limit` characters), for a one-line error:
+    torch's and safetensors' messages run to many lines."""
+    return (str(e).strip().splitlines() or [""])[0][:limit]
+
+
 def write_failure(e: BaseException) -> str:
     """Why a write failed, in one line: the OS's words for an OSError, else the first line of the message
     (safetensors and torch.save raise their own types: "... No space left on device (os error 28)")."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    line = first_line(e, limit=None)
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def space_note(path: Path, needed: int) -> str:

@@ -27,7 +27,7 @@ from nanolm.config import Config
 from nanolm.data.loader import PackedData, iter_eval_batches
 from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
-from nanolm.io import write_json_atomic
+from nanolm.io import first_line, write_json_atomic
 from nanolm.model import lora
 from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
@@ -240,8 +240,7 @@ def _restore_state(resume_src: Path, loader: DataStream) -> tuple[int, int, floa
     except UserError as e:  # the data position does not fit this data
         raise UserError(f"{resume_src}/state.json: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"{resume_src}/state.json: damaged training state ({type(e).__name__}: {first}); "
+        raise UserError(f"{resume_src}/state.json: damaged training state ({type(e).__name__}: {first_line(e)}); "
                         "resume from an earlier checkpoint (move this one away) or start a new run") from None
     return step, tokens, best_val, elapsed_before
 
