@@ -335,16 +335,18 @@ class PackedData:
 
     def documents(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, start, length) of every document in split order, int64 each; length without the EOT."""
-        for i, o in enumerate(self.offsets):  # each document holds at least its EOT
+        shards, starts, lengths = [], [], []
+        for i, o in enumerate(self.offsets):
             o = np.asarray(o, dtype=np.int64)
-            if len(o) == 0 or o[0] != 0 or o[-1] != len(self.shards[i]) or (np.diff(o) < 1).any():
+            sizes = np.diff(o)  # each document holds at least its EOT
+            if len(o) == 0 or o[0] != 0 or o[-1] != len(self.shards[i]) or (sizes < 1).any():
                 name = self.manifest["splits"][self.split]["shards"][i]["idx"]
                 raise UserError(f"{self.data_dir / name}: document offsets do not run from 0 up to the shard's "
                                 f"{len(self.shards[i])} tokens; the data is damaged, run `nanolm prepare` again")
-        shard = np.concatenate([np.full(len(o) - 1, i, dtype=np.int64) for i, o in enumerate(self.offsets)])
-        start = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in self.offsets])
-        length = np.concatenate([np.diff(np.asarray(o, dtype=np.int64)) - 1 for o in self.offsets])
-        return shard, start, length
+            shards.append(np.full(len(sizes), i, dtype=np.int64))
+            starts.append(o[:-1])
+            lengths.append(sizes - 1)
+        return np.concatenate(shards), np.concatenate(starts), np.concatenate(lengths)
 
 
 def pack_blocks(lengths: np.ndarray, capacity: int, chunk: int = PACK_CHUNK) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from nanolm.config import Config
 from nanolm.errors import UserError
 from nanolm.model.lora import ADAPTER_WEIGHTS, load_adapter, lora_state_dict, merge_lora, save_adapter
-from nanolm.io import fsync_dir, pid_alive, read_json_object, space_note, write_failure, write_json_atomic
+from nanolm.io import fsync_dir, first_line, pid_alive, read_json_object, space_note, write_failure, write_json_atomic
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 # What a killed save leaves in checkpoints/: its temp dir, a step moved aside for a re-save, a pruned
@@ -102,10 +102,6 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
     earlier = [d for d in step_dirs(run_dir) if int(d.name[5:]) < step]
     best_step = step if is_best else _recorded_best_step(ckdir, earlier[-1] if earlier else None)
     tensors = None if adapter_base is not None else model_state(model) if weights is None else weights
-    # What this save needs on disk, for the message if the disk is full: tensors + JSON and tokenizer files.
-    needed = (_nbytes(lora_state_dict(model) if tensors is None else tensors) + _nbytes(optimizer_state) + (1 << 16)
-              + sum((Path(tokenizer_dir) / n).stat().st_size for n in TOKENIZER_FILES
-                    if tokenizer_dir is not None and (Path(tokenizer_dir) / n).is_file()))
     tmp = ckdir / f".tmp-step-{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -138,6 +134,10 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
     # A full disk raises OSError here, SafetensorError from safetensors, RuntimeError from torch.save.
     except (OSError, SafetensorError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # What this save needs on disk: tensors + JSON and tokenizer files.
+        needed = (_nbytes(lora_state_dict(model) if tensors is None else tensors) + _nbytes(optimizer_state)
+                  + (1 << 16) + sum((Path(tokenizer_dir) / n).stat().st_size for n in TOKENIZER_FILES
+                                    if tokenizer_dir is not None and (Path(tokenizer_dir) / n).is_file()))
         raise UserError(f"{final}: could not write checkpoint ({part}: {write_failure(e)}); "
                         f"{space_note(ckdir, needed)}; the previous checkpoints are untouched; free some space "
                         f"and resume with --resume") from None
@@ -283,8 +283,7 @@ def read_optimizer(ckpt: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(f"{path}: missing optimizer state; cannot resume exactly from this checkpoint") from None
     except Exception as e:  # torch raises several types for truncated or foreign files
-        first = (str(e).strip().splitlines() or [""])[0][:200]  # torch's unpickling errors run to many lines
-        raise UserError(f"{path}: corrupt optimizer state ({type(e).__name__}: {first}); "
+        raise UserError(f"{path}: corrupt optimizer state ({type(e).__name__}: {first_line(e)}); "
                         f"resume from another checkpoint") from None
     if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)
             and all(isinstance(k, str) for k in sd["state"])):

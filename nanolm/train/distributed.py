@@ -153,15 +153,13 @@ def _aliases(model: nn.Module) -> set[str]:
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded weights on the CPU, tied tensors once (safetensors refuses shared storage).
+    """The unsharded weights of an FSDP model on the CPU, tied tensors once (safetensors refuses shared storage).
 
-    A collective under FSDP: every rank calls it; only rank 0 gets the tensors, the others {}.
+    A collective: every rank calls it; only rank 0 gets the tensors, the others {}. (An unsharded model's
+    weights are `checkpoint.model_state(model)`.)
     """
-    if is_sharded(model):
-        aliases = _aliases(model)
-        return {k: v.contiguous() for k, v in get_model_state_dict(model, options=_FULL).items() if k not in aliases}
-    from nanolm.train.checkpoint import model_state
-    return model_state(model)
+    aliases = _aliases(model)
+    return {k: v.contiguous() for k, v in get_model_state_dict(model, options=_FULL).items() if k not in aliases}
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

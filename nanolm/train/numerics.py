@@ -99,13 +99,8 @@ def locate_nonfinite(model: nn.Module, replay: Callable[[], list[torch.Tensor]])
 
 def weights_are_finite(model: nn.Module) -> bool:
     """Whether every parameter is finite on every rank (each rank checks what it holds: its shard under FSDP)."""
-    ok = True
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if not bool(torch.isfinite(local).all()):
-            ok = False
-            break
-    flag = torch.tensor(int(ok), dtype=torch.int32, device=next(model.parameters()).device)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    flag = torch.stack([torch.isfinite(t).all() for t in local]).all().to(torch.int32)  # one host sync, below
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
