@@ -32,6 +32,7 @@ import torch
 from nanolm.data.loader import Batch, PackedData, iter_eval_batches
 from nanolm.data.prepare import MANIFEST
 from nanolm.errors import UserError
+from nanolm.infer.generate import check_vocab
 from nanolm.progress import Progress, fmt_count
 from nanolm.runtime import autocast, resolve_device, resolve_dtype
 from nanolm.tokenizer import EOT_ID, Tokenizer
@@ -148,10 +149,7 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
         raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so its text cannot be tokenized; "
                         "use a checkpoint written by nanolm train")
     tok = Tokenizer.load(ckpt_dir)
-    if tok.vocab_size > cfg.model.vocab_size:  # its ids would index past the embedding
-        raise UserError(f"{tok.path}: the tokenizer has {tok.vocab_size} tokens but the model only "
-                        f"{cfg.model.vocab_size} (model.vocab_size); this tokenizer.json does not belong to "
-                        f"{ckpt_dir}: put back the one it was trained with")
+    check_vocab(tok, cfg.model.vocab_size)
     T = seq_len or cfg.train.seq_len
     if T > cfg.model.max_seq_len:
         raise UserError(f"seq_len={T}: the model was built for at most {cfg.model.max_seq_len} tokens "

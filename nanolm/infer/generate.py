@@ -58,19 +58,18 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def check_vocab(engine: Engine, tokenizer: Tokenizer) -> None:
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     """UserError when the tokenizer has ids the model has no embedding for (a tokenizer.json that does not
     belong to the checkpoint): encoding a prompt would index past the embedding."""
-    n = engine.model.config.vocab_size
-    if tokenizer.vocab_size > n:
-        raise UserError(f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {n} "
-                        "(model.vocab_size); use the tokenizer the checkpoint was trained with")
+    if tokenizer.vocab_size > model_vocab_size:
+        raise UserError(f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model_vocab_size} (model.vocab_size); use the tokenizer the checkpoint was trained with")
 
 
 def stream_text(engine: Engine, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
                 stop_ids: Iterable[int]) -> Iterator[str]:
     """Generate and yield text pieces as soon as they form whole characters."""
-    check_vocab(engine, tokenizer)
+    check_vocab(tokenizer, engine.model.config.vocab_size)
     dec = StreamDecoder(tokenizer)
     for tid in engine.generate(prompt_ids, params, stop_ids=list(stop_ids)):
         piece = dec.push(tid)

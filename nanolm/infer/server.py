@@ -423,8 +423,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
                body_timeout_s: float = BODY_TIMEOUT_S) -> "FastAPI":
     """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`.
 
-    At most `max_queue` requests are admitted at once (the next gets 429), and a request body over
-    `max_body_bytes` gets 413.
+    At most `max_queue` requests are admitted at once (the next gets 429), a request body over
+    `max_body_bytes` gets 413, and one that takes longer than `body_timeout_s` to arrive gets 408.
     """
     _require_extra("fastapi")
     from fastapi import FastAPI, Request
@@ -439,7 +439,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
         raise UserError(f"max_body_bytes={max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
     if not (isinstance(body_timeout_s, (int, float)) and body_timeout_s > 0):
         raise UserError(f"body_timeout_s={body_timeout_s!r}: must be a number of seconds > 0")
-    check_vocab(engine, tokenizer)  # refused at start, not as a failure inside the first request
+    # Refused at start, not as a failure inside the first request.
+    check_vocab(tokenizer, engine.model.config.vocab_size)
     # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
     # cheap (1 MiB of text took 1.1 s of the event loop and 230 MiB that stayed resident), so a prompt
     # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
