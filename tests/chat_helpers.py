@@ -49,3 +49,31 @@ def assert_two_ranks_continue(data, stream, seq_len: int):
     assert resumed == continuation
     assert ranks[0].state_dict() == ranks[1].state_dict() == ref.state_dict()
     return ref, state
+
+
+def write_masked_data(root: Path, splits: dict, fmt: str, split_extra: dict | None = None) -> Path:
+    """A chat or preference data directory (`nanolm prepare`'s format) from (ids, mask) per conversation:
+    one uint32 shard per split, each conversation followed by an EOT with mask 0."""
+    import numpy as np
+
+    from nanolm.data.prepare import FORMAT_VERSION
+    root.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for split, convs in splits.items():
+        ids = np.concatenate([np.r_[c, 0] for c, _ in convs]).astype(np.uint32)
+        mask = np.concatenate([np.r_[mk, 0] for _, mk in convs]).astype(np.uint8)
+        offsets = np.r_[0, np.cumsum([len(c) + 1 for c, _ in convs])].astype(np.uint64)
+        stem = f"{split}-00000"
+        ids.tofile(root / f"{stem}.bin")
+        mask.tofile(root / f"{stem}.mask")
+        offsets.tofile(root / f"{stem}.idx")
+        shard = {"bin": f"{stem}.bin", "idx": f"{stem}.idx", "mask": f"{stem}.mask", "n_tokens": len(ids),
+                 "n_docs": len(convs), "n_trainable": int(mask.sum())}
+        entries[split] = {"shards": [shard], "n_tokens": len(ids), "n_docs": len(convs),
+                          **(split_extra or {}).get(split, {})}
+    manifest = {"format": "nanolm-tokens", "version": FORMAT_VERSION, "dtype": "uint32", "splits": entries,
+                "options": {"format": fmt, "max_tokens": 1024},
+                "tokenizer": {"path": "/x/tokenizer.json", "fingerprint": "ab" * 32, "vocab_size": 70000,
+                              "eot_id": 0}}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root

@@ -13,11 +13,11 @@ import torch
 import nanolm.data.prepare as prep
 from nanolm.data.formats import ReadStats, iter_conversations
 from nanolm.data.loader import Loader, PackedData, iter_eval_batches, pack_blocks
-from nanolm.data.prepare import FORMAT_VERSION, fit_conversation, prepare
+from nanolm.data.prepare import fit_conversation, prepare
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
-from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl
+from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl, write_masked_data
 
 
 CONVS = [
@@ -370,25 +370,7 @@ def test_pack_blocks_fill_on_sft_like_lengths(capacity, median, sigma):
 
 def make_chat_data(root: Path, splits: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> Path:
     """A chat data directory from (ids, mask) per conversation; one shard per split, EOT after each."""
-    root.mkdir(parents=True, exist_ok=True)
-    entries = {}
-    for split, convs in splits.items():
-        ids = np.concatenate([np.r_[c, 0] for c, _ in convs]).astype(np.uint32)
-        mask = np.concatenate([np.r_[mk, 0] for _, mk in convs]).astype(np.uint8)
-        offsets = np.r_[0, np.cumsum([len(c) + 1 for c, _ in convs])].astype(np.uint64)
-        stem = f"{split}-00000"
-        ids.tofile(root / f"{stem}.bin")
-        mask.tofile(root / f"{stem}.mask")
-        offsets.tofile(root / f"{stem}.idx")
-        shard = {"bin": f"{stem}.bin", "idx": f"{stem}.idx", "mask": f"{stem}.mask", "n_tokens": len(ids),
-                 "n_docs": len(convs), "n_trainable": int(mask.sum())}
-        entries[split] = {"shards": [shard], "n_tokens": len(ids), "n_docs": len(convs)}
-    manifest = {"format": "nanolm-tokens", "version": FORMAT_VERSION, "dtype": "uint32", "splits": entries,
-                "options": {"format": "chat", "max_tokens": 1024},
-                "tokenizer": {"path": "/x/tokenizer.json", "fingerprint": "ab" * 32, "vocab_size": 70000,
-                              "eot_id": 0}}
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
+    return write_masked_data(root, splits, "chat")
 
 
 def synthetic_convs(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

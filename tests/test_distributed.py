@@ -38,6 +38,12 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
 
+def assert_same_losses(got: dict[int, float], ref: dict[int, float], steps) -> None:
+    """The losses of these steps equal the reference run's, to float tolerance (reductions run in another order)."""
+    for s in steps:
+        assert got[s] == pytest.approx(ref[s], rel=1e-4, abs=1e-5), s
+
+
 @pytest.mark.slow
 def test_two_processes_train_as_one_and_resume_as_one(data_dir, tmp_path):
     one = train(tiny_cfg(data_dir, tmp_path / "one", **OVER), quiet=True)
@@ -48,8 +54,7 @@ def test_two_processes_train_as_one_and_resume_as_one(data_dir, tmp_path):
     assert r.stdout.count("step      8/8") == 1  # only rank 0 logs
     two = losses(tmp_path / "two")
     assert list(two) == list(range(1, 9))  # each step once in metrics.jsonl: only rank 0 writes
-    for s in two:
-        assert two[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    assert_same_losses(two, one.train_losses, two)
 
     # stopped after 4 steps with 2 processes, resumed with 1: the same stream and losses
     r = torchrun(data_dir, tmp_path / "switch", **{"train.max_tokens": 4 * 2 * 4 * 32})
@@ -57,8 +62,7 @@ def test_two_processes_train_as_one_and_resume_as_one(data_dir, tmp_path):
     state = json.loads((tmp_path / "switch" / "checkpoints" / "step-00000004" / "state.json").read_text())
     assert state["loader"]["cursor"] == 4 * 2 * 4  # 4 steps x 2 micro-batches x batch 4 windows
     resumed = train(tiny_cfg(data_dir, tmp_path / "switch", **OVER), resume=True, quiet=True)
-    for s in range(5, 9):
-        assert resumed.train_losses[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    assert_same_losses(resumed.train_losses, one.train_losses, range(5, 9))
 
 
 def test_grad_accum_must_split_over_the_processes(data_dir, tmp_path, monkeypatch):
@@ -79,8 +83,7 @@ def test_fsdp_trains_as_one_saves_full_weights_and_resumes_across_sizes(data_dir
     assert "data parallel: 2 processes (fsdp) | 1 micro-batch(es) per rank per step" in r.stdout
     fsdp = losses(tmp_path / "fsdp")
     assert list(fsdp) == list(range(1, 9))
-    for s in fsdp:
-        assert fsdp[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    assert_same_losses(fsdp, one.train_losses, fsdp)
     # The checkpoint holds full, unsharded weights that one process loads, equal to the 1-process run's.
     model, _, src = ckpt.load_model(tmp_path / "fsdp", "last")
     ref, _, _ = ckpt.load_model(tmp_path / "one", "last")
@@ -94,8 +97,7 @@ def test_fsdp_trains_as_one_saves_full_weights_and_resumes_across_sizes(data_dir
     r = torchrun(data_dir, tmp_path / "down", **{"train.parallel": "fsdp", "train.max_tokens": 4 * 2 * 4 * 32})
     assert r.returncode == 0, r.stderr[-2000:]
     resumed = train(tiny_cfg(data_dir, tmp_path / "down", **OVER), resume=True, quiet=True)
-    for s in range(5, 9):
-        assert resumed.train_losses[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    assert_same_losses(resumed.train_losses, one.train_losses, range(5, 9))
 
     # saved by 1 process after 4 steps, resumed by 2 FSDP processes
     part = train(tiny_cfg(data_dir, tmp_path / "up", **{**OVER, "train.max_tokens": 4 * 2 * 4 * 32}), quiet=True)
@@ -104,8 +106,7 @@ def test_fsdp_trains_as_one_saves_full_weights_and_resumes_across_sizes(data_dir
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout and r.stdout.count("resumed from") == 1
     up = losses(tmp_path / "up")
-    for s in range(5, 9):
-        assert up[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    assert_same_losses(up, one.train_losses, range(5, 9))
 
 
 @pytest.mark.slow
@@ -152,7 +153,6 @@ def test_a_mixture_trains_on_two_processes_as_on_one(data_dir, tokenizer_dir, tm
     assert "data: 2 sets as a mixture" in r.stdout
     two = losses(tmp_path / "two")
     assert list(two) == list(range(1, 9))
-    for s in two:
-        assert two[s] == pytest.approx(one.train_losses[s], rel=1e-4, abs=1e-5)
+    assert_same_losses(two, one.train_losses, two)
     logged = [r["data"]["set"] for r in read_metrics(tmp_path / "two") if "loss" in r]
     assert len(set(logged)) == 2  # both sets took part

@@ -18,14 +18,14 @@ from nanolm.config import ModelConfig
 from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
 from nanolm.data.loader import Loader, PackedData, iter_eval_batches
 from nanolm.data.preferences import build_idiom_preferences
-from nanolm.data.prepare import FORMAT_VERSION, fit_pair, prepare
+from nanolm.data.prepare import fit_pair, prepare
 from nanolm.datasets import fetch
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 from nanolm.train.objectives import dpo_loss, sequence_logps, split_pairs
 
-from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl
+from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl, write_masked_data
 
 
 # (chosen, rejected): one turn, with a system prompt, several turns (the earlier reply is context).
@@ -279,26 +279,8 @@ def test_fit_pair_drops_the_same_turns_from_both():
 
 def make_dpo_data(root: Path, splits: dict[str, list[tuple[tuple, tuple]]]) -> Path:
     """A preference data directory from ((ids, mask), (ids, mask)) per pair; one shard per split."""
-    root.mkdir(parents=True, exist_ok=True)
-    entries = {}
-    for split, pairs in splits.items():
-        convs = [c for pair in pairs for c in pair]
-        ids = np.concatenate([np.r_[c, 0] for c, _ in convs]).astype(np.uint32)
-        mask = np.concatenate([np.r_[mk, 0] for _, mk in convs]).astype(np.uint8)
-        offsets = np.r_[0, np.cumsum([len(c) + 1 for c, _ in convs])].astype(np.uint64)
-        stem = f"{split}-00000"
-        ids.tofile(root / f"{stem}.bin")
-        mask.tofile(root / f"{stem}.mask")
-        offsets.tofile(root / f"{stem}.idx")
-        shard = {"bin": f"{stem}.bin", "idx": f"{stem}.idx", "mask": f"{stem}.mask", "n_tokens": len(ids),
-                 "n_docs": len(convs), "n_trainable": int(mask.sum())}
-        entries[split] = {"shards": [shard], "n_tokens": len(ids), "n_docs": len(convs), "n_pairs": len(pairs)}
-    manifest = {"format": "nanolm-tokens", "version": FORMAT_VERSION, "dtype": "uint32", "splits": entries,
-                "options": {"format": "dpo", "max_tokens": 1024},
-                "tokenizer": {"path": "/x/tokenizer.json", "fingerprint": "ab" * 32, "vocab_size": 70000,
-                              "eot_id": 0}}
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
+    return write_masked_data(root, {split: [c for pair in pairs for c in pair] for split, pairs in splits.items()},
+                             "dpo", {split: {"n_pairs": len(pairs)} for split, pairs in splits.items()})
 
 
 def synthetic_pairs(n: int, seed: int = 0) -> list[tuple[tuple, tuple]]:
