@@ -7,7 +7,7 @@ import torch
 
 from nanolm.config import ModelConfig
 from nanolm.infer.engine import Engine, SamplingParams, sample_next, top_k_filter, top_p_filter
-from nanolm.model.transformer import Transformer
+from nanolm.model.transformer import Transformer, fuse_projections
 
 
 def _model(seed=0):
@@ -80,3 +80,71 @@ def test_sampling_respects_filters():
 def test_bad_sampling_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+# ----------------------------------------------------------------------------- fused projections
+
+def test_fused_projections_give_the_separate_products_without_a_copy():
+    import copy
+
+    model = _model()
+    plain = copy.deepcopy(model)
+    assert fuse_projections(model) == 2 * 2  # each layer's attention and MLP
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    # The weights are blocks of the fused matrix: one storage, nothing held twice.
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    assert mlp.gate_proj.weight.untyped_storage().nbytes() == 2 * mlp.up_proj.weight.numel() * 4
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert attn.qkv.usable(attn.q_proj, attn.k_proj, attn.v_proj)
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-6, atol=1e-6)
+    prompt = [3, 14, 15, 9, 26, 5]
+    assert (Engine(model).generate_all(prompt, SamplingParams(max_new_tokens=30, temperature=0))
+            == greedy_by_recompute(plain, prompt, 30))
+
+
+def test_a_fused_model_still_trains_saves_and_converts(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from nanolm.train.checkpoint import model_state
+
+    model = _model()
+    plain = _model()
+    fuse_projections(model)
+    x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    # With autograd on, the separate products run, so every projection gets its gradient.
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    # Saving: safetensors refuses tensors that share storage, so the blocks are written alone.
+    save_file(model_state(model), str(tmp_path / "w.safetensors"))
+    loaded = load_file(str(tmp_path / "w.safetensors"))
+    assert torch.equal(loaded["layers.1.self_attn.k_proj.weight"], plain.layers[1].self_attn.k_proj.weight)
+    # A dtype change gives the weights their own storage: the fused matrix is stale and is not used.
+    model.double()
+    plain.double()
+    attn = model.layers[0].self_attn
+    with torch.no_grad():
+        assert not attn.qkv.usable(attn.q_proj, attn.k_proj, attn.v_proj)
+        assert torch.equal(model(x), plain(x))
+
+
+def test_lora_after_fusing_is_not_bypassed():
+    from nanolm.model.lora import apply_lora
+
+    model, plain = _model(), _model()
+    fuse_projections(model)
+    for m in (model, plain):
+        apply_lora(m, rank=2, alpha=4.0, dropout=0.0, targets=("q_proj", "up_proj"))
+        with torch.no_grad():
+            for mod in m.modules():
+                if hasattr(mod, "lora_B"):  # the same non-zero adapter in both
+                    mod.lora_A.copy_(torch.full_like(mod.lora_A, 0.3))
+                    mod.lora_B.copy_(torch.full_like(mod.lora_B, 0.5))
+    x = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+        assert not torch.equal(model(x), _model()(x))  # the adapters count
+    assert fuse_projections(plain) == 0  # a LoRA-wrapped projection keeps its separate product
