@@ -148,3 +148,22 @@ def test_lora_after_fusing_is_not_bypassed():
         assert torch.equal(model(x), plain(x))
         assert not torch.equal(model(x), _model()(x))  # the adapters count
     assert fuse_projections(plain) == 0  # a LoRA-wrapped projection keeps its separate product
+
+
+def test_bf16_on_cpu_decodes_through_a_float32_cache_like_float32():
+    import copy
+
+    from nanolm.model.transformer import KVCache
+
+    model = _model()
+    ref = copy.deepcopy(model)
+    engine = Engine(model, dtype=torch.bfloat16)
+    assert engine.cache_dtype == torch.float32 and model.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5, 8, 9, 7, 9, 3, 2]])
+    cache = KVCache.empty(model.config, 1, 16, "cpu", engine.cache_dtype)
+    with torch.inference_mode():
+        got = [model(ids[:, :6], cache)[0, -1]] + [model(ids[:, i:i + 1], cache)[0, -1] for i in range(6, 12)]
+        want = ref(ids)[0, 5:12]
+    assert cache.k[0].dtype == torch.float32 and got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(torch.stack(got).float(), want, atol=0.03, rtol=0.03)  # bf16 weights' rounding
+    assert len(engine.generate_all([3, 14, 15], SamplingParams(max_new_tokens=10, temperature=0))) == 10

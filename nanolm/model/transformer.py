@@ -57,7 +57,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class KVCache:
-    """Preallocated keys/values for every layer; `pos` is how many positions are filled."""
+    """Preallocated keys/values for every layer; `pos` is how many positions are filled.
+
+    Its dtype may differ from the weights': attention then runs in the cache's dtype and its output
+    is cast back (the Engine keeps a float32 cache for bf16/fp16 weights on a CPU).
+    """
 
     k: list[torch.Tensor]  # n_layer x (B, nkv, max_len, hs)
     v: list[torch.Tensor]
@@ -114,6 +118,7 @@ class Attention(nn.Module):
             cache.v[layer][:, :, start:start + T] = v
             k = cache.k[layer][:, :, :start + T]  # (B, nkv, S, hs)
             v = cache.v[layer][:, :, :start + T]
+            q = q.to(k.dtype)  # attention runs in the cache's dtype (float32 under bf16 weights on a CPU)
 
         # Grouped-query attention: each key/value head serves n_head / n_kv_head query heads. SDPA reads
         # the shared heads in place (enable_gqa) instead of copying them out to n_head heads.
@@ -124,17 +129,12 @@ class Attention(nn.Module):
         elif start == 0:
             y = sdpa(q, k, v, is_causal=T > 1)
         elif T == 1:  # one new token sees the whole cache
-            if x.device.type == "cpu" and q.dtype != torch.float32:
-                # PyTorch's CPU kernels attend one query in bf16/fp16 several times slower than in float32
-                # (138 vs 36 us for 300 cached tokens here), and less exactly; the casts cost little.
-                y = sdpa(q.float(), k.float(), v.float()).to(q.dtype)
-            else:
-                y = sdpa(q, k, v)
+            y = sdpa(q, k, v)
         else:
             # T new tokens after `start` cached ones: token i sees positions <= start + i.
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
             y = sdpa(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
         return self.o_proj(y)
 
 
