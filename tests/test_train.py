@@ -66,6 +66,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(data_dir, tmp_path):
     # metrics.jsonl of the resumed run reads as one run: each step once
     steps = [r["step"] for r in read_metrics(tmp_path / "part") if "loss" in r]
     assert steps == list(range(1, 21))
+    # and each evaluation once: the stop right after step 10's evaluation does not evaluate again
+    assert [r["step"] for r in read_metrics(tmp_path / "part") if "val_loss" in r] == [5, 10, 15, 20]
 
 
 def test_resume_from_an_older_checkpoint_after_a_crash(data_dir, tmp_path):

@@ -395,6 +395,7 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
         return res
 
     last_saved: Path | None = None
+    evaluated_at = -1
     nonfinite_in_row, nonfinite_total, first_nonfinite = 0, 0, ""
     losses: dict[int, float] = {}
     stop_reason = "max_steps"
@@ -515,14 +516,16 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             is_best = False
             if tc.eval_interval and step % tc.eval_interval == 0 and step < tc.max_steps:
                 res = run_eval()
+                evaluated_at = step
                 if res and res["val_loss"] < best_val:
                     best_val, is_best = res["val_loss"], True
             if is_best or (tc.save_interval and step % tc.save_interval == 0):
                 last_saved = save(is_best=is_best)
 
-    # Final evaluation and checkpoint, unless this exact step is already saved.
+    # Final evaluation and checkpoint, unless this exact step is already evaluated (a run stopped by
+    # max_tokens, max_minutes or Ctrl-C right after an evaluation) or saved.
     if steps_done_here or not ckpt.step_dirs(run_dir):
-        res = run_eval()
+        res = run_eval() if evaluated_at != step else {}
         is_best = bool(res) and res["val_loss"] < best_val
         if is_best:
             best_val = res["val_loss"]
