@@ -1,5 +1,6 @@
 """The generation engine: KV-cached decoding equals recomputation; sampling filters."""
 
+import copy
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from nanolm.config import ModelConfig
 from nanolm.infer.engine import Engine, SamplingParams, sample_next, top_k_filter, top_p_filter
-from nanolm.model.transformer import Transformer, fuse_projections
+from nanolm.model.transformer import KVCache, Transformer, fuse_projections
 
 
 def _model(seed=0):
@@ -85,8 +86,6 @@ def test_bad_sampling_params(kw):
 # ----------------------------------------------------------------------------- fused projections
 
 def test_fused_projections_give_the_separate_products_without_a_copy():
-    import copy
-
     model = _model()
     plain = copy.deepcopy(model)
     assert fuse_projections(model) == 2 * 2  # each layer's attention and MLP
@@ -151,10 +150,6 @@ def test_lora_after_fusing_is_not_bypassed():
 
 
 def test_bf16_on_cpu_decodes_through_a_float32_cache_like_float32():
-    import copy
-
-    from nanolm.model.transformer import KVCache
-
     model = _model()
     ref = copy.deepcopy(model)
     engine = Engine(model, dtype=torch.bfloat16)
