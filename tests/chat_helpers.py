@@ -51,7 +51,8 @@ def assert_two_ranks_continue(data, stream, seq_len: int):
     return ref, state
 
 
-def write_masked_data(root: Path, splits: dict, fmt: str, split_extra: dict | None = None) -> Path:
+def write_masked_data(root: Path, splits: dict, fmt: str, split_extra: dict | None = None,
+                      vocab_size: int = 70000) -> Path:
     """A chat or preference data directory (`nanolm prepare`'s format) from (ids, mask) per conversation:
     one uint32 shard per split, each conversation followed by an EOT with mask 0."""
     import numpy as np
@@ -73,7 +74,7 @@ def write_masked_data(root: Path, splits: dict, fmt: str, split_extra: dict | No
                           **(split_extra or {}).get(split, {})}
     manifest = {"format": "nanolm-tokens", "version": FORMAT_VERSION, "dtype": "uint32", "splits": entries,
                 "options": {"format": fmt, "max_tokens": 1024},
-                "tokenizer": {"path": "/x/tokenizer.json", "fingerprint": "ab" * 32, "vocab_size": 70000,
+                "tokenizer": {"path": "/x/tokenizer.json", "fingerprint": "ab" * 32, "vocab_size": vocab_size,
                               "eot_id": 0}}
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root

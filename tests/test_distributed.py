@@ -14,7 +14,7 @@ import torch
 
 from nanolm.train import checkpoint as ckpt
 from nanolm.train.loop import train
-from test_train import read_metrics, tiny_cfg
+from test_train import ONE_STEP, assert_close_all, masked_lm_data, micro_batch_gradients, read_metrics, tiny_cfg
 
 OVER = {"train.max_steps": 8, "train.grad_accum": 2, "train.eval_interval": 4, "train.save_interval": 4,
         "model.dropout": 0.0}
@@ -63,6 +63,26 @@ def test_two_processes_train_as_one_and_resume_as_one(data_dir, tmp_path):
     assert state["loader"]["cursor"] == 4 * 2 * 4  # 4 steps x 2 micro-batches x batch 4 windows
     resumed = train(tiny_cfg(data_dir, tmp_path / "switch", **OVER), resume=True, quiet=True)
     assert_same_losses(resumed.train_losses, one.train_losses, range(5, 9))
+
+
+@pytest.mark.slow
+def test_two_processes_weigh_every_target_token_the_same(tmp_path):
+    """Rank 0's micro-batch holds 1 target token and rank 1's 9: the step's gradient is still the summed loss of
+    the 10 targets over 10, as in one process holding both (DDP averages over the ranks; the step counts the
+    targets of every rank first)."""
+    from safetensors.torch import load_file
+    data = masked_lm_data(tmp_path / "data")
+    cfg = tiny_cfg(data, tmp_path / "two", **ONE_STEP)
+    config, out = tmp_path / "two.json", tmp_path / "grads.safetensors"
+    config.write_text(json.dumps(cfg.to_dict()))
+    r = torchrun_cmd(str(Path(__file__).parent / "grad_worker.py"), str(config), str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    saved = load_file(str(out))
+    weights = [saved[k] for k in sorted(saved) if k.startswith("weight.")]
+    got = [saved[k] for k in sorted(saved) if k.startswith("grad.")]
+    (n1, g1, _, _), (n2, g2, _, _) = micro_batch_gradients(cfg, weights, 2)
+    assert sorted((n1, n2)) == [1, 9]
+    assert_close_all(got, [(a + b) / 10 for a, b in zip(g1, g2)])
 
 
 def test_grad_accum_must_split_over_the_processes(data_dir, tmp_path, monkeypatch):

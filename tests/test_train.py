@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanolm.config import load_config
 from nanolm.errors import UserError
@@ -203,3 +204,165 @@ def test_compiled_training_takes_the_steps_of_eager_training(data_dir, tmp_path)
     compiled = train(tiny_cfg(data_dir, tmp_path / "compiled", **over, **{"train.compile": True}), quiet=True)
     for s in eager.train_losses:
         assert compiled.train_losses[s] == pytest.approx(eager.train_losses[s], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- a step is the gradient of its batch
+
+class StepGradients:
+    """Records what each optimizer step applies: the weights and the gradients at the moment of the update, in
+    the optimizer's parameter order (nanolm.train.optim.param_groups), through torch's global step hook."""
+
+    def __enter__(self) -> "StepGradients":
+        self.steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._handle = register_optimizer_step_pre_hook(self._hook)
+        return self
+
+    def _hook(self, optimizer, args, kwargs) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.steps.append(([p.detach().clone() for p in params], [p.grad.detach().clone() for p in params]))
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+def masked_lm_data(root: Path, targets=(1, 9), seq_len: int = 16) -> Path:
+    """Chat-format data (a loss mask) of conversations that each fill one block of seq_len + 1 tokens, the i-th
+    with targets[i] target tokens (its last ones), so a micro-batch of batch size 1 holds exactly that many."""
+    import numpy as np
+
+    from chat_helpers import write_masked_data
+    rng = np.random.default_rng(0)
+    convs = []
+    for n in targets:
+        mask = np.zeros(seq_len + 1, dtype=np.uint8)
+        mask[seq_len + 1 - n:] = 1
+        convs.append((rng.integers(3, 400, seq_len + 1), mask))
+    return write_masked_data(root, {"train": convs}, "chat", vocab_size=400)
+
+
+# One optimizer step of two micro-batches of one block each, without clipping (the gradient is compared).
+ONE_STEP = {"train.seq_len": 16, "train.batch_size": 1, "train.grad_accum": 2, "train.max_steps": 1,
+            "train.eval_interval": 0, "train.save_interval": 0, "optim.grad_clip": 0.0, "model.dropout": 0.0}
+
+
+def micro_batch_gradients(cfg, weights: list[torch.Tensor], n_batches: int, aux: bool = False):
+    """For the first n_batches micro-batches of cfg's data stream, taken at `weights` (in param_groups order):
+    (target tokens, gradient of the summed cross-entropy, its value, gradient of the MoE balance loss or None)."""
+    from nanolm.data.loader import Loader, PackedData
+    from nanolm.model.moe import collect_aux_loss
+    from nanolm.model.transformer import Transformer
+    from nanolm.train.objectives import lm_loss
+    from nanolm.train.optim import param_groups
+    model = Transformer(cfg.model)
+    params = [p for group in param_groups(model, cfg.optim.weight_decay) for p in group["params"]]
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)
+    loader = Loader(PackedData(Path(cfg.data.path)), cfg.train.batch_size, cfg.train.seq_len, seed=cfg.train.seed)
+    out = []
+    for _ in range(n_batches):
+        b = loader.next_batch()
+        ce = lm_loss(model(b.x, pos=b.pos, seg=b.seg), b.y, reduction="sum")
+        balance = collect_aux_loss(model) if aux else None
+        g_ce = torch.autograd.grad(ce, params, retain_graph=aux)
+        g_aux = torch.autograd.grad(balance, params, allow_unused=True) if aux else None
+        if g_aux is not None:
+            g_aux = [torch.zeros_like(p) if g is None else g for p, g in zip(params, g_aux)]
+        out.append((int((b.y != -1).sum()), g_ce, ce.item(), g_aux))
+    return out
+
+
+def assert_close_all(got, want, rtol: float = 1e-5) -> None:
+    """Each tensor equal to its reference to float tolerance: within rtol of the reference's largest entry (a
+    sum taken in another order differs in its last bits, which is large relative to an entry near 0)."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = w.abs().max().item()
+        assert (g - w).abs().max().item() <= rtol * scale, (i, (g - w).abs().max().item(), scale)
+
+
+def test_every_target_token_weighs_the_same_in_a_step(tmp_path):
+    """Two micro-batches with 1 and 9 target tokens give the gradient of one batch holding both: the summed
+    per-token losses over the 10 targets, divided by 10, not the mean of the two micro-batches' means."""
+    data = masked_lm_data(tmp_path / "data")
+    cfg = tiny_cfg(data, tmp_path / "accum", **ONE_STEP)
+    with StepGradients() as accum:
+        res = train(cfg, quiet=True)
+    with StepGradients() as whole:
+        train(tiny_cfg(data, tmp_path / "whole", **{**ONE_STEP, "train.batch_size": 2, "train.grad_accum": 1}),
+              quiet=True)
+    weights, got = accum.steps[0]
+    (n1, g1, ce1, _), (n2, g2, ce2, _) = micro_batch_gradients(cfg, weights, 2)
+    assert sorted((n1, n2)) == [1, 9]
+    want = [(a + b) / 10 for a, b in zip(g1, g2)]
+    assert_close_all(got, want)
+    # The same weights and gradient when both blocks are one micro-batch.
+    assert all(torch.equal(a, b) for a, b in zip(whole.steps[0][0], weights))
+    assert_close_all(whole.steps[0][1], want)
+    # What a mean per micro-batch would have applied is far from it: the test can tell them apart.
+    mean_of_means = [(a / n1 + b / n2) / 2 for a, b in zip(g1, g2)]
+    assert max((w - m).abs().max().item() for w, m in zip(want, mean_of_means)) > 100 * 1e-5 * max(
+        w.abs().max().item() for w in want)
+    # The logged loss is the same token-weighted mean.
+    assert res.train_losses[1] == pytest.approx((ce1 + ce2) / 10, rel=1e-6)
+
+
+def test_moe_balance_loss_stays_a_mean_per_micro_batch(tmp_path):
+    data = masked_lm_data(tmp_path / "data")
+    cfg = tiny_cfg(data, tmp_path / "moe", **{**ONE_STEP, **MOE})
+    with StepGradients() as rec:
+        res = train(cfg, quiet=True)
+    weights, got = rec.steps[0]
+    (n1, g1, ce1, a1), (n2, g2, ce2, a2) = micro_batch_gradients(cfg, weights, 2, aux=True)
+    coef = cfg.model.aux_loss_coef
+    want = [(c1 + c2) / (n1 + n2) + coef * (x1 + x2) / 2 for c1, c2, x1, x2 in zip(g1, g2, a1, a2)]
+    assert_close_all(got, want)
+    assert res.train_losses[1] == pytest.approx((ce1 + ce2) / (n1 + n2), rel=1e-6)
+
+
+def test_pretraining_steps_are_unchanged_bit_for_bit(data_dir, tmp_path):
+    """Without a mask every micro-batch holds batch_size x seq_len targets, and the step is exactly what the mean
+    of each micro-batch divided by the micro-batches per step gives: the same bits."""
+    from nanolm.data.loader import Loader, PackedData
+    from nanolm.model.transformer import Transformer
+    from nanolm.train.objectives import lm_loss
+    from nanolm.train.optim import param_groups
+    cfg = tiny_cfg(data_dir, tmp_path / "run", **{**ONE_STEP, "train.seq_len": 32, "train.batch_size": 2})
+    with StepGradients() as rec:
+        train(cfg, quiet=True)
+    weights, got = rec.steps[0]
+    model = Transformer(cfg.model)
+    params = [p for group in param_groups(model, cfg.optim.weight_decay) for p in group["params"]]
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)
+    loader = Loader(PackedData(data_dir), 2, 32, seed=cfg.train.seed)
+    for _ in range(2):
+        b = loader.next_batch()
+        (lm_loss(model(b.x), b.y) / 2).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, got, strict=True))
+
+
+def test_dpo_pairs_weigh_the_same_in_a_step(tmp_path):
+    """Two micro-batches of one pair each give the step of one micro-batch holding both pairs."""
+    import numpy as np
+
+    from chat_helpers import write_masked_data
+    rng = np.random.default_rng(1)
+    convs = []
+    for length in (9, 12, 10, 14):  # two pairs: (chosen, rejected) of different lengths, a 3-token final reply
+        mask = np.zeros(length, dtype=np.uint8)
+        mask[-3:] = 1
+        convs.append((rng.integers(3, 400, length), mask))
+    data = write_masked_data(tmp_path / "pairs", {"train": convs}, "dpo", {"train": {"n_pairs": 2}},
+                             vocab_size=400)
+    base = tmp_path / "base"
+    train(tiny_cfg(masked_lm_data(tmp_path / "chat"), base, **ONE_STEP), quiet=True)
+    dpo = {**ONE_STEP, "train.stage": "dpo", "train.init_from": str(base)}
+    with StepGradients() as accum:
+        train(tiny_cfg(data, tmp_path / "accum", **dpo), quiet=True)
+    with StepGradients() as whole:
+        train(tiny_cfg(data, tmp_path / "whole", **{**dpo, "train.batch_size": 2, "train.grad_accum": 1}), quiet=True)
+    assert all(torch.equal(a, b) for a, b in zip(accum.steps[0][0], whole.steps[0][0]))
+    assert max(g.abs().max().item() for g in accum.steps[0][1]) > 0
+    assert_close_all(accum.steps[0][1], whole.steps[0][1])

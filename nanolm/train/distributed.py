@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, overload
 
 import torch
 import torch.distributed as dist
@@ -172,13 +172,19 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def mean_across_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """The mean of a tensor over all processes (a no-op for one process)."""
-    if info.enabled:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= info.world_size
-    return t
+@overload
+def sum_across_ranks(value: int, info: DistInfo) -> int: ...
+@overload
+def sum_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor: ...
+def sum_across_ranks(value: int | torch.Tensor, info: DistInfo) -> int | torch.Tensor:
+    """The sum of a count or a tensor over all processes (the value itself for one process)."""
+    if not info.enabled:
+        return value
+    if isinstance(value, int):
+        return int(sum_across_ranks(torch.tensor(value, device=info.device), info).item())
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
 
 
 def barrier(info: DistInfo) -> None:

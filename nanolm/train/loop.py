@@ -148,8 +148,9 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def _replay(objective: Objective, model: torch.nn.Module, batches: list, compute: Callable,
-            rng: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
+def _replay(objective: Objective, model: torch.nn.Module, batches: list, units: list[int], step_units: int,
+            world_size: int, compute: Callable, rng: tuple[torch.Tensor, torch.Tensor | None],
+            device: torch.device) -> list[torch.Tensor]:
     """The step's forward and backward passes again, with the RNG (dropout) as the step began; the run's own
     RNG stream is left as it was. Runs on the model itself, not its DDP wrapper: no gradient all-reduce."""
     losses = []
@@ -157,9 +158,10 @@ def _replay(objective: Objective, model: torch.nn.Module, batches: list, compute
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1], device)
-        for batch in batches:
+        for batch, n in zip(batches, units):
             with compute():
-                loss, _ = objective(model, batch)
+                out = objective(model, batch)
+            loss = out.weighted(n, step_units, world_size, len(batches))
             loss.backward()
             losses.append(loss.detach())
     return losses
@@ -424,20 +426,25 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
             lr = lr_at(step, cfg.optim, tc.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            sums: dict[str, torch.Tensor] = {}
+            # Every target token (DPO: every pair) of the step weighs the same, whichever micro-batch and rank
+            # it falls in: the step's units are counted first, over all ranks (see objectives.step_share).
+            step_batches = [loader.next_batch() for _ in range(accum)]
+            units = [objective.units(b) for b in step_batches]  # counted on the host: no device sync
+            step_batches = [b.to(device, non_blocking=True) for b in step_batches]
+            step_units = distributed.sum_across_ranks(sum(units), info)
+            sums: dict[str, torch.Tensor] = {}  # metrics summed over the step's units, on this rank
+            means: dict[str, torch.Tensor] = {}  # metrics of one micro-batch each (aux_loss), summed
             rng_at_start = _rng_state(device)  # to replay the step the same way if it turns out non-finite
-            step_batches = []
-            for micro in range(accum):
-                batch = loader.next_batch().to(device, non_blocking=True)
-                step_batches.append(batch)
+            for micro, (batch, n) in enumerate(zip(step_batches, units)):
                 # Gradients are reduced over the ranks in the last micro-batch's backward only.
                 with distributed.grad_sync(train_model, sync=micro == accum - 1):
                     with compute():
-                        loss, step_metrics = objective(train_model, batch)
-                    loss = loss / accum
+                        out = objective(train_model, batch)
+                    loss = out.weighted(n, step_units, info.world_size, accum)
                     (scaler.scale(loss) if scaler else loss).backward()
-                for k, v in step_metrics.items():
-                    sums[k] = sums[k] + v if k in sums else v.clone()
+                for acc, values in ((sums, out.sums), (means, out.means)):
+                    for k, v in values.items():
+                        acc[k] = acc[k] + v if k in acc else v.clone()
                 tokens_step += batch.x.numel()
             if scaler:
                 scaler.unscale_(optimizer)
@@ -460,9 +467,9 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                 nonfinite_total += 1
                 where = ""
                 if nonfinite_in_row == 1:  # the first of a streak: replay it with hooks to name the layer
-                    where = locate_nonfinite(model, lambda: _replay(objective, model, step_batches, compute,
-                                                                    rng_at_start, device))
-                loss_now = distributed.mean_across_ranks(sums["loss"], info).item() / accum
+                    where = locate_nonfinite(model, lambda: _replay(objective, model, step_batches, units, step_units,
+                                                                    info.world_size, compute, rng_at_start, device))
+                loss_now = distributed.sum_across_ranks(sums["loss"], info).item() / max(step_units, 1)
                 metrics.write({"step": step + 1, "tokens": tokens, "event": "nonfinite", "loss": str(loss_now),
                                "grad_norm": str(grad_norm.item()), "in_a_row": nonfinite_in_row,
                                "total": nonfinite_total, **({"where": where} if where else {})})
@@ -483,8 +490,12 @@ def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainRes
                 break
 
             if step % tc.log_interval == 0 or step == tc.max_steps:
-                # The host sync per log interval; averaged over the ranks, as their gradients are.
-                logged = {k: distributed.mean_across_ranks(v, info).item() / accum for k, v in sums.items()}
+                # The host sync per log interval: the step's metrics over all ranks, each per unit of the step
+                # (the loss is the token-weighted mean the gradient is of) or per micro-batch.
+                logged = {k: distributed.sum_across_ranks(v, info).item() / max(step_units, 1)
+                          for k, v in sums.items()}
+                logged.update({k: distributed.sum_across_ranks(v, info).item() / (accum * info.world_size)
+                               for k, v in means.items()})
                 loss_val = logged.pop("loss")
                 losses[step] = loss_val
                 extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in logged.items())

@@ -1,4 +1,4 @@
-"""Training stages as objectives: batch -> (loss, metrics), plus how each evaluates.
+"""Training stages as objectives: batch -> loss summed over its units, plus how each evaluates.
 
 The loop is the same for every stage; what differs is here. Pretraining, SFT
 and LoRA minimise next-token cross-entropy on the batch's targets (SFT data
@@ -6,12 +6,19 @@ masks all but the assistant replies), plus the MoE load-balancing loss when
 the model has experts. DPO compares the policy's and a frozen reference's
 log-probabilities of chosen and rejected replies. Distillation matches a
 frozen teacher's token distributions, mixed with cross-entropy.
+
+Each objective counts its units in a batch (`units`: target tokens, or for DPO
+preference pairs) and returns its loss summed over them (`Loss.total`), so
+that the loop can weigh every unit of an optimizer step alike, however the
+step's batch is cut into micro-batches and ranks (`objectives.step_share`).
+The MoE balance loss is the exception: a mean of its own per micro-batch.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -19,9 +26,36 @@ import torch.nn as nn
 
 from nanolm.data.loader import Batch
 from nanolm.model.moe import collect_aux_loss, moe_layers
-from nanolm.train.objectives import IGNORE_INDEX, distill_loss, dpo_loss, lm_loss, sequence_logps
+from nanolm.train.objectives import IGNORE_INDEX, distill_loss, dpo_loss, lm_loss, sequence_logps, step_share
 
 Metrics = dict[str, torch.Tensor]
+
+
+@dataclass
+class Loss:
+    """One micro-batch's loss, as the loop weighs it into its step.
+
+    total: the objective summed over the batch's units (differentiable).
+    sums: detached metrics summed over the same units ("loss" is total's value).
+    per_batch: a term that is a mean of its own per micro-batch (the MoE balance loss times its
+    coefficient), or None. means: detached metrics of that kind ("aux_loss").
+    """
+
+    total: torch.Tensor
+    sums: Metrics
+    per_batch: torch.Tensor | None = None
+    means: Metrics = field(default_factory=dict)
+
+    def weighted(self, units: int, step_units: int, world_size: int, micro_batches: int) -> torch.Tensor:
+        """What this micro-batch adds to its step's loss: its share of the step's units (`step_share`), plus
+        its per-batch term over the rank's micro-batches per step (DDP averages that over the ranks)."""
+        loss = step_share(self.total, units, step_units, world_size)
+        return loss if self.per_batch is None else loss + self.per_batch / micro_batches
+
+
+def target_tokens(batch: Batch) -> int:
+    """The batch's targets (positions whose target is not IGNORE_INDEX)."""
+    return int((batch.y != IGNORE_INDEX).sum())
 
 
 def _forward(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -52,20 +86,25 @@ def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[],
 
 
 class LMObjective:
-    """Next-token cross-entropy (+ aux_loss_coef x the MoE balance loss). The logged `loss` is the cross-entropy."""
+    """Next-token cross-entropy summed over the targets (+ aux_loss_coef x the MoE balance loss, per micro-batch).
+    The logged `loss` is the cross-entropy."""
+
+    units = staticmethod(target_tokens)
 
     def __init__(self, model: nn.Module, aux_loss_coef: float) -> None:
         self.moe = bool(moe_layers(model))
         self.aux_loss_coef = aux_loss_coef
 
-    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        ce = lm_loss(_forward(model, batch), batch.y)
-        metrics = {"loss": ce.detach()}
-        if not self.moe:
-            return ce, metrics
-        aux = collect_aux_loss(model)
-        metrics["aux_loss"] = aux.detach()
-        return ce + self.aux_loss_coef * aux, metrics
+    def balance(self, model: nn.Module, loss: Loss) -> Loss:
+        """`loss` with the MoE balance loss of the forward just run, if the model has experts."""
+        if self.moe:
+            aux = collect_aux_loss(model)
+            loss.per_batch, loss.means["aux_loss"] = self.aux_loss_coef * aux, aux.detach()
+        return loss
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
+        ce = lm_loss(_forward(model, batch), batch.y, reduction="sum")
+        return self.balance(model, Loss(ce, {"loss": ce.detach()}))
 
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
                  token_bytes: torch.Tensor | None) -> dict[str, float]:
@@ -88,6 +127,7 @@ class DPOObjective:
 
     def __init__(self, beta: float, reference: nn.Module | None,
                  disable_adapters: Callable[[nn.Module], AbstractContextManager] | None = None) -> None:
+        """Units are pairs: each weighs the same in a step, whatever micro-batch or rank it falls in."""
         if (reference is None) == (disable_adapters is None):
             raise ValueError("DPO needs exactly one of a reference model or an adapter switch")
         self.beta = beta
@@ -105,11 +145,15 @@ class DPOObjective:
             with self.disable_adapters(model):
                 return self._logps(model, batch)
 
-    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+    @staticmethod
+    def units(batch: Batch) -> int:
+        return batch.x.shape[0] // 2  # rows 2i, 2i + 1 are pair i
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
         rc, rr = self._ref_logps(model, batch)
         pc, pr = self._logps(model, batch)
-        loss, m = dpo_loss(pc, pr, rc, rr, self.beta)
-        return loss, {"loss": loss.detach(), **{k: v.detach().mean() for k, v in m.items()}}
+        loss, m = dpo_loss(pc, pr, rc, rr, self.beta, reduction="sum")
+        return Loss(loss, {"loss": loss.detach(), **m})
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
@@ -119,11 +163,10 @@ class DPOObjective:
         n = 0
         for batch in batches:
             with autocast():
-                _, m = self(model, batch)
-            pairs = batch.x.shape[0] // 2
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v.item() * pairs
-            n += pairs
+                loss = self(model, batch)
+            for k, v in loss.sums.items():
+                sums[k] = sums.get(k, 0.0) + v.item()
+            n += self.units(batch)
         return {f"val_{k}": v / n for k, v in sums.items()} if n else {}
 
 
@@ -138,17 +181,14 @@ class DistillObjective:
         self.vocab_size = vocab_size  # the tokenizer's; models may pad their vocabularies differently
         self.lm = lm
 
-    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+    units = staticmethod(target_tokens)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
         with torch.no_grad():
             teacher_logits = _forward(self.teacher, batch)[..., : self.vocab_size]
         student_logits = _forward(model, batch)[..., : self.vocab_size]
-        loss, m = distill_loss(student_logits, teacher_logits, batch.y, self.temperature, self.alpha)
-        metrics = {"loss": loss.detach(), **{k: v.detach() for k, v in m.items()}}
-        if self.lm.moe:
-            aux = collect_aux_loss(model)
-            metrics["aux_loss"] = aux.detach()
-            loss = loss + self.lm.aux_loss_coef * aux
-        return loss, metrics
+        loss, m = distill_loss(student_logits, teacher_logits, batch.y, self.temperature, self.alpha, reduction="sum")
+        return self.lm.balance(model, Loss(loss, {"loss": loss.detach(), **m}))
 
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
                  token_bytes: torch.Tensor | None) -> dict[str, float]:
