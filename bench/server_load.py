@@ -81,7 +81,7 @@ def build_checkpoint(out: Path, max_seq_len: int = 128, seed: int = 0) -> Path:
     from nanolm.config import Config, ModelConfig, TrainConfig
     from nanolm.model.transformer import Transformer
     from nanolm.tokenizer import train_tokenizer
-    from nanolm.train.checkpoint import save_checkpoint
+    from nanolm.checkpoint import save_checkpoint
 
     rng = random.Random(seed)
     docs = [" ".join(rng.choice(ZH if i % 2 else EN) for _ in range(rng.randint(3, 12))) for i in range(120)]

@@ -102,7 +102,7 @@ def _engine_from_args(args: argparse.Namespace):
     from nanolm.infer.engine import Engine, SamplingParams
     from nanolm.runtime import resolve_device
     from nanolm.tokenizer import Tokenizer
-    from nanolm.train.checkpoint import load_model
+    from nanolm.checkpoint import load_model
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -110,7 +110,7 @@ def _engine_from_args(args: argparse.Namespace):
     except ValueError as e:
         raise UserError(f"{args.command}: {e}") from None
     device = resolve_device(args.device)
-    model, _, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter)
+    model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter)
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}]", file=sys.stderr)
     return Engine(model, device), Tokenizer.load(src), params, src
 
@@ -131,7 +131,7 @@ def _cmd_chat(args: argparse.Namespace) -> None:
 
 
 def _cmd_lora_merge(args: argparse.Namespace) -> None:
-    from nanolm.train.checkpoint import merge_adapter_checkpoint
+    from nanolm.checkpoint import merge_adapter_checkpoint
     out = merge_adapter_checkpoint(args.adapter, Path(args.out), base=args.base)
     print(f"merged model written to {out}")
 

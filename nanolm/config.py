@@ -88,6 +88,11 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.use_moe and (i + 1) % self.moe_every == 0
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ModelConfig":
+        """A model config alone (a checkpoint's "model" section), validated as in a whole Config."""
+        return _build(cls, d, source, prefix="model.")
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head

@@ -133,8 +133,8 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
     directory. seq_len: the window (default the model's training seq_len). max_tokens: score only the
     first max_tokens predicted tokens (chat data: whole blocks, at least that many positions).
     """
+    from nanolm.checkpoint import load_model, trained_seq_len
     from nanolm.datasets import resolve_sources
-    from nanolm.train.checkpoint import load_model
 
     if which not in ("best", "last"):
         raise UserError(f"which={which!r}: use 'best' (lowest validation loss) or 'last'")
@@ -144,15 +144,16 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
     if not sources:
         raise UserError("no data given; pass .txt/.jsonl files, built-in corpus names or a prepared directory")
     dev = resolve_device(device)
-    model, cfg, ckpt_dir = load_model(checkpoint, which, dev, adapter=adapter)
+    model, ckpt_dir = load_model(checkpoint, which, dev, adapter=adapter)
+    cfg = model.config
     if not (ckpt_dir / "tokenizer.json").is_file():
         raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so its text cannot be tokenized; "
                         "use a checkpoint written by nanolm train")
     tok = Tokenizer.load(ckpt_dir)
-    check_vocab(tok, cfg.model.vocab_size)
-    T = seq_len or cfg.train.seq_len
-    if T > cfg.model.max_seq_len:
-        raise UserError(f"seq_len={T}: the model was built for at most {cfg.model.max_seq_len} tokens "
+    check_vocab(tok, cfg.vocab_size)
+    T = seq_len or trained_seq_len(ckpt_dir)
+    if T > cfg.max_seq_len:
+        raise UserError(f"seq_len={T}: the model was built for at most {cfg.max_seq_len} tokens "
                         f"(model.max_seq_len); pass a smaller --seq-len")
     limit = None if max_tokens is None else max_tokens + 1  # n tokens give n - 1 targets
 

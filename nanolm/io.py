@@ -1,19 +1,32 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of either.
+"""Atomic files and directories: a reader sees the old one or the new one, never half of either.
 
-Every file nanolm writes in place of another (checkpoints, manifests,
-tokenizers, cached corpora) goes through here: write to a unique temporary
-name in the same directory, fsync, then `os.replace`, which is atomic on POSIX
-and Windows.
+Every file nanolm writes in place of another (manifests, tokenizers, cached
+corpora, best.json) goes through `write_bytes_atomic`: write to a unique
+temporary name in the same directory, fsync, then `os.replace`, which is
+atomic on POSIX and Windows.
+
+Every directory nanolm writes (a training checkpoint, a merged LoRA model, an
+HF export or import, prepared data) goes through `atomic_directory`: its files
+are written into `.tmp-<name>-<pid>` beside it, fsynced, and the directory is
+renamed into place; an existing one is first moved aside to
+`.old-<name>-<pid>` and deleted after. A directory is deleted by renaming it
+out of sight (`.del-<name>-<pid>`) first (`remove_directory`), so a kill
+mid-delete leaves no half of it under its own name. What a killed writer
+leaves (those hidden names, with the pid of a process that is gone) is cleared
+by `remove_leftovers`: temporary and half-deleted directories go, and a
+directory moved aside whose new copy never arrived goes back into place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from nanolm.errors import UserError
 
@@ -39,6 +52,88 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+# What killed writers leave: a directory being written, moved aside or deleted, and a temporary file of
+# write_bytes_atomic; each named with the writer's pid.
+_LEFTOVER_DIR = re.compile(r"^\.(?P<kind>tmp|old|del)-(?P<name>.+)-(?P<pid>\d+)$")
+_LEFTOVER_FILE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+
+
+def _hidden(kind: str, path: Path) -> Path:
+    return path.with_name(f".{kind}-{path.name}-{os.getpid()}")
+
+
+@contextmanager
+def atomic_directory(final: Path, *, replace: bool = False) -> Iterator[Path]:
+    """Write the directory `final` whole or not at all.
+
+    Yields an empty temporary directory beside `final`. When the block ends, every file in it is fsynced and
+    it takes `final`'s place (with `replace`, an existing `final` is moved aside first and deleted after;
+    without it, `final` must be absent or an empty directory, else a UserError before anything is written);
+    when the block raises, it is removed and `final` is as it was. Leftovers of killed writers of `final` are
+    cleared first.
+    """
+    final = Path(final)
+    if not replace:
+        check_new_directory(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(final.parent, final.name)
+    tmp = _hidden("tmp", final)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        old = _hidden("old", final)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def check_new_directory(path: Path) -> None:
+    """UserError unless `path` is absent or an empty directory: a new output is never written over files."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{path}: already exists and is not an empty directory; choose a new output directory "
+                        f"or remove it")
+
+
+def remove_directory(path: Path) -> None:
+    """Delete a directory, renamed out of sight first: a kill mid-delete leaves no partial `path`."""
+    gone = _hidden("del", Path(path))
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def remove_leftovers(parent: Path, name: str | None = None) -> None:
+    """Clear what killed writers left in `parent` (see the module doc), only for `name` when given; the
+    entries of live processes (a writer at work) are left alone."""
+    for p in Path(parent).iterdir():
+        m = _LEFTOVER_DIR.match(p.name) or _LEFTOVER_FILE.match(p.name)
+        if m is None or (name is not None and m["name"] != name):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        kind = m.groupdict().get("kind")
+        if kind == "old" and not (p.parent / m["name"]).exists():
+            os.replace(p, p.parent / m["name"])  # the new copy never arrived: the old one goes back
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:

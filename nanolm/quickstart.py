@@ -97,7 +97,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     from nanolm.infer.engine import Engine, SamplingParams
     from nanolm.infer.generate import complete
     from nanolm.tokenizer import Tokenizer, compression_report, split_by_script, train_tokenizer
-    from nanolm.train.checkpoint import load_model
+    from nanolm.checkpoint import load_model
 
     if minutes <= 0:
         raise UserError(f"--minutes must be > 0, got {minutes}")
@@ -144,7 +144,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     result = _train_within(base, preset_name, max(10.0, train_time * (1 - sft_share)))
 
     _banner(5, n, "samples from the pretrained model")
-    model, _, ckpt_dir = load_model(run_dir, "best")
+    model, ckpt_dir = load_model(run_dir, "best")
     engine = Engine(model)
     tok = Tokenizer.load(ckpt_dir)
     params = SamplingParams(max_new_tokens=60, temperature=0.8, top_k=50, top_p=0.95, seed=0)
@@ -167,7 +167,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
         _train_within(sft, preset_name, max(10.0, remaining() - reserve * 0.6))
 
         _banner(7, n, "a scripted chat")
-        model, _, sft_ckpt = load_model(sft_run, "best")
+        model, sft_ckpt = load_model(sft_run, "best")
         chat_params = SamplingParams(max_new_tokens=60, temperature=0.7, top_k=20, top_p=0.9, seed=0)
         session = ChatSession(Engine(model), Tokenizer.load(sft_ckpt), chat_params)
         run_chat(session, stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"), interactive=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanolm.train import checkpoint as ckpt
+from nanolm import checkpoint as ckpt
 from nanolm.train.loop import train
 from test_train import ONE_STEP, assert_close_all, masked_lm_data, micro_batch_gradients, read_metrics, tiny_cfg
 
@@ -105,8 +105,8 @@ def test_fsdp_trains_as_one_saves_full_weights_and_resumes_across_sizes(data_dir
     assert list(fsdp) == list(range(1, 9))
     assert_same_losses(fsdp, one.train_losses, fsdp)
     # The checkpoint holds full, unsharded weights that one process loads, equal to the 1-process run's.
-    model, _, src = ckpt.load_model(tmp_path / "fsdp", "last")
-    ref, _, _ = ckpt.load_model(tmp_path / "one", "last")
+    model, src = ckpt.load_model(tmp_path / "fsdp", "last")
+    ref, _ = ckpt.load_model(tmp_path / "one", "last")
     assert src.name == "step-00000008"
     for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), name

@@ -106,7 +106,7 @@ def test_fused_projections_give_the_separate_products_without_a_copy():
 def test_a_fused_model_still_trains_saves_and_converts(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from nanolm.train.checkpoint import model_state
+    from nanolm.checkpoint import model_state
 
     model = _model()
     plain = _model()

@@ -21,7 +21,7 @@ from nanolm.config import Config, ModelConfig, TrainConfig
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer, apply_rope, rope_tables
 from nanolm.tokenizer import CHAT_TEMPLATE, Tokenizer
-from nanolm.train.checkpoint import load_model, save_checkpoint
+from nanolm.checkpoint import load_model, save_checkpoint
 
 gguf = pytest.importorskip("gguf")
 
@@ -104,8 +104,8 @@ def exported(dense_run, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_every_tensor_has_llama_cpp_name_shape_type_and_value(dense_run, exported, outtype):
-    model, cfg, _ = load_model(dense_run, "best")
-    want = expected_tensors(model, cfg.model)
+    model, _ = load_model(dense_run, "best")
+    want = expected_tensors(model, model.config)
     _, tensors = read(exported[outtype])
     assert set(tensors) == set(want)  # tied embeddings: no output.weight, llama.cpp reuses token_embd
     for name, w in want.items():
@@ -114,7 +114,7 @@ def test_every_tensor_has_llama_cpp_name_shape_type_and_value(dense_run, exporte
         assert tuple(int(d) for d in t.shape) == tuple(reversed(w.shape)), name  # ggml order {in, out}
         got = values(t)
         if name.endswith((".attn_q.weight", ".attn_k.weight")):
-            got = unpermute(got, cfg.model.n_head if ".attn_q." in name else cfg.model.n_kv_head)
+            got = unpermute(got, model.config.n_head if ".attn_q." in name else model.config.n_kv_head)
         if w.ndim == 1 or outtype == "f32":
             assert t.tensor_type == F32, name
             np.testing.assert_array_equal(got, w, err_msg=name)
@@ -247,7 +247,7 @@ def test_chat_template_renders_chatml(exported, tokenizer_dir):
 def test_untied_model_writes_output_and_larger_vocab_is_padded(tmp_path, tokenizer_dir):
     run = make_run(tmp_path / "untied", tokenizer_dir, tie_embeddings=False, vocab_size=448)
     out = export_gguf(run, tmp_path / "u.gguf", outtype="f32", quiet=True)
-    model, _, _ = load_model(run)
+    model, _ = load_model(run)
     meta, tensors = read(out)
     np.testing.assert_array_equal(values(tensors["output.weight"]), model.lm_head.weight.detach().numpy())
     assert tuple(int(d) for d in tensors["token_embd.weight"].shape) == (64, 448)
@@ -258,9 +258,10 @@ def test_untied_model_writes_output_and_larger_vocab_is_padded(tmp_path, tokeniz
 
 
 def test_lora_adapter_is_merged(tmp_path, tokenizer_dir, dense_run):
-    from nanolm.model.lora import apply_lora, base_fingerprint, save_adapter
+    from nanolm.checkpoint import save_adapter
+    from nanolm.model.lora import apply_lora, base_fingerprint
 
-    model, _, _ = load_model(dense_run)
+    model, _ = load_model(dense_run)
     apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=("v_proj",))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -282,7 +283,7 @@ def test_moe_experts_are_stacked(tmp_path, tokenizer_dir, shared, norm_topk, arc
     run = make_run(tmp_path / "moe", tokenizer_dir, use_moe=True, n_experts=3, top_k=2, n_shared_experts=shared,
                    norm_topk=norm_topk, moe_n_hidden=32)
     out = export_gguf(run, tmp_path / "moe.gguf", outtype="f32", quiet=True)
-    model, _, _ = load_model(run)
+    model, _ = load_model(run)
     meta, tensors = read(out)
     assert meta["general.architecture"] == arch
     assert meta[f"{arch}.expert_count"] == 3 and meta[f"{arch}.expert_used_count"] == 2
@@ -373,7 +374,7 @@ CHAT = [{"role": "user", "content": "To be, or not to be? 滚滚长江东逝水"
 @pytest.mark.parametrize("outtype,tol", [("f32", 1e-4), ("f16", 5e-3), ("q8_0", 0.1)])
 def test_llama_cpp_logits_match_nanolm(dense_run, exported, tokenizer_dir, outtype, tol):
     pytest.importorskip("llama_cpp")
-    model, _, _ = load_model(dense_run)
+    model, _ = load_model(dense_run)
     tok = Tokenizer.load(tokenizer_dir)
     text = tok.render_chat(CHAT)
     ids = tok.encode(text)
@@ -391,7 +392,7 @@ def test_llama_cpp_runs_moe_exports_like_nanolm(tmp_path, tokenizer_dir, shared,
     run = make_run(tmp_path / "moe", tokenizer_dir, use_moe=True, n_experts=4, top_k=2, n_shared_experts=shared,
                    norm_topk=norm_topk, moe_n_hidden=32)
     out = export_gguf(run, tmp_path / "moe.gguf", outtype="f32", quiet=True)
-    model, _, _ = load_model(run)
+    model, _ = load_model(run)
     tok = Tokenizer.load(tokenizer_dir)
     text = tok.render_chat(CHAT)
     ids = tok.encode(text)

@@ -17,14 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nanolm import checkpoint as ckpt
+from nanolm.checkpoint import save_adapter
 from nanolm.config import Config, ModelConfig, TrainConfig, load_config
 from nanolm.errors import UserError
 from nanolm.export.hf import export_hf, from_hf, import_hf, to_hf
 from nanolm.infer.engine import Engine, SamplingParams
-from nanolm.model.lora import apply_lora, base_fingerprint, save_adapter
+from nanolm.model.lora import apply_lora, base_fingerprint
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import EOT_ID, IM_END_ID, Tokenizer
-from nanolm.train import checkpoint as ckpt
 
 transformers = pytest.importorskip("transformers")
 
@@ -186,8 +187,8 @@ def test_bfloat16_export(tmp_path, tokenizer_dir):
 def test_import_of_an_export_is_weight_identical(over, tmp_path, tokenizer_dir):
     run, model = make_run(tmp_path, tokenizer_dir, **over)
     back = import_hf(export_hf(run, tmp_path / "hf"), tmp_path / "back")
-    reloaded, cfg, _ = ckpt.load_model(back)
-    assert cfg.model == model.config
+    reloaded, _ = ckpt.load_model(back)
+    assert reloaded.config == model.config
     a, b = model.state_dict(), reloaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert Tokenizer.load(back).fingerprint == Tokenizer.load(run / "checkpoints" / "step-00000001").fingerprint
@@ -218,8 +219,9 @@ def test_import_of_a_sharded_llama_written_by_transformers(tmp_path, data_dir, t
     out = import_hf(src, tmp_path / "nano")
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json",
                                                "tokenizer_config.json"}
-    model, cfg, _ = ckpt.load_model(out)
-    assert (cfg.model.n_kv_head, cfg.model.n_hidden, cfg.model.rope_theta, cfg.model.norm_eps) == (1, 96, 1e4, 1e-6)
+    model, _ = ckpt.load_model(out)
+    cfg = model.config
+    assert (cfg.n_kv_head, cfg.n_hidden, cfg.rope_theta, cfg.norm_eps) == (1, 96, 1e4, 1e-6)
     assert max_logit_diff(model, hf) < 1e-4
 
     # `nanolm train --config <import>/config.json --init-from <import>` continues training it.

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 import nanolm.data.prepare as prep
 from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
-from nanolm.train import checkpoint as ckpt
+from nanolm import checkpoint as ckpt
 from nanolm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,8 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401  (the optimizer's first use imports it: pay that once, here)
 import nanolm.cli
-import nanolm.train.checkpoint as ckpt
+import nanolm.checkpoint as ckpt
+import nanolm.io
 import nanolm.train.loop as loop
 import nanolm.train.metrics as metrics
 
@@ -159,13 +160,13 @@ def child(job):
         mark(f"save {now['save']}: tokenizer copy, fsync, rename")
     torch.save = torch_save
 
-    real_fsync_dir = ckpt.fsync_dir
-    def fsync_dir(path):
+    real_fsync_dir = nanolm.io.fsync_dir
+    def fsync_dir(path):  # atomic_directory's last call, after the rename
         real_fsync_dir(path)
         if hit("renamed"):
             die(f"checkpoint {now['save']} renamed into place, best.json and pruning not done")
         mark(f"save {now['save']}: best.json, pruning")
-    ckpt.fsync_dir = fsync_dir
+    nanolm.io.fsync_dir = fsync_dir
 
     real_write_json = ckpt.write_json_atomic
     def write_json_atomic(path, obj):
@@ -306,8 +307,8 @@ def check_checkpoints(run: Path) -> list[int]:
     steps = []
     for d in ckpt.step_dirs(run):
         step = int(d.name.removeprefix("step-"))
-        model, cfg, src = ckpt.load_model(d)  # config.json and model.safetensors, strictly
-        assert src == d and cfg.train.max_steps == MAX_STEPS
+        model, src = ckpt.load_model(d)  # config.json and model.safetensors, strictly
+        assert src == d and ckpt.read_run_config(d).train.max_steps == MAX_STEPS
         assert ckpt.read_json(d / "state.json", "training state")["step"] == step
         assert ckpt.read_optimizer(d)["state"], d
         steps.append(step)

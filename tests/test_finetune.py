@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanolm.errors import UserError
-from nanolm.train import checkpoint as ckpt
+from nanolm import checkpoint as ckpt
 from nanolm.train.loop import train
 from test_train import tiny_cfg
 
@@ -44,9 +44,9 @@ def test_lora_run_saves_only_the_adapter_and_leaves_the_base(data_dir, tmp_path,
 
 def test_lora_generation_unmerged_equals_merged(data_dir, tmp_path, base_run):
     train(lora_cfg(data_dir, tmp_path / "lora", base_run), quiet=True)
-    unmerged, _, _ = ckpt.load_model(tmp_path / "lora", "last")
+    unmerged, _ = ckpt.load_model(tmp_path / "lora", "last")
     merged_dir = ckpt.merge_adapter_checkpoint(tmp_path / "lora", tmp_path / "merged")
-    merged, _, _ = ckpt.load_model(merged_dir)
+    merged, _ = ckpt.load_model(merged_dir)
     assert not any("lora" in k for k in merged.state_dict())
     x = torch.randint(0, 400, (2, 16))
     with torch.no_grad():
@@ -54,7 +54,7 @@ def test_lora_generation_unmerged_equals_merged(data_dir, tmp_path, base_run):
         base = ckpt.load_model(base_run, "last")[0]
         assert not torch.allclose(base(x), merged(x), atol=1e-4)  # the adapter did change the model
     # --adapter: a base plus a LoRA run, unmerged, gives the same model
-    again, _, _ = ckpt.load_model(base_run, "last", adapter=tmp_path / "lora")
+    again, _ = ckpt.load_model(base_run, "last", adapter=tmp_path / "lora")
     with torch.no_grad():
         torch.testing.assert_close(again(x), merged(x), atol=1e-5, rtol=1e-5)
 
@@ -145,7 +145,7 @@ def test_sft_stage_trains_on_chat_data(chat_dir, tmp_path, base_run):
     from nanolm.infer.chat import ChatSession
     from nanolm.infer.engine import Engine, SamplingParams
     from nanolm.tokenizer import Tokenizer
-    model, _, src = ckpt.load_model(tmp_path / "sft", "last")
+    model, src = ckpt.load_model(tmp_path / "sft", "last")
     session = ChatSession(Engine(model), Tokenizer.load(src), SamplingParams(max_new_tokens=20, temperature=0))
     session.set_system("You are brief.")
     assert "".join(session.reply("What is AI?")) == "Artificial intelligence."

@@ -614,12 +614,12 @@ def run(tmp_path_factory, data_dir) -> Path:
 
 
 def _last(run_dir: Path) -> Path:
-    from nanolm.train.checkpoint import resolve_checkpoint
+    from nanolm.checkpoint import resolve_checkpoint
     return resolve_checkpoint(run_dir, "last")
 
 
 def _load(ckpt: Path):
-    from nanolm.train.checkpoint import load_model
+    from nanolm.checkpoint import load_model
     return load_model(ckpt, "last")
 
 
@@ -695,7 +695,7 @@ class _Evil:
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note on the crafted pickles
 def test_damaged_or_malicious_optimizer_state(tmp_path, run):
-    from nanolm.train.checkpoint import read_optimizer
+    from nanolm.checkpoint import read_optimizer
     good = (_last(run) / "optimizer.pt").read_bytes()
     marker = tmp_path / "pwned"
 
@@ -786,7 +786,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, run, corpus, big
     with pytest.raises(UserError) as e:
         evaluate(ckpt, [corpus], quiet=True)
     one_line(e.value, str(ckpt / "tokenizer.json"), "tokens but the model only 400")
-    model, _, _ = _load(ckpt)
+    model, _ = _load(ckpt)
     engine, tok, params = Engine(model), Tokenizer.load(ckpt), SamplingParams(max_new_tokens=4, seed=0)
     for generate in (lambda: complete(engine, tok, "To be", params, out=io.StringIO()),
                      lambda: "".join(ChatSession(engine, tok, params).reply("hello"))):

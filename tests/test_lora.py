@@ -11,6 +11,7 @@ from safetensors.torch import save as save_safetensors
 
 from nanolm.config import ModelConfig
 from nanolm.errors import UserError
+from nanolm.checkpoint import load_adapter, read_adapter_config, save_adapter
 from nanolm.model.lora import (
     DEFAULT_TARGETS,
     LoRALinear,
@@ -18,15 +19,12 @@ from nanolm.model.lora import (
     base_fingerprint,
     base_state_dict,
     disable_adapters,
-    load_adapter,
     load_lora_state_dict,
     lora_state_dict,
     mark_only_lora_as_trainable,
     merge_lora,
     merged_weight,
-    read_adapter_config,
     remove_lora,
-    save_adapter,
 )
 from nanolm.model.transformer import Transformer
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from nanolm.errors import UserError
-from nanolm.train import checkpoint as ckpt
+from nanolm import checkpoint as ckpt
 from nanolm.train import loop
 from nanolm.train.loop import train
 from nanolm.train.numerics import locate_nonfinite, weights_are_finite

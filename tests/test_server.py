@@ -460,12 +460,12 @@ def test_busy_port_is_a_user_error_before_loading(tmp_path):
 def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
     from test_train import tiny_cfg
 
-    from nanolm.train.checkpoint import load_model
+    from nanolm.checkpoint import load_model
     from nanolm.train.loop import train
 
     run = tmp_path / "myrun"
     train(tiny_cfg(data_dir, run, **{"train.max_steps": 3, "model.max_seq_len": 64}), quiet=True)
-    model, _, _ = load_model(run, "best")
+    model, _ = load_model(run, "best")
     want = reference(Engine(model), tok, chat_ids(tok, "你好"), 8)[0]
 
     code = f"from nanolm.infer.server import serve; serve({str(run)!r}, port=0, api_key='k', device='cpu')"

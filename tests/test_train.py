@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanolm.config import load_config
 from nanolm.errors import UserError
-from nanolm.train import checkpoint as ckpt
+from nanolm import checkpoint as ckpt
 from nanolm.train.loop import train
 from nanolm.train.metrics import measured_matmul_flops
 
@@ -185,7 +185,7 @@ def test_activation_checkpointing_and_attention_kernel_leave_the_losses_unchange
         assert recomputed.train_losses[s] == pytest.approx(plain.train_losses[s], rel=1e-5)
         assert math_kernel.train_losses[s] == pytest.approx(plain.train_losses[s], rel=1e-4)
     # The checkpoint keeps the model's own names: it loads into a plain model.
-    model, _, _ = ckpt.load_model(tmp_path / "ac", "last")
+    model, _ = ckpt.load_model(tmp_path / "ac", "last")
     assert "layers.0.self_attn.q_proj.weight" in model.state_dict()
     assert recomputed.best_val_loss == pytest.approx(plain.best_val_loss, rel=1e-5)
 

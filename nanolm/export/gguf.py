@@ -286,8 +286,8 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
         import gguf
     except ImportError:
         raise UserError("GGUF export needs the gguf package: pip install 'nanolm[gguf]'") from None
+    from nanolm.checkpoint import load_model
     from nanolm.model.lora import merge_lora
-    from nanolm.train.checkpoint import load_model
 
     if outtype not in OUTTYPES:
         raise UserError(f"outtype={outtype!r}: must be one of {', '.join(OUTTYPES)}")
@@ -295,8 +295,8 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
     if out_file.is_dir():
         raise UserError(f"{out_file}: is a directory; give the path of the .gguf file to write")
 
-    model, run_cfg, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
-    cfg = run_cfg.model
+    model, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
+    cfg = model.config
     arch = gguf_architecture(cfg)  # refuses unsupported MoE layouts before any work
     merge_lora(model)
     vocab = gguf_vocab(ckpt_dir, cfg.vocab_size)

@@ -55,8 +55,6 @@ and a different tokenizer means the embeddings start over.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,9 +63,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanolm.config import Config, ModelConfig, TrainConfig
+from nanolm.checkpoint import expected_shapes, load_model, model_state, resolve_checkpoint, write_model_dir
+from nanolm.config import ModelConfig
 from nanolm.errors import UserError
-from nanolm.io import fsync_dir, read_json_object, write_json_atomic
+from nanolm.io import atomic_directory, check_new_directory, read_json_object, write_json_atomic
+from nanolm.model.lora import merge_lora
 from nanolm.tokenizer import CONFIG_FILE, EOT_ID, IM_END_ID, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,18 +90,6 @@ def _nanolm_name(hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return hf_name
     return hf_name.removeprefix("model.") if hf_name.startswith("model.") else None
-
-
-def nanolm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a nanolm checkpoint of `cfg` stores, with its shape (a tied head is not stored)."""
-    from nanolm.model.transformer import Transformer
-
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = Transformer(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
 
 
 def _moe_layers(cfg: ModelConfig) -> list[int]:
@@ -167,7 +155,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
     sd = dict(state_dict)
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # it is the embedding
-    shapes = nanolm_shapes(cfg)
+    shapes = expected_shapes(cfg)
     missing = [k for k in shapes if k not in sd]
     unexpected = [k for k in sd if k not in shapes]
     wrong = [f"{k} {tuple(sd[k].shape)} (config: {shapes[k]})" for k in shapes if k in sd and
@@ -324,7 +312,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
                 down = mlp + "shared_expert.down_proj.weight"
                 sd[down] = take(down) / 2  # the exported gate's sigmoid(0) = 0.5, exactly
 
-    shapes = nanolm_shapes(cfg)
+    shapes = expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for key, t in sd.items():
         name = _nanolm_name(key)
@@ -343,32 +331,6 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
 
 
 # ----------------------------------------------------------------------------- files
-
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: already exists and is not an empty directory; choose a new output directory "
-                        f"or remove it")
-
-
-def _tmp_dir(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
-
-
-def _publish(tmp: Path, out: Path) -> Path:
-    """Make the finished temporary directory `out` in one rename, so `out` is complete or absent."""
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if out.exists():
-        out.rmdir()  # checked empty by _check_out_dir
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    return out
-
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     return read_json_object(path, what, "pass an intact transformers model directory")
@@ -425,14 +387,12 @@ def export_hf(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ada
     Writes config.json, generation_config.json, model.safetensors,
     tokenizer.json and tokenizer_config.json. Returns out_dir.
     """
-    from nanolm.model.lora import merge_lora
-    from nanolm.train.checkpoint import load_model, model_state, resolve_checkpoint
-
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
-    model, cfg, src = load_model(checkpoint, which, "cpu", adapter)
+    check_new_directory(out_dir)
+    model, src = load_model(checkpoint, which, "cpu", adapter)
+    cfg = model.config
     candidates = [Path(tokenizer)] if tokenizer is not None else [src]
     if tokenizer is None and adapter is not None:
         candidates.append(resolve_checkpoint(adapter, which))
@@ -441,36 +401,32 @@ def export_hf(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ada
         raise UserError(f"{candidates[0]}: no {TOKENIZER_FILE}, and transformers needs the tokenizer beside the "
                         f"model; pass --tokenizer <directory of the tokenizer the model was trained with>")
     tok = Tokenizer.load(tok_dir)  # refuses a tokenizer without nanolm's special ids
-    if tok.vocab_size > cfg.model.vocab_size:
+    if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"{tok.path}: the tokenizer has {tok.vocab_size} tokens but the model only "
-                        f"{cfg.model.vocab_size}; pass the tokenizer the model was trained with")
+                        f"{cfg.vocab_size}; pass the tokenizer the model was trained with")
 
     merge_lora(model)  # no-op without adapters; transformers gets plain weights
     sd = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in model_state(model).items()}
-    hf_sd, hf_cfg = to_hf(sd, cfg.model)
+    hf_sd, hf_cfg = to_hf(sd, cfg)
 
-    tmp = _tmp_dir(out_dir)
-    try:
+    with atomic_directory(out_dir) as tmp:
         save_file(hf_sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json_atomic(tmp / HF_CONFIG, hf_cfg)
         # A chat turn ends with <|im_end|>, a document with <|endoftext|>: generate stops at either.
         write_json_atomic(tmp / GENERATION_CONFIG, {"eos_token_id": [IM_END_ID, EOT_ID], "pad_token_id": EOT_ID})
         tok.save(tmp)
         tok_cfg = _read_json(tmp / CONFIG_FILE, "tokenizer config")
-        tok_cfg["model_max_length"] = cfg.model.max_seq_len
+        tok_cfg["model_max_length"] = cfg.max_seq_len
         write_json_atomic(tmp / CONFIG_FILE, tok_cfg)
-        return _publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return out_dir
 
 
 def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     """Convert a transformers model directory into a nanolm checkpoint directory at `out_dir`.
 
-    out_dir gets model.safetensors (float32), config.json (a full nanolm
-    Config whose model section comes from the HF config) and, when nanolm can
-    use it, the tokenizer. Train from it with
+    out_dir gets model.safetensors (float32), config.json (the nanolm model
+    config made from the HF config, and nothing else: a model needs no
+    training settings) and, when nanolm can use it, the tokenizer. Train from it with
     `nanolm train --config <out_dir>/config.json --init-from <out_dir> ...`.
     Warns (and copies no tokenizer) when the HF tokenizer lacks nanolm's
     special tokens at ids 0, 1, 2. Returns out_dir.
@@ -479,11 +435,10 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir}: no such directory; pass a transformers model directory (config.json + "
                         f"safetensors weights)")
-    _check_out_dir(out_dir)
+    check_new_directory(out_dir)
     hf_config = _read_json(hf_dir / HF_CONFIG, "model config")
     sd, model_cfg = from_hf(load_hf_weights(hf_dir), hf_config, source=hf_dir)
     sd = {k: v.float().contiguous() for k, v in sd.items()}  # nanolm trains float32 master weights
-    cfg = Config(model=model_cfg, train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)))
 
     problem = None
     if not (hf_dir / TOKENIZER_FILE).is_file():
@@ -501,15 +456,5 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
                       f"{', '.join(SPECIAL_TOKENS)} at ids 0, 1, 2. The weights belong to the original tokenizer: "
                       f"fine-tuning them in nanolm with another one starts the embeddings over", stacklevel=2)
 
-    tmp = _tmp_dir(out_dir)
-    try:
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt", "imported_from": str(hf_dir)})
-        write_json_atomic(tmp / HF_CONFIG, cfg.to_dict())
-        if not problem:
-            for name in (TOKENIZER_FILE, CONFIG_FILE):
-                if (hf_dir / name).is_file():
-                    shutil.copyfile(hf_dir / name, tmp / name)
-        return _publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return write_model_dir(out_dir, sd, model_cfg, tokenizer_from=None if problem else hf_dir,
+                           metadata={"imported_from": str(hf_dir)})

@@ -720,12 +720,12 @@ def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, 
     import uvicorn
 
     from nanolm.runtime import resolve_device
-    from nanolm.train.checkpoint import load_model
+    from nanolm.checkpoint import load_model
 
     sock = _bind(host, port)  # first, so a busy port fails before the model loads
     try:
         dev = resolve_device(device)
-        model, _, src = load_model(checkpoint, which, dev, adapter=adapter)
+        model, src = load_model(checkpoint, which, dev, adapter=adapter)
         name = model_name or default_model_name(Path(adapter) if adapter is not None else src)
         app = create_app(Engine(model, dev), Tokenizer.load(src), model_name=name, api_key=api_key,
                          max_queue=max_queue, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)

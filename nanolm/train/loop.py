@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanolm import checkpoint as ckpt
 from nanolm.config import Config
 from nanolm.data.loader import PackedData, iter_eval_batches
 from nanolm.data.sources import DataStream
@@ -33,7 +34,6 @@ from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import attention_kernel, autocast, resolve_dtype, seed_everything
-from nanolm.train import checkpoint as ckpt
 from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
@@ -101,8 +101,7 @@ def _token_bytes(tok_dir: Path | None, vocab_size: int) -> torch.Tensor | None:
 def _reference_model(cfg: Config, device: torch.device, say: Callable[[str], None]) -> torch.nn.Module:
     """DPO's frozen reference without adapters: dpo.ref_from, else the initial weights (train.init_from)."""
     src = ckpt.resolve_checkpoint(cfg.dpo.ref_from or cfg.train.init_from, "best")
-    ref = Transformer(cfg.model)
-    ckpt.load_weights(ref, src)
+    ref = ckpt.build_model(cfg.model, src)
     say(f"DPO reference: {src}")
     return ref.to(device).eval().requires_grad_(False)
 
@@ -111,7 +110,7 @@ def _teacher_model(cfg: Config, data: PackedData, device: torch.device, say: Cal
                    ) -> torch.nn.Module:
     """The frozen distillation teacher, refused unless it was trained with the data's tokenizer."""
     from nanolm.tokenizer import Tokenizer
-    teacher, _, src = ckpt.load_model(cfg.distill.teacher, "best", device)
+    teacher, src = ckpt.load_model(cfg.distill.teacher, "best", device)
     if not (src / "tokenizer.json").is_file():
         raise UserError(f"{src}: the teacher checkpoint holds no tokenizer.json, so its tokenizer cannot be checked "
                         f"against the data's; use a checkpoint written by nanolm train")
@@ -177,7 +176,7 @@ def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> Path | None:
         if not steps:
             raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
         resume_src = steps[-1]
-        saved_cfg = ckpt.load_run_config(resume_src)
+        saved_cfg = ckpt.read_run_config(resume_src)
         if saved_cfg.model != cfg.model:
             raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
                             f"resume with the same model settings (saved: {saved_cfg.model})")
@@ -196,35 +195,35 @@ def _build_model(cfg: Config, resume_src: Path | None, data_fingerprint: str, sa
     LoRA, the frozen base with its adapters. Returns it (on the CPU) and, for LoRA, what its adapter
     checkpoints record about their base."""
     tc = cfg.train
-    model = Transformer(cfg.model)
-    adapter_base = None
+    adapter_base, weights = None, None
     if tc.init_from and (resume_src is None or cfg.uses_lora):
         # A LoRA run always rebuilds its frozen base from init_from; other runs resume all weights.
-        src = ckpt.resolve_checkpoint(tc.init_from, "best")
-        if ckpt.is_adapter(src):
-            raise UserError(f"{src}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
+        weights = ckpt.resolve_checkpoint(tc.init_from, "best")
+        if ckpt.is_adapter(weights):
+            raise UserError(f"{weights}: --init-from needs a full checkpoint, not a LoRA adapter; merge it first "
                             f"with `nanolm lora merge`")
-        if (src / "tokenizer.json").is_file():  # its weights are tied to the ids of its tokenizer
+        if (weights / "tokenizer.json").is_file():  # its weights are tied to the ids of its tokenizer
             from nanolm.tokenizer import Tokenizer
-            theirs = Tokenizer.load(src).fingerprint
+            theirs = Tokenizer.load(weights).fingerprint
             if theirs != data_fingerprint:
-                raise UserError(f"{src}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
+                raise UserError(f"{weights}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
                                 f"prepared with {data_fingerprint[:12]}, so its token ids mean other text; prepare "
-                                f"the data with {src / 'tokenizer.json'}")
-        ckpt.load_weights(model, src)
-        say(f"initialised weights from {src}")
+                                f"the data with {weights / 'tokenizer.json'}")
+    elif resume_src is not None:
+        weights = resume_src
+    model = ckpt.build_model(cfg.model, weights)
+    if weights is not None and weights != resume_src:
+        say(f"initialised weights from {weights}")
         if cfg.uses_lora:
-            adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(src)}
+            adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(weights)}
     if cfg.uses_lora:
         if adapter_base is None:
             raise UserError("LoRA trains adapters on a trained base; pass --init-from <run or checkpoint>")
         if resume_src is not None:
-            lora.load_adapter(resume_src, model)
+            ckpt.load_adapter(resume_src, model)
         else:
             lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
         lora.mark_only_lora_as_trainable(model)
-    elif resume_src is not None:
-        ckpt.load_weights(model, resume_src)
     return model, adapter_base
 
 

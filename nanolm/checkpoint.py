@@ -1,0 +1,592 @@
+"""The on-disk layout of models and training checkpoints: one owner for writing and reading them.
+
+Training, inference, evaluation and export all read and write model
+directories through this module; it sits below `train/`, `infer/` and
+`export/` and imports none of them.
+
+A model directory (a training checkpoint, a merged LoRA model, an imported HF
+model) holds:
+
+    model.safetensors   the weights (tied tensors stored once), or for a LoRA run
+    adapter.safetensors + adapter_config.json   only the adapter, with the fingerprint of its base
+    config.json         the model config under "model"; a training checkpoint has the whole run Config
+    state.json          (training) step, tokens seen, data position, RNG states, best validation loss
+    optimizer.pt        (training) AdamW state keyed by parameter name, unsharded (torch.save; read with
+                        weights_only=True)
+    tokenizer.json, tokenizer_config.json   when the model's tokenizer is known
+
+A model is built from its model config alone (`read_model_config`), and its
+weights are checked against that config before anything is allocated: the
+safetensors header (tensor names and shapes) must hold the layers, experts and
+shapes the config describes (`check_weights`), so a config.json that claims
+100,000,000 layers is a one-line error naming `model.n_layer`, not an
+allocation that runs until the process is killed. Loading is strict: every
+tensor present, none extra, every shape equal.
+
+A run directory holds `checkpoints/step-XXXXXXXX/`. Each is written with
+`nanolm.io.atomic_directory`, so a step directory exists only once it is
+whole: a crash during a save leaves the previous checkpoints untouched.
+`best.json` names the step with the lowest validation loss; the newest step
+directory is `last`. Old step directories beyond `keep_last` are pruned,
+except the best one (renamed out of sight before they are deleted). Each
+state.json also records the best step (`best_step`), so a best.json left
+stale by a kill is rewritten at the next save. What killed saves leave behind
+is removed at the next save.
+
+LoRA adapter files: `adapter.safetensors` (only the A and B tensors, keyed by
+the model's module names) beside `adapter_config.json` (rank, alpha, dropout,
+targets, the module list, a sha256 fingerprint of the base weights, the base
+checkpoint and the sha256 of the weights file), so loading an adapter onto a
+base it was not trained on, or a pair left inconsistent by an interrupted
+save, is refused instead of silently producing nonsense.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_safetensors
+
+from nanolm.config import Config, ModelConfig
+from nanolm.errors import UserError
+from nanolm.io import (atomic_directory, first_line, fsync_dir, read_json_object, remove_directory, remove_leftovers,
+                       space_note, write_bytes_atomic, write_failure, write_json_atomic)
+from nanolm.model import lora
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FORMAT = "nanolm-lora"
+ADAPTER_VERSION = 1
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+DAMAGED = "the checkpoint is incomplete or damaged: use another one"
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    ckdir = Path(run_dir) / "checkpoints"
+    if not ckdir.is_dir():
+        return []
+    return sorted(p for p in ckdir.iterdir() if p.is_dir() and STEP_RE.match(p.name))
+
+
+def _read_best_step(ckdir: Path) -> int | None:
+    try:
+        return int(json.loads((ckdir / "best.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
+    """A checkpoint directory from a run directory (its `last` or `best`) or a checkpoint directory itself."""
+    p = Path(path)
+    if (p / WEIGHTS).is_file() or (p / ADAPTER_WEIGHTS).is_file():
+        return p
+    if not p.exists():
+        raise UserError(f"{p}: no such run or checkpoint directory")
+    steps = step_dirs(p)
+    if not steps:
+        raise UserError(f"{p}: no checkpoint found (expected {p}/checkpoints/step-*/{WEIGHTS}); "
+                        f"train first with `nanolm train`")
+    if which == "best":
+        best = _read_best_step(p / "checkpoints")
+        if best is not None and (p / "checkpoints" / f"step-{best:08d}").is_dir():
+            return p / "checkpoints" / f"step-{best:08d}"
+    return steps[-1]
+
+
+def is_adapter(ckpt: Path) -> bool:
+    return (Path(ckpt) / ADAPTER_WEIGHTS).is_file()
+
+
+# ----------------------------------------------------------------------------- configs
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    return read_json_object(path, what, DAMAGED)
+
+
+def read_model_config(ckpt: Path) -> ModelConfig:
+    """The model config of a model directory: the "model" section of its config.json, validated."""
+    path = Path(ckpt) / CONFIG
+    d = read_json(path, "config")
+    if not isinstance(d.get("model"), dict):
+        raise UserError(f"{path}: no \"model\" section; {DAMAGED}")
+    return ModelConfig.from_dict(d["model"], source=str(path))
+
+
+def read_run_config(ckpt: Path) -> Config:
+    """The whole run config of a training checkpoint (resume, a LoRA run's settings)."""
+    return Config.from_dict(read_json(Path(ckpt) / CONFIG, "config"), source=str(Path(ckpt) / CONFIG))
+
+
+def trained_seq_len(ckpt: Path) -> int:
+    """The window the model was trained on (its run's train.seq_len), else its context length."""
+    d = read_json(Path(ckpt) / CONFIG, "config")
+    seq_len = d.get("train", {}).get("seq_len") if isinstance(d.get("train"), dict) else None
+    model = read_model_config(ckpt)
+    return seq_len if isinstance(seq_len, int) and 0 < seq_len <= model.max_seq_len else model.max_seq_len
+
+
+# ----------------------------------------------------------------------------- weights
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (safetensors refuses shared storage)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen and t.numel() > 0:
+            continue  # e.g. lm_head.weight tied to embed_tokens.weight
+        seen[t.data_ptr()] = name
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()  # a block of a larger matrix (fuse_projections): safetensors wants it alone
+        out[name] = t.detach().contiguous().cpu()
+    return out
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of `cfg` stores, with its shape (a tied head is not stored), computed on the meta
+    device: no memory, no initialisation. Call `check_weights` first for a config read from a file: a model
+    of a huge config takes long to build even there."""
+    from nanolm.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def read_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors file, from its header: no tensor is read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing weights; the checkpoint is incomplete, use another one") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: corrupt or truncated weights ({first_line(e)}); use another checkpoint") from None
+
+
+def _count(names: Sequence[str], pattern: str) -> int:
+    """How many distinct indices `pattern` (a regex with one group) finds in the tensor names."""
+    rx = re.compile(pattern)
+    return len({m.group(1) for n in names if (m := rx.match(n))})
+
+
+# Which config fields set each dimension of a tensor, by the end of its name, to name them in a mismatch.
+_DIMS = {"embed_tokens.weight": ("vocab_size", "d_model"), "lm_head.weight": ("vocab_size", "d_model"),
+         "q_proj.weight": ("n_head x head_dim", "d_model"), "k_proj.weight": ("n_kv_head x head_dim", "d_model"),
+         "v_proj.weight": ("n_kv_head x head_dim", "d_model"), "o_proj.weight": ("d_model", "n_head x head_dim"),
+         "mlp.gate_proj.weight": ("n_hidden", "d_model"), "mlp.up_proj.weight": ("n_hidden", "d_model"),
+         "mlp.down_proj.weight": ("d_model", "n_hidden"), "mlp.gate.weight": ("n_experts", "d_model"),
+         "experts.0.gate_proj.weight": ("moe_n_hidden", "d_model"),
+         "shared_expert.gate_proj.weight": ("n_shared_experts x moe_n_hidden", "d_model"),
+         "norm.weight": ("d_model",), "layernorm.weight": ("d_model",)}
+
+
+def _fields_of(name: str, have: tuple[int, ...], want: tuple[int, ...]) -> str:
+    dims = next((d for end, d in _DIMS.items() if name.endswith(end)), None)
+    if dims is None or len(dims) != len(want) or len(have) != len(want):
+        return ""
+    differ = [dims[i] for i in range(len(want)) if have[i] != want[i]]
+    return f" (model.{', model.'.join(differ)})" if differ else ""
+
+
+def check_weights(path: Path, cfg: ModelConfig, config_file: Path | str = CONFIG) -> None:
+    """UserError unless the weights file at `path` holds exactly the tensors `cfg` describes, read from its
+    header before anything is allocated; the message names the config field that disagrees.
+
+    The counts of repeated parts (layers, experts) are compared first, from the tensor names alone, so a
+    config claiming millions of layers is refused without building its model even on the meta device.
+    """
+    header = read_header(path)
+
+    def mismatch(what: str) -> UserError:
+        return UserError(f"{path}: checkpoint does not match the model config ({what}); use the {config_file} the "
+                         f"weights were saved with")
+    layers = _count(list(header), r"^layers\.(\d+)\.")
+    if layers != cfg.n_layer:
+        raise mismatch(f"model.n_layer is {cfg.n_layer}, the file holds {layers} layers")
+    experts = _count(list(header), r"^layers\.\d+\.mlp\.experts\.(\d+)\.")
+    if experts != (cfg.n_experts if cfg.use_moe else 0):
+        field = f"model.n_experts is {cfg.n_experts}" if cfg.use_moe else "model.use_moe is false"
+        raise mismatch(f"{field}, the file holds {experts} routed experts per MoE layer")
+    want = expected_shapes(cfg)
+    # A tied head is stored once; a file that also holds it (an untied save of a tied model) still loads.
+    have = {k: v for k, v in header.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    wrong = [k for k in want if k in have and have[k] != want[k]]
+    if wrong:
+        k = wrong[0]
+        raise mismatch(f"{len(wrong)} shape mismatch(es), first: {k} {have[k]} vs model {want[k]}"
+                       f"{_fields_of(k, have[k], want[k])}")
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or unexpected:
+        raise mismatch("; ".join(([f"{len(missing)} missing, first: {missing[0]}"] if missing else []) +
+                                 ([f"{len(unexpected)} unexpected, first: {unexpected[0]}"] if unexpected else [])))
+
+
+def load_weights(model: nn.Module, ckpt: Path) -> None:
+    """Load model.safetensors into `model` strictly (checked first against the model's config, header only)."""
+    check_weights(Path(ckpt) / WEIGHTS, model.config, Path(ckpt) / CONFIG)
+    _read_weights(model, Path(ckpt) / WEIGHTS)
+
+
+def _read_weights(model: nn.Module, path: Path) -> None:
+    """The tensors of a weights file that `check_weights` passed, into `model`."""
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing weights; the checkpoint is incomplete, use another one") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: corrupt or truncated weights ({e}); use another checkpoint") from None
+    state = model.state_dict()
+    for name, t in state.items():  # tied weights are stored once: fill the alias from its twin
+        if name not in tensors:
+            twin = next((n for n, u in state.items() if n in tensors and u.data_ptr() == t.data_ptr()), None)
+            if twin is not None:
+                tensors[name] = tensors[twin]
+    model.load_state_dict(tensors, strict=True)
+
+
+def build_model(cfg: ModelConfig, weights: Path | None = None) -> nn.Module:
+    """The one way a model is made: a fresh Transformer of `cfg`, with the weights of the model directory
+    `weights` loaded strictly when given (checked against `cfg` before the model is allocated)."""
+    from nanolm.model.transformer import Transformer
+
+    if weights is not None:
+        check_weights(Path(weights) / WEIGHTS, cfg, Path(weights) / CONFIG)
+    model = Transformer(cfg)
+    if weights is not None:
+        _read_weights(model, Path(weights) / WEIGHTS)
+    return model
+
+
+def base_of(ckpt: Path) -> Path:
+    """The full checkpoint a LoRA checkpoint was trained on: the base its adapter_config.json records, else
+    its run's train.init_from."""
+    recorded = read_adapter_config(ckpt).get("base_checkpoint")
+    if recorded:
+        return resolve_checkpoint(recorded, "best")
+    init_from = read_json(Path(ckpt) / CONFIG, "config").get("train", {}).get("init_from")
+    if not init_from:
+        raise UserError(f"{ckpt}: this LoRA adapter does not record its base (train.init_from is empty); "
+                        f"pass the base checkpoint explicitly")
+    return resolve_checkpoint(init_from, "best")
+
+
+def load_model(path: str | Path, which: str = "best", device: torch.device | str = "cpu",
+               adapter: str | Path | None = None) -> tuple[nn.Module, Path]:
+    """A model ready for inference, and its checkpoint directory; its config is `model.config`.
+
+    `path` is a run or checkpoint directory. A LoRA checkpoint is loaded onto
+    the base it was trained from, unmerged; `adapter` applies a LoRA run's
+    adapter on top of a full model given by `path`.
+    """
+    src = resolve_checkpoint(path, which)
+    model = build_model(read_model_config(src), base_of(src) if is_adapter(src) else src)
+    if is_adapter(src):
+        load_adapter(src, model)
+    if adapter is not None:
+        ad = resolve_checkpoint(adapter, which)
+        if not is_adapter(ad):
+            raise UserError(f"{ad}: not a LoRA adapter checkpoint (no {ADAPTER_WEIGHTS}); pass a LoRA run")
+        load_adapter(ad, model)
+    return model.to(device).eval(), src
+
+
+def copy_tokenizer(src: Path | None, dest: Path) -> None:
+    """The tokenizer files of `src` (when it has them) into `dest`."""
+    for name in TOKENIZER_FILES:
+        if src is not None and (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, dest / name)
+
+
+def save_model(out: Path, model: nn.Module, *, tokenizer_from: Path | None,
+               metadata: dict[str, str] | None = None) -> Path:
+    """Write a model directory (weights, {"model": its config}, the tokenizer) at `out`, whole or not at all;
+    `out` must not exist or be empty. Returns `out`."""
+    return write_model_dir(out, model_state(model), model.config, tokenizer_from=tokenizer_from, metadata=metadata)
+
+
+def write_model_dir(out: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, tokenizer_from: Path | None,
+                    metadata: dict[str, str] | None = None) -> Path:
+    """`save_model` from the tensors themselves (an imported model has no nanolm module yet)."""
+    out = Path(out)
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", **(metadata or {})})
+        write_json_atomic(tmp / CONFIG, {"model": dataclasses.asdict(cfg)})
+        copy_tokenizer(tokenizer_from, tmp)
+    return out
+
+
+def merge_adapter_checkpoint(adapter: str | Path, out: Path, base: str | Path | None = None) -> Path:
+    """Write base + adapter merged into one full model directory at `out` (atomically)."""
+    src = resolve_checkpoint(adapter, "best")
+    if not is_adapter(src):
+        raise UserError(f"{src}: not a LoRA adapter checkpoint (no {ADAPTER_WEIGHTS}); pass a LoRA run")
+    model = build_model(read_model_config(src), resolve_checkpoint(base, "last") if base else base_of(src))
+    load_adapter(src, model)
+    lora.merge_lora(model)
+    return save_model(out, model, tokenizer_from=src, metadata={"merged_from": str(src)})
+
+
+# ----------------------------------------------------------------------------- training checkpoints
+
+def rng_state() -> dict[str, Any]:
+    """Torch RNG states as base64 strings, so they fit in JSON."""
+    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode("ascii")  # noqa: E731
+    state = {"torch": enc(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [enc(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(dec(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([dec(s) for s in state["cuda"]])
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state: dict[str, Any] | None,
+                    cfg: Config, state: dict[str, Any], *, tokenizer_dir: Path | None = None,
+                    keep_last: int = 2, is_best: bool = False, adapter_base: dict[str, Any] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write checkpoint `step` atomically, update best.json, prune old ones. Returns its directory.
+
+    optimizer_state: `distributed.full_optimizer_state` (keyed by parameter name), or None.
+    weights: the full weights when `model` is sharded (`distributed.full_model_state`); else taken from `model`.
+    adapter_base: for a LoRA run, {"base_fingerprint": ..., "base_checkpoint": ...}; only the adapter is saved.
+    """
+    ckdir = Path(run_dir) / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(ckdir)
+    final = ckdir / f"step-{step:08d}"
+    earlier = [d for d in step_dirs(run_dir) if int(d.name[5:]) < step]
+    best_step = step if is_best else _recorded_best_step(ckdir, earlier[-1] if earlier else None)
+    tensors = None if adapter_base is not None else model_state(model) if weights is None else weights
+    part = final.name  # the file being written, for the message of a failed write
+    try:
+        with atomic_directory(final, replace=True) as tmp:
+            part = ADAPTER_WEIGHTS if tensors is None else WEIGHTS
+            if tensors is None:
+                lc = cfg.lora
+                save_adapter(tmp, model, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets,
+                             **adapter_base)
+            else:
+                save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+            part = CONFIG
+            write_json_atomic(tmp / CONFIG, cfg.to_dict())
+            part = "state.json"
+            write_json_atomic(tmp / "state.json", {"step": step, **state, "best_step": best_step})
+            if optimizer_state is not None:
+                part = "optimizer.pt"
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+            part = "tokenizer files"
+            copy_tokenizer(tokenizer_dir, tmp)
+            part = "fsync"  # atomic_directory syncs every file as the block ends
+    # A full disk raises OSError here, SafetensorError from safetensors, RuntimeError from torch.save.
+    except (OSError, SafetensorError, RuntimeError) as e:
+        # What this save needs on disk: tensors + JSON and tokenizer files.
+        needed = (_nbytes(lora.lora_state_dict(model) if tensors is None else tensors) + _nbytes(optimizer_state)
+                  + (1 << 16) + sum((Path(tokenizer_dir) / n).stat().st_size for n in TOKENIZER_FILES
+                                    if tokenizer_dir is not None and (Path(tokenizer_dir) / n).is_file()))
+        raise UserError(f"{final}: could not write checkpoint ({part}: {write_failure(e)}); "
+                        f"{space_note(ckdir, needed)}; the previous checkpoints are untouched; free some space "
+                        f"and resume with --resume") from None
+
+    best_file = ckdir / "best.json"
+    if best_step is not None and (is_best or _read_best_step(ckdir) != best_step):
+        try:
+            write_json_atomic(best_file, {"step": best_step, "val_loss": state.get("best_val_loss")})
+        except OSError as e:
+            raise UserError(f"{best_file}: could not update it ({write_failure(e)}); checkpoint {final} is saved; "
+                            f"free some space and resume with --resume") from None
+    for old_dir in step_dirs(run_dir)[:-keep_last]:
+        if int(STEP_RE.match(old_dir.name).group(1)) != best_step:
+            remove_directory(old_dir)
+    return final
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state: about what save_file or torch.save write for it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _recorded_best_step(ckdir: Path, newest: Path | None) -> int | None:
+    """The best step as of checkpoint `newest` (its state.json; best.json for checkpoints from before
+    state.json recorded it)."""
+    if newest is None:
+        return None
+    try:
+        state = json.loads((newest / "state.json").read_text(encoding="utf-8"))
+        if "best_step" in state:
+            return None if state["best_step"] is None else int(state["best_step"])
+    except (OSError, ValueError, TypeError):
+        pass
+    return _read_best_step(ckdir)
+
+
+def read_optimizer(ckpt: Path) -> dict[str, Any]:
+    """The saved optimizer state (keyed by parameter name), read without unpickling anything but tensors."""
+    path = Path(ckpt) / "optimizer.pt"
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing optimizer state; cannot resume exactly from this checkpoint") from None
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise UserError(f"{path}: corrupt optimizer state ({type(e).__name__}: {first_line(e)}); "
+                        f"resume from another checkpoint") from None
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)
+            and all(isinstance(k, str) for k in sd["state"])):
+        raise UserError(f"{path}: not an optimizer state keyed by parameter name (written by an older nanolm?); "
+                        f"resume from another checkpoint, or start from its weights with --init-from")
+    return sd
+
+
+# ----------------------------------------------------------------------------- LoRA adapter files
+
+def save_adapter(directory: str | Path, model: nn.Module, *, rank: int, alpha: float, dropout: float,
+                 targets: Sequence[str] | str, base_fingerprint: str, base_checkpoint: str | None = None) -> Path:
+    """Write adapter.safetensors and adapter_config.json into `directory` (created if needed), each atomically.
+
+    The settings must be those the model's LoRA layers were built with. The
+    config records a sha256 of the weights file, so a pair left inconsistent
+    by an interrupted re-save is detected on load. Returns the directory.
+    """
+    targets = lora.normalize_targets(targets)
+    lora.check_settings(rank, alpha, dropout, targets)
+    modules = lora.lora_modules(model)
+    if not modules:
+        raise ValueError("the model has no LoRA layers; call apply_lora before save_adapter")
+    for name, m in modules.items():
+        if (m.rank, m.alpha, m.dropout) != (rank, float(alpha), float(dropout)) or \
+                name.rpartition(".")[2] not in targets:
+            raise ValueError(f"{name} was built with rank={m.rank}, alpha={m.alpha:g}, dropout={m.dropout:g}, "
+                             f"which does not match save_adapter's rank={rank}, alpha={alpha:g}, "
+                             f"dropout={dropout:g}, targets={list(targets)}")
+    if not _HEX64.match(base_fingerprint):
+        raise ValueError(f"base_fingerprint must be base_fingerprint(model)'s sha256 hex, got {base_fingerprint!r}")
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous().cpu() for k, v in lora.lora_state_dict(model).items()}
+    data = save_safetensors(tensors, metadata={"format": "pt", "nanolm": ADAPTER_FORMAT})
+    config = {
+        "format": ADAPTER_FORMAT,
+        "version": ADAPTER_VERSION,
+        "rank": rank,
+        "alpha": float(alpha),
+        "dropout": float(dropout),
+        "targets": list(targets),
+        "modules": list(modules),
+        "base_fingerprint": base_fingerprint,
+        "base_checkpoint": None if base_checkpoint is None else str(base_checkpoint),
+        "weights_sha256": hashlib.sha256(data).hexdigest(),
+    }
+    write_bytes_atomic(d / ADAPTER_WEIGHTS, data)
+    write_json_atomic(d / ADAPTER_CONFIG, config)
+    fsync_dir(d)
+    return d
+
+
+def read_adapter_config(directory: str | Path) -> dict[str, Any]:
+    """The validated adapter_config.json of an adapter directory."""
+    d = Path(directory)
+    path = d / ADAPTER_CONFIG
+    if not d.is_dir():
+        raise UserError(f"{d}: no such adapter directory; pass a directory holding {ADAPTER_CONFIG} and "
+                        f"{ADAPTER_WEIGHTS}")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing adapter config; pass a directory written by a LoRA run") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt adapter config ({e}); save the adapter again") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != ADAPTER_FORMAT:
+        raise UserError(f"{path}: not a nanolm LoRA adapter config (no \"format\": \"{ADAPTER_FORMAT}\"); "
+                        f"pass a directory written by a LoRA run")
+    if cfg.get("version") != ADAPTER_VERSION:
+        raise UserError(f"{path}: adapter format version {cfg.get('version')!r} is not supported (this nanolm "
+                        f"reads version {ADAPTER_VERSION}); use the nanolm version that wrote it")
+    lora.check_settings(cfg.get("rank"), cfg.get("alpha"), cfg.get("dropout"), cfg.get("targets"), f"{path}: ")
+    modules = cfg.get("modules")
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+        raise UserError(f"{path}: \"modules\" must be a non-empty list of module names; save the adapter again")
+    for key in ("base_fingerprint", "weights_sha256"):
+        if not isinstance(cfg.get(key), str) or not _HEX64.match(cfg[key]):
+            raise UserError(f"{path}: \"{key}\" must be a sha256 hex string, got {cfg.get(key)!r}; "
+                            f"save the adapter again")
+    if cfg.get("base_checkpoint") is not None and not isinstance(cfg["base_checkpoint"], str):
+        raise UserError(f"{path}: \"base_checkpoint\" must be a string or null, got {cfg['base_checkpoint']!r}")
+    return cfg
+
+
+def load_adapter(directory: str | Path, model: nn.Module) -> dict[str, Any]:
+    """Apply the saved LoRA settings to `model` and load the adapter's tensors; returns its config.
+
+    Everything is checked before the model is touched (config, base
+    fingerprint, weights file); if loading still fails the model is restored.
+    """
+    d = Path(directory)
+    cfg = read_adapter_config(d)
+    cfg_path, weights_path = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
+    if lora.lora_modules(model):
+        raise ValueError("the model already has LoRA layers; load_adapter applies them itself")
+    fp = lora.base_fingerprint(model)
+    if fp != cfg["base_fingerprint"]:
+        origin = cfg["base_checkpoint"] or "not recorded in the adapter"
+        raise UserError(f"{cfg_path}: this adapter was trained on base {cfg['base_fingerprint'][:12]} but the "
+                        f"model is {fp[:12]}; load it onto the checkpoint it was trained from ({origin})")
+    try:
+        data = weights_path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{weights_path}: missing adapter weights; save the adapter again") from None
+    if hashlib.sha256(data).hexdigest() != cfg["weights_sha256"]:
+        raise UserError(f"{weights_path}: does not match {ADAPTER_CONFIG} (truncated, damaged or from an "
+                        f"interrupted save); save the adapter again")
+    try:
+        tensors = load_safetensors(data)
+    except (SafetensorError, ValueError) as e:
+        raise UserError(f"{weights_path}: corrupt adapter weights ({e}); save the adapter again") from None
+
+    try:
+        names = lora.apply_lora(model, cfg["rank"], cfg["alpha"], cfg["dropout"], cfg["targets"])
+    except UserError as e:
+        raise UserError(f"{cfg_path}: {e}") from None
+    try:
+        if names != cfg["modules"]:
+            odd = next((n for n in names + cfg["modules"] if (n in names) != (n in cfg["modules"])),
+                       "the module order")
+            raise UserError(f"{cfg_path}: \"modules\" does not match the layers its targets wrap in this model "
+                            f"(first difference: {odd}); save the adapter again")
+        lora.load_lora_state_dict(model, tensors, source=str(weights_path))
+    except BaseException:
+        lora.remove_lora(model)
+        raise
+    return cfg
