@@ -280,7 +280,7 @@ def trainer_throughput(preset_name: str, device: torch.device, dtype: torch.dtyp
     from bigdata import write_token_set  # bench/bigdata.py: random ids in `nanolm prepare`'s format
 
     from nanolm.config import load_config
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
 
     data = workdir / "data"
     if not (data / "manifest.json").is_file():

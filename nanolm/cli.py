@@ -80,7 +80,7 @@ def _config_from_args(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     cfg = _config_from_args(args)
     train(cfg, resume=args.resume)
 

@@ -74,7 +74,7 @@ def _calibrate_steps_per_second(cfg, seconds: float = 3.0) -> float:
 
 def _train_within(cfg_overrides: dict, preset_name: str, seconds: float, *, quiet: bool = False):
     """Train with max_steps sized to what fits in `seconds` (the schedule decays over max_steps)."""
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     cfg = load_config(preset_name, overrides=cfg_overrides)
     steps_per_s = _calibrate_steps_per_second(cfg)
     max_steps = max(10, int(steps_per_s * (seconds - 3.0) * 0.85))

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from safetensors.torch import save_file
 
 from nanolm.config import Config
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 
 
 def main(config: str, out: str) -> None:

@@ -13,7 +13,7 @@ from nanolm.infer.chat import ChatSession, run_chat
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from test_train import tiny_cfg
 
 

@@ -83,7 +83,7 @@ def test_ecosystem_commands(tmp_path, data_dir, corpus):
     import time
     import urllib.request
 
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     from test_train import tiny_cfg
     run = tmp_path / "run"
     train(tiny_cfg(data_dir, run, **{"train.max_steps": 4, "model.dropout": 0.0}), quiet=True)

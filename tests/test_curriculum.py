@@ -18,7 +18,7 @@ from nanolm.data.loader import Loader, PackedData
 from nanolm.data.prepare import prepare
 from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 
 from chat_helpers import a, u, write_jsonl
 from test_train import read_metrics, tiny_cfg

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanolm import checkpoint as ckpt
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from test_train import ONE_STEP, assert_close_all, masked_lm_data, micro_batch_gradients, read_metrics, tiny_cfg
 
 OVER = {"train.max_steps": 8, "train.grad_accum": 2, "train.eval_interval": 4, "train.save_interval": 4,

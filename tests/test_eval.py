@@ -14,7 +14,7 @@ from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
 from nanolm.evaluate import evaluate, format_result
 from nanolm.tokenizer import Tokenizer, train_tokenizer
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from test_train import read_metrics, tiny_cfg
 
 STEPS = {"train.max_steps": 12, "train.eval_interval": 6}

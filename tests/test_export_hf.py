@@ -225,7 +225,7 @@ def test_import_of_a_sharded_llama_written_by_transformers(tmp_path, data_dir, t
     assert max_logit_diff(model, hf) < 1e-4
 
     # `nanolm train --config <import>/config.json --init-from <import>` continues training it.
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     run_cfg = load_config(config_file=out / "config.json", overrides={
         "data.path": str(data_dir), "train.out_dir": str(tmp_path / "run"), "train.init_from": str(out),
         "train.max_steps": 2, "train.batch_size": 2, "train.seq_len": 32, "train.eval_interval": 0,

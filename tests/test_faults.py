@@ -40,7 +40,7 @@ import nanolm.data.prepare as prep
 from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -78,7 +78,7 @@ import torch._dynamo  # noqa: F401  (the optimizer's first use imports it: pay t
 import nanolm.cli
 import nanolm.checkpoint as ckpt
 import nanolm.io
-import nanolm.train.loop as loop
+import nanolm.train.trainer as trainer
 import nanolm.train.metrics as metrics
 
 
@@ -105,14 +105,14 @@ def child(job):
     mark("setup")
     # The MFU denominator: a constant instead of a 0.5 s matmul benchmark per attempt (it feeds only the
     # MFU column, and uses its own generator, so the run is the same either way).
-    loop.peak_flops = lambda device, dtype: (1e12, "constant (fault-injection test)")
+    trainer.peak_flops = lambda device, dtype: (1e12, "constant (fault-injection test)")
 
-    real_lr_at = loop.lr_at
+    real_lr_at = trainer.lr_at
     def lr_at(step, *a, **k):
         now["step"] = step + 1  # the step being computed, 1-based as logged
         mark(f"step {step + 1}")
         return real_lr_at(step, *a, **k)
-    loop.lr_at = lr_at
+    trainer.lr_at = lr_at
 
     real_clip = torch.nn.utils.clip_grad_norm_
     def clip(*a, **k):
@@ -121,14 +121,14 @@ def child(job):
         return real_clip(*a, **k)
     torch.nn.utils.clip_grad_norm_ = clip
 
-    real_eval = loop.iter_eval_batches
+    real_eval = trainer.iter_eval_batches
     def eval_batches(*a, **k):
         mark(f"eval after step {now['step']}")
         for i, b in enumerate(real_eval(*a, **k)):
             if i == 1 and hit("eval"):
                 die(f"mid-eval after step {now['step']} (one of two batches done)")
             yield b
-    loop.iter_eval_batches = eval_batches
+    trainer.iter_eval_batches = eval_batches
 
     real_save = ckpt.save_checkpoint
     def save_checkpoint(run_dir, step, *a, **k):

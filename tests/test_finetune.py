@@ -7,7 +7,7 @@ import torch
 
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from test_train import tiny_cfg
 
 

@@ -606,7 +606,7 @@ def test_damaged_document_index_of_chat_data(tmp_path, chat_data):
 def run(tmp_path_factory, data_dir) -> Path:
     from test_train import tiny_cfg
 
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     out = tmp_path_factory.mktemp("ckpt") / "run"
     train(tiny_cfg(data_dir, out, **{"train.max_steps": 4, "train.eval_interval": 2, "train.save_interval": 2}),
           quiet=True)
@@ -723,7 +723,7 @@ def test_damaged_or_malicious_optimizer_state(tmp_path, run):
 def _resume(run_copy: Path, data_dir: Path, **over):
     from test_train import tiny_cfg
 
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     return train(tiny_cfg(data_dir, run_copy, **{"train.max_steps": 4, "train.eval_interval": 2,
                                                   "train.save_interval": 2, **over}), resume=True, quiet=True)
 
@@ -846,7 +846,7 @@ def test_prompts_and_chat_input_that_are_not_utf8(tokenizer_dir):
 def test_init_from_a_checkpoint_of_another_tokenizer_is_refused(tmp_path, run, corpus, other_tokenizer):
     from test_train import tiny_cfg
 
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
     data = tmp_path / "data"
     prepare([corpus], other_tokenizer, data, val_fraction=0.1, workers=0, quiet=True)
     for stage in ("pretrain", "sft"):

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
-from nanolm.train import loop
-from nanolm.train.loop import train
+from nanolm.train import trainer
+from nanolm.train.trainer import train
 from nanolm.train.numerics import locate_nonfinite, weights_are_finite
 from nanolm.train.stages import LMObjective, Loss
 from test_train import read_metrics, tiny_cfg
@@ -27,12 +27,12 @@ def test_nonfinite_steps_are_skipped_counted_and_the_run_goes_on(data_dir, tmp_p
     accum = 2
     poisoned = {3, 4}  # optimizer steps whose loss turns NaN
     calls = {"n": 0, "replaying": False}  # training micro-batches so far; whether a bad step is being replayed
-    original, original_replay = LMObjective.__call__, loop._replay
+    original, original_replay = LMObjective.__call__, trainer.Trainer._replay
 
-    def replay(*args):
+    def replay(self, *args):
         calls["replaying"] = True
         try:
-            return original_replay(*args)
+            return original_replay(self, *args)
         finally:
             calls["replaying"] = False
 
@@ -45,7 +45,7 @@ def test_nonfinite_steps_are_skipped_counted_and_the_run_goes_on(data_dir, tmp_p
         return loss
 
     monkeypatch.setattr(LMObjective, "__call__", nan_on_some_steps)
-    monkeypatch.setattr(loop, "_replay", replay)
+    monkeypatch.setattr(trainer.Trainer, "_replay", replay)
     run = tmp_path / "run"
     res = train(tiny_cfg(data_dir, run, **OVER, **{"train.grad_accum": accum}), quiet=True)
     assert res.step == 8 and res.stop_reason == "max_steps"
@@ -85,7 +85,7 @@ def test_a_layer_that_overflows_stops_the_run_and_is_named(data_dir, tmp_path):
 
 
 def test_nan_weights_are_never_saved(data_dir, tmp_path, monkeypatch):
-    real = loop.build_optimizer
+    real = trainer.build_optimizer
 
     def poisoning_optimizer(model, cfg, device):
         opt = real(model, cfg, device)
@@ -100,7 +100,7 @@ def test_nan_weights_are_never_saved(data_dir, tmp_path, monkeypatch):
         opt.step = poisoned_step
         return opt
 
-    monkeypatch.setattr(loop, "build_optimizer", poisoning_optimizer)
+    monkeypatch.setattr(trainer, "build_optimizer", poisoning_optimizer)
     run = tmp_path / "run"
     with pytest.raises(UserError, match=r"^step 4: the weights hold NaN or inf values, so no checkpoint was "
                                         r"written; the previous checkpoints are untouched"):

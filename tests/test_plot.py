@@ -10,7 +10,7 @@ import pytest
 
 from nanolm.errors import UserError
 from nanolm.plot import plot_runs, run_labels, smooth
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from test_train import tiny_cfg
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -461,7 +461,7 @@ def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
     from test_train import tiny_cfg
 
     from nanolm.checkpoint import load_model
-    from nanolm.train.loop import train
+    from nanolm.train.trainer import train
 
     run = tmp_path / "myrun"
     train(tiny_cfg(data_dir, run, **{"train.max_steps": 3, "model.max_seq_len": 64}), quiet=True)

@@ -12,7 +12,7 @@ import pytest
 
 from nanolm.config import Config, load_config
 from nanolm.errors import UserError
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from nanolm.train.metrics import MetricsWriter, TensorBoardTracker, make_trackers, read_metrics, scalars
 from test_train import tiny_cfg
 

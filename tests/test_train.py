@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from nanolm.config import load_config
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
-from nanolm.train.loop import train
+from nanolm.train.trainer import train
 from nanolm.train.metrics import measured_matmul_flops
 
 
@@ -204,6 +204,10 @@ def test_compiled_training_takes_the_steps_of_eager_training(data_dir, tmp_path)
     compiled = train(tiny_cfg(data_dir, tmp_path / "compiled", **over, **{"train.compile": True}), quiet=True)
     for s in eager.train_losses:
         assert compiled.train_losses[s] == pytest.approx(eager.train_losses[s], rel=1e-5)
+    # The compiler's fallback (run uncompiled where it cannot compile) was scoped to the steps: training leaves
+    # no process-wide setting behind.
+    import torch._dynamo
+    assert torch._dynamo.config.suppress_errors is False
 
 
 # ----------------------------------------------------------------------------- a step is the gradient of its batch
@@ -366,3 +370,39 @@ def test_dpo_pairs_weigh_the_same_in_a_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(accum.steps[0][0], whole.steps[0][0]))
     assert max(g.abs().max().item() for g in accum.steps[0][1]) > 0
     assert_close_all(accum.steps[0][1], whole.steps[0][1])
+
+
+def test_a_step_called_alone_applies_the_exact_update(data_dir, tmp_path):
+    """Trainer.train_step on micro-batches it is given: exactly the AdamW update, at the schedule's first
+    learning rate, of the gradient of the batch they make (unmasked text: the mean per micro-batch over the
+    micro-batches), nothing else; the step and token counts move on by one step."""
+    from nanolm.data.loader import Loader, PackedData
+    from nanolm.model.transformer import Transformer
+    from nanolm.train.objectives import lm_loss
+    from nanolm.train.optim import build_optimizer
+    from nanolm.train.schedule import lr_at
+    from nanolm.train.trainer import Trainer
+    cfg = tiny_cfg(data_dir, tmp_path / "run", **{**ONE_STEP, "train.seq_len": 32, "train.batch_size": 2})
+    trainer = Trainer(cfg, quiet=True)
+    loader = Loader(PackedData(data_dir), 2, 32, seed=5)
+    batches = [loader.next_batch() for _ in range(2)]
+    ref = Transformer(cfg.model)
+    ref.load_state_dict(trainer.model.state_dict())
+    for b in batches:
+        (lm_loss(ref(b.x), b.y) / 2).backward()
+    optimizer = build_optimizer(ref, cfg.optim, torch.device("cpu"))
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(0, cfg.optim, cfg.train.max_steps)
+    optimizer.step()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    res = trainer.train_step(batches)
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in ref.state_dict().items())
+    assert not torch.equal(after["layers.0.mlp.up_proj.weight"], before["layers.0.mlp.up_proj.weight"])
+    assert (trainer.step, trainer.tokens, res.units, res.tokens, res.finite) == (1, 128, 128, 128, True)
+    assert res.lr == lr_at(0, cfg.optim, cfg.train.max_steps)
+    start = Transformer(cfg.model)
+    start.load_state_dict(before)
+    with torch.no_grad():
+        want = sum(lm_loss(start(b.x), b.y, reduction="sum").item() for b in batches) / 128
+    assert res.logged(trainer.info)["loss"] == pytest.approx(want, rel=1e-6)

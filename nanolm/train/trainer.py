@@ -1,0 +1,635 @@
+"""The one training loop, in parts that can be called and tested alone.
+
+Every stage runs through a `Trainer`:
+
+- `Trainer(cfg, resume=...)` sets everything up from the config: this
+  process's place in a torchrun launch, the data stream, the model with its
+  weights (a checkpoint of this run when resuming, `train.init_from`, or a
+  fresh init), the optimizer, the stage's objective, and on a resume the
+  optimizer state, data position and RNG, so that the losses after a resume
+  equal those of an uninterrupted run;
+- `report()` prints the derived settings once;
+- `train_step(batches)` is one optimizer step over this rank's micro-batches
+  (the next `grad_accum / processes` of the stream when none are given): the
+  learning rate of the step, every target token weighed alike over all
+  micro-batches and ranks, mixed precision, gradient clipping, and the update,
+  or its skip when the loss or gradient is not finite;
+- `evaluate()` scores each data set's validation split; `save()` writes a
+  checkpoint;
+- `run()` repeats steps until `max_steps`, the token or time budget, the end
+  of a curriculum or Ctrl-C, logging, evaluating and saving on the configured
+  intervals, and evaluates and saves once more at the end.
+
+`train(cfg)` is `Trainer(cfg).run()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolm import checkpoint as ckpt
+from nanolm.config import Config
+from nanolm.data.loader import Batch, iter_eval_batches
+from nanolm.data.sources import DataStream
+from nanolm.errors import UserError
+from nanolm.io import first_line, write_json_atomic
+from nanolm.model import lora
+from nanolm.model.moe import moe_layers
+from nanolm.model.transformer import count_params, flops_per_token
+from nanolm.progress import fmt_count, fmt_duration
+from nanolm.runtime import attention_kernel, autocast, resolve_dtype, seed_everything
+from nanolm.train import distributed
+from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
+from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
+from nanolm.train.optim import build_optimizer
+from nanolm.train.schedule import lr_at
+from nanolm.train.stages import DistillObjective, DPOObjective, LMObjective, Objective
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    tokens: int
+    last_checkpoint: Path | None
+    best_val_loss: float
+    train_losses: dict[int, float] = field(default_factory=dict)
+    stop_reason: str = ""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. `sums` are this rank's metrics summed over its target tokens (DPO: pairs),
+    `means` those of one micro-batch each (the MoE balance loss); `logged()` reduces them over the ranks."""
+
+    lr: float
+    units: int  # target tokens (DPO: pairs) of the step on all ranks
+    micro_batches: int  # of the step on all ranks
+    tokens: int  # input positions of the step on all ranks
+    grad_norm: torch.Tensor
+    finite: bool
+    sums: dict[str, torch.Tensor]
+    means: dict[str, torch.Tensor]
+
+    def logged(self, info: distributed.DistInfo) -> dict[str, float]:
+        """The step's metrics over all ranks (a host sync): each per unit of the step (the loss is the
+        token-weighted mean the gradient is of), or per micro-batch."""
+        out = {k: distributed.sum_across_ranks(v, info).item() / max(self.units, 1) for k, v in self.sums.items()}
+        out.update({k: distributed.sum_across_ranks(v, info).item() / self.micro_batches
+                    for k, v in self.means.items()})
+        return out
+
+
+class _StopFlag:
+    """First Ctrl-C finishes the current step, saves and exits; a second one aborts at once."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self._old = None
+
+    def __enter__(self) -> "_StopFlag":
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _tokenizer_dir(data: DataStream) -> Path | None:
+    tok = data.manifest.get("tokenizer", {})
+    path = Path(tok.get("path", ""))
+    if path.is_file():
+        path = path.parent
+    return path if (path / "tokenizer.json").is_file() else None
+
+
+def _token_bytes(tok_dir: Path | None, vocab_size: int) -> torch.Tensor | None:
+    """UTF-8 bytes per token id, for bits-per-byte; None when the tokenizer is not at hand."""
+    if tok_dir is None:
+        return None
+    from nanolm.tokenizer import Tokenizer
+    lengths = torch.zeros(vocab_size, dtype=torch.float64)
+    tb = torch.tensor(Tokenizer.load(tok_dir).token_byte_lengths(), dtype=torch.float64)
+    lengths[: len(tb)] = tb[:vocab_size]
+    return lengths
+
+
+def _tokenizer_of(src: Path) -> str | None:
+    """The fingerprint of the tokenizer checkpoint `src` was trained with; None when it does not hold it."""
+    from nanolm.tokenizer import Tokenizer
+    return Tokenizer.load(src).fingerprint if (src / "tokenizer.json").is_file() else None
+
+
+def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a resume continues from (the run's newest), after checking it fits this config; None for
+    a fresh start, which a run directory that already holds checkpoints refuses."""
+    tc = cfg.train
+    resume_src: Path | None = None
+    if resume:
+        steps = ckpt.step_dirs(run_dir)
+        if not steps:
+            raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
+        resume_src = steps[-1]
+        saved_cfg = ckpt.read_run_config(resume_src)
+        if saved_cfg.model != cfg.model:
+            raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
+                            f"resume with the same model settings (saved: {saved_cfg.model})")
+    elif ckpt.step_dirs(run_dir):
+        raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
+                        f"another --out for a new run")
+    if tc.stage in ("sft", "lora", "dpo") and not tc.init_from:
+        raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
+                        f"checkpoint>")
+    return resume_src
+
+
+class Trainer:
+    """One run of the one training loop (see the module doc)."""
+
+    def __init__(self, cfg: Config, *, resume: bool = False, quiet: bool = False) -> None:
+        self.t_setup = time.perf_counter()
+        self.cfg, tc = cfg, cfg.train
+        self.run_dir = Path(tc.out_dir)
+        self.info = info = distributed.setup(tc.device)  # one process, or this rank of a torchrun launch
+        self.device = info.device
+        self.dtype = resolve_dtype(tc.dtype, self.device)
+        seed_everything(tc.seed)
+        self.accum = distributed.per_rank_accum(tc.grad_accum, info)  # this rank's micro-batches per step
+        self.quiet = quiet
+
+        # One data set (data.path) or a curriculum/mixture of several (data.sets); see nanolm/data/sources.py.
+        self.data = DataStream.from_config(cfg, rank=info.rank, world_size=info.world_size)
+        if self.data.vocab_size > cfg.model.vocab_size:
+            raise UserError(f"{self.data.sets[0].path}: the data's tokenizer has {self.data.vocab_size} tokens but "
+                            f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size "
+                            f"{self.data.vocab_size}")
+        # An attention kernel this device cannot run stops the run here, before anything is written.
+        self.attention = attention_kernel(tc.sdpa_backend, self.device, self.dtype, cfg.model.head_dim,
+                                          masked=self.data.is_chat)
+        self.val_sets = self.data.val_sets(tc.seq_len)  # [(set name, val split)] of the sets that have one
+        self.tok_dir = _tokenizer_dir(self.data)
+        self.token_bytes = _token_bytes(self.tok_dir, cfg.model.vocab_size) if self.val_sets else None
+
+        resume_src = _resume_source(cfg, self.run_dir, resume)
+        self.model, self.adapter_base = self._policy(resume_src)
+        self.model.to(self.device)
+        if tc.parallel == "fsdp" and info.enabled and cfg.uses_lora:
+            raise UserError("train.parallel=fsdp does not shard LoRA runs (their base is frozen and adapters are "
+                            "small); use --train.parallel ddp")
+        # DDP or FSDP2 and activation checkpointing wrap the model before the optimizer sees its parameters.
+        self.train_model = distributed.parallelize(self.model, info, parallel=tc.parallel,
+                                                   activation_checkpointing=tc.activation_checkpointing)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.objective = self._objective()
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
+
+        self.step, self.tokens, self.best_val, self.elapsed_before = 0, 0, float("inf"), 0.0
+        if resume_src is None and info.is_main:  # a fresh start: what a run killed before its first save logged
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.metrics = MetricsWriter(self.run_dir, enabled=info.is_main,
+                                     trackers=make_trackers(cfg, self.run_dir) if info.is_main else ())
+        if resume_src is not None:
+            self._restore(resume_src)
+        if info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
+        if tc.compile:
+            self.train_model = torch.compile(self.train_model)
+        self.model.train()
+        self.fpt = flops_per_token(cfg.model, tc.seq_len)  # training FLOPs per token, for MFU
+        self.peak, self.peak_src = peak_flops(self.device, self.dtype)
+
+        self.nonfinite_in_row, self.nonfinite_total, self.first_nonfinite = 0, 0, ""
+        self.t_start = time.perf_counter()  # the clock of max_minutes and of elapsed_s
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def say(self, msg: str) -> None:
+        log(msg, not self.quiet and self.info.is_main)
+
+    def _policy(self, resume_src: Path | None) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+        """The model with its weights from a checkpoint of this run (resume), from train.init_from, or fresh;
+        for LoRA, the frozen base with its adapters. Returns it (on the CPU) and, for LoRA, what its adapter
+        checkpoints record about their base."""
+        cfg, tc = self.cfg, self.cfg.train
+        adapter_base, weights = None, resume_src
+        if tc.init_from and (resume_src is None or cfg.uses_lora):
+            # A LoRA run always rebuilds its frozen base from init_from; other runs resume all weights.
+            weights = ckpt.resolve_checkpoint(tc.init_from, "best")
+            if ckpt.is_adapter(weights):
+                raise UserError(f"{weights}: --init-from needs a full checkpoint, not a LoRA adapter; merge it "
+                                f"first with `nanolm lora merge`")
+            theirs, ours = _tokenizer_of(weights), self.data.manifest["tokenizer"]["fingerprint"]
+            if theirs not in (None, ours):  # its weights are tied to the ids of its tokenizer
+                raise UserError(f"{weights}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
+                                f"prepared with {ours[:12]}, so its token ids mean other text; prepare the data "
+                                f"with {weights / 'tokenizer.json'}")
+        model = ckpt.build_model(cfg.model, weights)
+        if weights is not None and weights != resume_src:
+            self.say(f"initialised weights from {weights}")
+            if cfg.uses_lora:
+                adapter_base = {"base_fingerprint": lora.base_fingerprint(model), "base_checkpoint": str(weights)}
+        if cfg.uses_lora:
+            if adapter_base is None:
+                raise UserError("LoRA trains adapters on a trained base; pass --init-from <run or checkpoint>")
+            if resume_src is not None:
+                ckpt.load_adapter(resume_src, model)
+            else:
+                lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
+            lora.mark_only_lora_as_trainable(model)
+        return model, adapter_base
+
+    def _frozen(self, model: torch.nn.Module, src: Path, what: str) -> torch.nn.Module:
+        """`model` (a DPO reference, a distillation teacher, built from checkpoint `src`) frozen on this device."""
+        self.say(f"{what}: {src} ({count_params(model)['total'] / 1e6:.2f}M parameters)")
+        return model.to(self.device).eval().requires_grad_(False)
+
+    def _objective(self) -> Objective:
+        """The stage's batch -> loss function, checked against the kind of data it is given."""
+        cfg, stage, kind = self.cfg, self.cfg.train.stage, self.data.kind
+        if (stage == "dpo") != (kind == "dpo"):
+            fix = ("prepare preference pairs with `nanolm prepare --format dpo`" if stage == "dpo"
+                   else "preference data trains with --stage dpo")
+            where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
+            raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
+        lm = LMObjective(self.model, cfg.model.aux_loss_coef)
+        if stage == "dpo":
+            if cfg.uses_lora:  # the reference is the same model with its adapters off: no second copy
+                return DPOObjective(cfg.dpo.beta, None, lora.disable_adapters)
+            # The frozen reference: dpo.ref_from, else the initial weights (train.init_from), as the policy is
+            # built (its max_seq_len may have been raised for the pairs).
+            src = ckpt.resolve_checkpoint(cfg.dpo.ref_from or cfg.train.init_from, "best")
+            return DPOObjective(cfg.dpo.beta, self._frozen(ckpt.build_model(cfg.model, src), src, "DPO reference"))
+        if stage == "distill":
+            src = ckpt.resolve_checkpoint(cfg.distill.teacher, "best")
+            theirs, ours = _tokenizer_of(src), self.data.manifest["tokenizer"]["fingerprint"]
+            if theirs is None:
+                raise UserError(f"{src}: the teacher checkpoint holds no tokenizer.json, so its tokenizer cannot be "
+                                f"checked against the data's; use a checkpoint written by nanolm train")
+            if theirs != ours:
+                raise UserError(f"{src}: the teacher was trained with another tokenizer ({theirs[:12]}) than the "
+                                f"data's ({ours[:12]}); distillation compares token distributions, so both must "
+                                f"use the same tokenizer: prepare the data with the teacher's tokenizer")
+            teacher = ckpt.load_model(src)[0]  # any size: its own model config
+            return DistillObjective(self._frozen(teacher, src, "distillation teacher"), cfg.distill.temperature,
+                                    cfg.distill.alpha, self.data.vocab_size, lm)
+        return lm
+
+    def _restore(self, src: Path) -> None:
+        """Continue checkpoint `src` of this run: optimizer state, then state.json into the data stream and RNG."""
+        try:
+            distributed.load_full_optimizer_state(self.model, self.optimizer, ckpt.read_optimizer(src))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise UserError(f"{src}/optimizer.pt: does not match this run's trainable parameters "
+                            f"({type(e).__name__}: {e}); resume with the settings the run was saved with") from None
+        state = ckpt.read_json(src / "state.json", "training state")
+        try:  # a damaged state.json: a missing field, a wrong type, an RNG state of the wrong size
+            step, tokens = int(state["step"]), int(state["tokens"])
+            if step < 0 or tokens < 0:
+                raise ValueError(f"step {step}, tokens {tokens}")
+            self.best_val = float(state.get("best_val_loss") or float("inf"))
+            self.elapsed_before = float(state.get("elapsed_s", 0.0))
+            self.data.load_state_dict(state["loader"])
+            ckpt.set_rng_state(state["rng"])
+        except UserError as e:  # the data position does not fit this data
+            raise UserError(f"{src}/state.json: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise UserError(f"{src}/state.json: damaged training state ({type(e).__name__}: {first_line(e)}); "
+                            "resume from an earlier checkpoint (move this one away) or start a new run") from None
+        self.step, self.tokens = step, tokens
+        self.metrics.truncate_after(step)
+        self.say(f"resumed from {src} at step {step} ({fmt_count(tokens)} tokens seen)")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Input positions of one optimizer step as configured (DPO: batch_size counts (chosen, rejected) pairs)."""
+        tc = self.cfg.train
+        return tc.batch_size * (2 if self.data.kind == "dpo" else 1) * tc.seq_len * tc.grad_accum
+
+    def report(self) -> None:
+        """The derived settings, printed once at the start."""
+        cfg, tc, info, data = self.cfg, self.cfg.train, self.info, self.data
+        several = len(data.sets) > 1
+        params = count_params(self.model)
+        self.say(f"run dir: {self.run_dir.resolve()} (config saved as config.json)")
+        for line in cfg.summary():
+            self.say(f"  {line}")
+        if info.enabled:
+            self.say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {self.accum} micro-batch(es) per "
+                     f"rank per step | global batch {self.tokens_per_step:,} tokens/step as configured")
+        self.say(f"stage: {tc.stage} | device: {self.device} | compute dtype: {str(self.dtype).removeprefix('torch.')}"
+                 f" | compile: {tc.compile} | activation checkpointing: {tc.activation_checkpointing} | "
+                 f"attention kernel: {tc.sdpa_backend}")
+        active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
+        self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
+                 f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {self.fpt / 1e6:.1f} MFLOPs/token "
+                 "(train)")
+        val_tokens = sum(v.n_tokens for _, v in self.val_sets)
+        self.say(f"data: {f'{len(data.sets)} sets as a {data.mode}, ' if several else ''}"
+                 f"{fmt_count(data.n_tokens)} train tokens, {fmt_count(val_tokens)} val tokens | "
+                 f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {self.tokens_per_step:,} "
+                 f"tokens/step" + ("" if several else
+                                   f" | one epoch = {data.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
+        for line in data.describe():
+            self.say(f"data stream: {line}")
+        for tracker in self.metrics.trackers:
+            self.say(f"tracking: {tracker.describe()}")
+        self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
+                 f"warmup {cfg.optim.warmup_steps}, max_steps {tc.max_steps}"
+                 + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")
+                 + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
+                 + f" | MFU peak: {self.peak / 1e12:.2f} TFLOP/s ({self.peak_src})")
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def compute(self) -> ExitStack:
+        """The forward's context: mixed precision and the attention kernel."""
+        stack = ExitStack()
+        stack.enter_context(autocast(self.device, self.dtype))
+        stack.enter_context(self.attention())
+        return stack
+
+    def _compiler_fallback(self) -> contextlib.AbstractContextManager:
+        """While a compiled model runs: where the compiler cannot (no C++ compiler for the CPU backend, an
+        unsupported device), the model runs uncompiled with PyTorch's warning instead of the run failing.
+        Scoped to the step: nothing else in the process is changed."""
+        if not self.cfg.train.compile:
+            return contextlib.nullcontext()
+        import torch._dynamo
+        return torch._dynamo.config.patch(suppress_errors=True)
+
+    def _micro_batches(self, model: torch.nn.Module, batches: list[Batch], units: list[int], step_units: int,
+                       sync: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Forward and backward of each micro-batch, each weighed by its share of the step's units (see
+        objectives.step_share). Returns this rank's metric sums, its per-micro-batch sums and the weighted
+        losses. With `sync`, gradients are reduced over the ranks in the last micro-batch's backward only;
+        without, the passes run on the bare model as they are (the replay of a non-finite step)."""
+        sums: dict[str, torch.Tensor] = {}
+        means: dict[str, torch.Tensor] = {}
+        losses = []
+        for micro, (batch, n) in enumerate(zip(batches, units)):
+            with distributed.grad_sync(model, sync=not sync or micro == len(batches) - 1):
+                with self.compute():
+                    out = self.objective(model, batch)
+                loss = out.weighted(n, step_units, self.info.world_size, len(batches))
+                (self.scaler.scale(loss) if self.scaler and sync else loss).backward()
+            losses.append(loss.detach())
+            for acc, values in ((sums, out.sums), (means, out.means)):
+                for k, v in values.items():
+                    acc[k] = acc[k] + v if k in acc else v.clone()
+        return sums, means, losses
+
+    def train_step(self, batches: list[Batch] | None = None) -> StepResult:
+        """One optimizer step over this rank's micro-batches (the data stream's next ones when none are given).
+
+        Every target token (DPO: every pair) of the step weighs the same whichever micro-batch and rank it falls
+        in: the step's units are counted first, over all ranks. A step whose loss or gradient norm is not finite
+        is not applied (the first of a streak is replayed to name the layer where it began).
+        """
+        cfg, info, device = self.cfg, self.info, self.device
+        lr = lr_at(self.step, cfg.optim, cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if batches is None:
+            batches = [self.data.next_batch() for _ in range(self.accum)]
+        units = [self.objective.units(b) for b in batches]  # counted on the host: no device sync
+        batches = [b.to(device, non_blocking=True) for b in batches]
+        step_units = distributed.sum_across_ranks(sum(units), info)
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        with self._compiler_fallback():
+            sums, means, _ = self._micro_batches(self.train_model, batches, units, step_units, sync=True)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = distributed.local_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        # A NaN/inf loss or gradient skips the update (fp16: the scaler already skips inf gradients).
+        finite = step_is_finite(sums["loss"], None if self.scaler else grad_norm)
+        if finite:
+            self.nonfinite_in_row = 0
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        else:
+            if self.scaler:
+                self.scaler.update()
+            self._skipped(batches, units, step_units, rng, sums, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = sum(b.x.numel() for b in batches) * info.world_size  # every rank takes as many positions
+        self.step += 1
+        self.tokens += tokens
+        return StepResult(lr, step_units, len(batches) * info.world_size, tokens, grad_norm, finite, sums, means)
+
+    def _skipped(self, batches: list[Batch], units: list[int], step_units: int,
+                 rng: tuple[torch.Tensor, torch.Tensor | None], sums: dict[str, torch.Tensor],
+                 grad_norm: torch.Tensor) -> None:
+        """Count and report a non-finite step; at the first of a streak, name where its first NaN/inf arose."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_row += 1
+        self.nonfinite_total += 1
+        where = ""
+        if self.nonfinite_in_row == 1:
+            where = locate_nonfinite(self.model, lambda: self._replay(batches, units, step_units, rng))
+        loss_now = distributed.sum_across_ranks(sums["loss"], self.info).item() / max(step_units, 1)
+        self.metrics.write({"step": self.step + 1, "tokens": self.tokens, "event": "nonfinite", "loss": str(loss_now),
+                            "grad_norm": str(grad_norm.item()), "in_a_row": self.nonfinite_in_row,
+                            "total": self.nonfinite_total, **({"where": where} if where else {})})
+        self.say(f"step {self.step + 1:>6} | non-finite step (loss {loss_now}, grad norm {grad_norm.item()}): update "
+                 f"skipped, {self.nonfinite_in_row} in a row of at most {self.cfg.train.max_nonfinite_steps}"
+                 + (f" | {where}" if where else ""))
+        if where:
+            self.first_nonfinite = f"step {self.step + 1}, {where}"
+
+    def _replay(self, batches: list[Batch], units: list[int], step_units: int,
+                rng: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+        """The step's forward and backward passes again, with the RNG (dropout) as the step began; the run's own
+        RNG stream is left as it was. Runs on the model itself, not its DDP wrapper: no gradient all-reduce."""
+        device = self.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], device)
+            return self._micro_batches(self.model, batches, units, step_units, sync=False)[2]
+
+    # ------------------------------------------------------------------------------------------ evaluate, save
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation on each set's val split (eval_batches each); with several sets, per-set metrics as
+        `val_loss/<name>` and their (mixture: weighted) mean as `val_loss`, which picks the best checkpoint."""
+        if not self.val_sets:
+            return {}
+        tc = self.cfg.train
+        t0 = time.perf_counter()
+        self.model.eval()
+        per_set = {}
+        for name, val_data in self.val_sets:
+            batches = (b.to(self.device) for b in iter_eval_batches(val_data, tc.batch_size, tc.seq_len,
+                                                                    tc.eval_batches))
+            per_set[name] = self.objective.evaluate(self.model, batches, self.compute, self.token_bytes)
+        res = self.data.combine_eval(per_set)
+        self.model.train()
+        if not res:
+            return {}
+        res["eval_s"] = time.perf_counter() - t0
+        self.metrics.write({"step": self.step, "tokens": self.tokens, **res})
+
+        def shown(k: str) -> str:  # with several sets: the mean, then each set's value
+            per = ", ".join(f"{name} {res[f'{k}/{name}']:.4f}" for name, _ in self.val_sets if f"{k}/{name}" in res)
+            return f"{k.replace('_', ' ')} {res[k]:.4f}" + (f" ({per})" if per else "")
+        line = " | ".join(shown(k) for k in res if k != "eval_s" and "/" not in k)
+        self.say(f"step {self.step:>6} | {line} | eval {res['eval_s']:.1f}s")
+        return res
+
+    def save(self, is_best: bool = False) -> Path:
+        """A checkpoint of this step. Rank 0 writes (every rank holds the same weights and data position); the
+        others wait for it."""
+        path = self.run_dir / "checkpoints" / f"step-{self.step:08d}"
+        if not weights_are_finite(self.model):
+            raise UserError(f"step {self.step}: the weights hold NaN or inf values, so no checkpoint was written; "
+                            f"the previous checkpoints are untouched: resume from them with a lower optim.lr "
+                            f"(now {self.cfg.optim.lr:g})")
+        # Gathered on every rank (a collective under FSDP); rank 0 gets the full tensors.
+        weights = distributed.full_model_state(self.model) if distributed.is_sharded(self.model) else None
+        optim_state = distributed.full_optimizer_state(self.model, self.optimizer)
+        if self.info.is_main:
+            state = {"tokens": self.tokens, "loader": self.data.state_dict(), "rng": ckpt.rng_state(),
+                     "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+                     "elapsed_s": self.elapsed()}
+            path = ckpt.save_checkpoint(self.run_dir, self.step, self.model, optim_state, self.cfg, state,
+                                        tokenizer_dir=self.tok_dir, keep_last=self.cfg.train.keep_last,
+                                        is_best=is_best, adapter_base=self.adapter_base, weights=weights)
+        distributed.barrier(self.info)
+        return path
+
+    def elapsed(self) -> float:
+        """Seconds of training in this run so far, the runs it resumed included."""
+        return self.elapsed_before + time.perf_counter() - self.t_start
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def _stop_reason(self, flag: _StopFlag) -> str | None:
+        """Why the run stops before its next step, or None."""
+        tc = self.cfg.train
+        if self.step >= tc.max_steps:
+            return "max_steps"
+        for event in self.data.pop_events():  # a curriculum moved on during the last step
+            self.say(f"step {self.step:>6} | {event['message']}")
+            self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "data_set", **event})
+        if self.data.exhausted:
+            return "data_done"
+        if tc.max_tokens and self.tokens >= tc.max_tokens:
+            return "max_tokens"
+        if tc.max_minutes and self.elapsed() >= tc.max_minutes * 60:
+            return "max_minutes"
+        return "interrupted" if flag.stop else None
+
+    def _log(self, res: StepResult, window: tuple[float, int]) -> None:
+        """The step's line and metrics.jsonl record; window: (start time, tokens) of the log window."""
+        tc, info = self.cfg.train, self.info
+        logged = res.logged(info)
+        loss = logged.pop("loss")
+        self.losses[self.step] = loss
+        extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in logged.items())
+        loads = [layer.expert_load.tolist() for layer in moe_layers(self.model) if layer.expert_load is not None]
+        if loads:
+            logged["expert_load"] = loads
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        tok_s = window[1] / (time.perf_counter() - window[0])
+        mfu = tok_s * self.fpt / self.peak
+        remaining = (tc.max_steps - self.step) * self.tokens_per_step / tok_s
+        if tc.max_tokens:
+            remaining = min(remaining, max(0, tc.max_tokens - self.tokens) / tok_s)
+        if tc.max_minutes:
+            remaining = min(remaining, max(0.0, tc.max_minutes * 60 - self.elapsed()))
+        several = len(self.data.sets) > 1
+        # With several data sets: where the step's last micro-batch came from (DataStream.position).
+        where = {"data": self.data.position()} if several else {}
+        self.metrics.write({"step": self.step, "tokens": self.tokens, "loss": loss, **logged, "lr": res.lr,
+                            "grad_norm": res.grad_norm.item(), "tokens_per_s": tok_s, "mfu": mfu,
+                            "elapsed_s": self.elapsed(), **where})
+        shown_set = f" [{where['data']['set']} epoch {where['data']['epoch']}]" if several else ""
+        self.say(f"step {self.step:>6}/{tc.max_steps}{shown_set} | loss {loss:.4f}{extra} | lr {res.lr:.2e} | "
+                 f"grad {res.grad_norm.item():.3f} | {fmt_count(tok_s)} tok/s | MFU {mfu * 100:.1f}% | "
+                 f"ETA {fmt_duration(remaining)}")
+
+    def run(self) -> TrainResult:
+        """Train until a stop condition, then evaluate and save once more; returns where it stopped."""
+        tc = self.cfg.train
+        self.report()
+        self.losses: dict[int, float] = {}
+        last_saved: Path | None = None
+        evaluated_at, steps_done, stop_reason = -1, 0, "max_steps"
+        self.t_start = time.perf_counter()
+        window = (time.perf_counter(), 0)
+        self.say(f"setup took {self.t_start - self.t_setup:.1f}s; training from step {self.step}")
+        with _StopFlag() as flag:
+            while (reason := self._stop_reason(flag)) is None:
+                res = self.train_step()
+                steps_done += 1
+                window = (window[0], window[1] + res.tokens)
+                if self.nonfinite_in_row >= tc.max_nonfinite_steps:
+                    reason = "nonfinite"
+                    break
+                if self.step % tc.log_interval == 0 or self.step == tc.max_steps:
+                    self._log(res, window)
+                    window = (time.perf_counter(), 0)
+                is_best = False
+                if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.max_steps:
+                    val = self.evaluate()
+                    evaluated_at = self.step
+                    if val and val["val_loss"] < self.best_val:
+                        self.best_val, is_best = val["val_loss"], True
+                if is_best or (tc.save_interval and self.step % tc.save_interval == 0):
+                    last_saved = self.save(is_best=is_best)
+            stop_reason = reason
+
+        # Final evaluation and checkpoint, unless this exact step is already evaluated (a run stopped by
+        # max_tokens, max_minutes or Ctrl-C right after an evaluation) or saved.
+        if steps_done or not ckpt.step_dirs(self.run_dir):
+            val = self.evaluate() if evaluated_at != self.step else {}
+            is_best = bool(val) and val["val_loss"] < self.best_val
+            if is_best:
+                self.best_val = val["val_loss"]
+            if is_best or last_saved is None or last_saved.name != f"step-{self.step:08d}":
+                last_saved = self.save(is_best=is_best)
+        else:
+            last_saved = ckpt.step_dirs(self.run_dir)[-1]
+        self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "stop", "reason": stop_reason})
+        self.metrics.close()
+        distributed.teardown(self.info)
+        self.say(f"stopped at step {self.step} ({stop_reason}); {fmt_count(self.tokens)} tokens; checkpoint: "
+                 f"{last_saved}" + (f"; best val loss {self.best_val:.4f}" if math.isfinite(self.best_val) else ""))
+        if stop_reason == "nonfinite":
+            raise UserError(f"stopped: {self.nonfinite_in_row} steps in a row had a NaN/inf loss or gradient (first "
+                            f"at {self.first_nonfinite}); their updates were skipped, so {last_saved} holds finite "
+                            f"weights; lower optim.lr (now {self.cfg.optim.lr:g}) or raise optim.warmup_steps, check "
+                            f"the data near that step, or raise train.max_nonfinite_steps, then --resume")
+        return TrainResult(self.run_dir, self.step, self.tokens, last_saved, self.best_val, self.losses, stop_reason)
+
+
+def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:
+    """Run (or resume) training as configured. Returns where it stopped and what it saved."""
+    return Trainer(cfg, resume=resume, quiet=quiet).run()
