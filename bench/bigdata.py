@@ -64,18 +64,11 @@ from typing import Any
 
 import numpy as np
 
-from nanolm.data.loader import Loader, PackedData
+from nanolm.data.loader import Loader
 
 # prepare's own shard writer and split rule, so the generated set is in exactly its format.
-from nanolm.data.prepare import (
-    FORMAT_VERSION,
-    MANIFEST,
-    SPLITS,
-    _SplitWriter,
-    _write_splits,
-    token_dtype,
-    val_every,
-)
+from nanolm.data.prepare import val_every
+from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SPLITS, PackedData, SplitWriter, token_dtype, write_splits
 from nanolm.io import write_json_atomic
 from nanolm.progress import fmt_bytes
 from nanolm.tokenizer import EOT_ID
@@ -100,7 +93,7 @@ def write_token_set(out: Path, n_tokens: int, *, vocab_size: int = 6400, mean_do
     dtype = token_dtype(vocab_size)
     k = val_every(val_fraction)
     rng = np.random.default_rng(seed)
-    writers = {split: _SplitWriter(out, split, dtype, shard_tokens) for split in SPLITS}
+    writers = {split: SplitWriter(out, split, dtype, shard_tokens) for split in SPLITS}
     done = docs = 0
     while done < n_tokens:
         n = min(chunk, n_tokens - done)
@@ -112,7 +105,7 @@ def write_token_set(out: Path, n_tokens: int, *, vocab_size: int = 6400, mean_do
         lens[-1] = n - (int(ends[last - 1]) if last else 0)
         tokens[np.cumsum(lens) - 1] = EOT_ID
         is_val = (k > 0) & (np.arange(docs, docs + len(lens)) % max(k, 1) == 1)  # prepare's split rule
-        _write_splits(writers, is_val, tokens, lens, np.ones(len(lens), dtype=bool))
+        write_splits(writers, is_val, tokens, lens, np.ones(len(lens), dtype=bool))
         done += n
         docs += len(lens)
     splits = {split: w.finish() for split, w in writers.items()}

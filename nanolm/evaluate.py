@@ -29,8 +29,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from nanolm.data.loader import Batch, PackedData, iter_eval_batches
-from nanolm.data.prepare import MANIFEST
+from nanolm.data.loader import iter_eval_batches
+from nanolm.data.shards import MANIFEST, Batch, PackedData
 from nanolm.errors import UserError
 from nanolm.infer.generate import check_vocab
 from nanolm.progress import Progress, fmt_count

@@ -57,7 +57,7 @@ def write_masked_data(root: Path, splits: dict, fmt: str, split_extra: dict | No
     one uint32 shard per split, each conversation followed by an EOT with mask 0."""
     import numpy as np
 
-    from nanolm.data.prepare import FORMAT_VERSION
+    from nanolm.data.shards import FORMAT_VERSION
     root.mkdir(parents=True, exist_ok=True)
     entries = {}
     for split, convs in splits.items():

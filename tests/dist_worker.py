@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanolm.data.loader import Loader, PackedData
+from nanolm.data.loader import Loader
+from nanolm.data.shards import PackedData
 from nanolm.train import distributed
 
 

@@ -12,8 +12,9 @@ import torch
 
 import nanolm.data.prepare as prep
 from nanolm.data.formats import ReadStats, iter_conversations
-from nanolm.data.loader import Loader, PackedData, iter_eval_batches, pack_blocks
+from nanolm.data.loader import Loader, iter_eval_batches, pack_blocks
 from nanolm.data.prepare import fit_conversation, prepare
+from nanolm.data.shards import PackedData
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 

@@ -14,8 +14,9 @@ import torch
 
 from conftest import EN, ZH
 from nanolm.config import DataConfig, DataSetConfig
-from nanolm.data.loader import Loader, PackedData
+from nanolm.data.loader import Loader
 from nanolm.data.prepare import prepare
+from nanolm.data.shards import PackedData
 from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
 from nanolm.train.trainer import train

@@ -131,8 +131,9 @@ def test_fsdp_trains_as_one_saves_full_weights_and_resumes_across_sizes(data_dir
 
 @pytest.mark.slow
 def test_two_ranks_never_take_the_same_window_within_an_epoch(tokenizer_dir, tmp_path):
-    from nanolm.data.loader import Loader, PackedData
+    from nanolm.data.loader import Loader
     from nanolm.data.prepare import prepare
+    from nanolm.data.shards import PackedData
     # Counting text: no two windows hold the same tokens, so a repeat in the rows is a repeated window.
     corpus = tmp_path / "count.txt"
     corpus.write_text("\n\n".join(" ".join(f"{i:05d}" for i in range(d * 100, d * 100 + 100)) for d in range(40)))

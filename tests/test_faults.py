@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import nanolm.data.prepare as prep
+import nanolm.data.shards as shards_module
 from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
@@ -698,7 +699,7 @@ def test_full_disk_during_shard_and_manifest_writes_keeps_the_previous_data(tmp_
     make_corpus(tmp_path, n_docs=400, seed=6)
     monkeypatch.setattr(prep, "BATCH_PIECES", 50)
 
-    monkeypatch.setattr(prep, "open", _SmallDisk(int(total * 2**20) // 2), raising=False)
+    monkeypatch.setattr(shards_module, "open", _SmallDisk(int(total * 2**20) // 2), raising=False)
     with pytest.raises(UserError) as e:
         prepare([src], tokenizer_dir, out, workers=0, quiet=True, val_fraction=0.05, shard_tokens=20_000)
     msg = str(e.value)
@@ -707,7 +708,7 @@ def test_full_disk_during_shard_and_manifest_writes_keeps_the_previous_data(tmp_
     assert 0.6 * total <= mib(msg, "needed") <= 1.6 * total and mib(msg, "free") > 0
     assert snapshot(out) == good and hidden(out) == []
 
-    monkeypatch.delattr(prep, "open")
+    monkeypatch.delattr(shards_module, "open")
     real_json = prep.write_json_atomic
 
     def write_json_atomic(path, obj):

@@ -106,7 +106,8 @@ def chat_dir(tmp_path_factory, tokenizer_dir):
 def test_packed_block_loss_equals_per_conversation_loss(chat_dir, tokenizer_dir):
     """The loss of a packed chat batch equals the same conversations' losses computed one by one."""
     from nanolm.config import ModelConfig
-    from nanolm.data.loader import Loader, PackedData
+    from nanolm.data.loader import Loader
+    from nanolm.data.shards import PackedData
     from nanolm.model.transformer import Transformer
     from nanolm.tokenizer import Tokenizer
     from nanolm.train.objectives import lm_loss

@@ -43,8 +43,9 @@ from nanolm.data.formats import (
     iter_pieces,
     iter_preferences,
 )
-from nanolm.data.loader import Loader, PackedData, iter_eval_batches
-from nanolm.data.prepare import MANIFEST, prepare
+from nanolm.data.loader import Loader, iter_eval_batches
+from nanolm.data.prepare import prepare
+from nanolm.data.shards import MANIFEST, PackedData
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 

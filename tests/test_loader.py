@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from nanolm.data import loader as loader_module
-from nanolm.data.loader import Loader, PackedData, iter_eval_batches
-from nanolm.data.prepare import FORMAT_VERSION, prepare
+from nanolm.data import shards as shards_module
+from nanolm.data.loader import Loader, iter_eval_batches
+from nanolm.data.prepare import prepare
+from nanolm.data.shards import FORMAT_VERSION, PackedData
 from nanolm.errors import UserError
 
 FP = "ab" * 32
@@ -316,12 +318,12 @@ def test_gather_reads_windows_without_mapping_the_data_into_the_process(tmp_path
         return _rss_file_kib() - before
 
     assert read_all() < 2048  # pread: the pages stay in the page cache, out of the process
-    monkeypatch.delattr(loader_module.os, "pread")  # the fallback: fancy indexing into the memory map
+    monkeypatch.delattr(shards_module.os, "pread")  # the fallback: fancy indexing into the memory map
     assert read_all() > 8192
 
 
 def test_shard_files_open_at_most_max_open_shards_and_a_shrunk_one_is_a_user_error(data, monkeypatch):
-    monkeypatch.setattr(loader_module, "MAX_OPEN_SHARDS", 2)
+    monkeypatch.setattr(shards_module, "MAX_OPEN_SHARDS", 2)
     batches = list(iter_eval_batches(data, batch_size=5, seq_len=T))
     assert [starts(b.x) for b in batches] == [[0, 8, 16, 24, 32], [41, 49, 57, 65, 74], [82, 90]]
     assert all(torch.equal(b.y, b.x + 1) for b in batches)

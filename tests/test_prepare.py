@@ -14,7 +14,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import nanolm.data.formats as formats
 import nanolm.data.prepare as prep
-from nanolm.data.prepare import prepare, token_dtype, val_every
+import nanolm.data.shards as shards_module
+from nanolm.data.prepare import prepare, val_every
+from nanolm.data.shards import token_dtype
 from nanolm.errors import UserError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -132,7 +134,7 @@ def test_manifest_content(tmp_path, tok_path):
     out = tmp_path / "out"
     m = prepare([src], tok_path, out, val_fraction=0.5, workers=0, quiet=True, shard_tokens=1000)
     assert json.loads((out / "manifest.json").read_text()) == m
-    assert m["format"] == "nanolm-tokens" and m["version"] == prep.FORMAT_VERSION
+    assert m["format"] == "nanolm-tokens" and m["version"] == shards_module.FORMAT_VERSION
     tok = Tokenizer.load(tok_path)
     assert m["tokenizer"] == {"path": str(tok_path.resolve()), "fingerprint": tok.fingerprint,
                               "vocab_size": tok.vocab_size, "eot_id": 0}
@@ -223,7 +225,7 @@ def test_rerun_on_unchanged_inputs_is_a_no_op(tmp_path, tok_path, capsys):
 
 def _fail_on_second_append(monkeypatch):
     calls = {"n": 0}
-    real = prep._SplitWriter.append
+    real = shards_module.SplitWriter.append
 
     def append(self, *args):
         calls["n"] += 1
@@ -231,7 +233,7 @@ def _fail_on_second_append(monkeypatch):
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-way
         return real(self, *args)
 
-    monkeypatch.setattr(prep._SplitWriter, "append", append)
+    monkeypatch.setattr(shards_module.SplitWriter, "append", append)
     monkeypatch.setattr(prep, "BATCH_PIECES", 2)  # several batches, so the run stops part-way
 
 

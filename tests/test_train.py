@@ -252,7 +252,8 @@ ONE_STEP = {"train.seq_len": 16, "train.batch_size": 1, "train.grad_accum": 2, "
 def micro_batch_gradients(cfg, weights: list[torch.Tensor], n_batches: int, aux: bool = False):
     """For the first n_batches micro-batches of cfg's data stream, taken at `weights` (in param_groups order):
     (target tokens, gradient of the summed cross-entropy, its value, gradient of the MoE balance loss or None)."""
-    from nanolm.data.loader import Loader, PackedData
+    from nanolm.data.loader import Loader
+    from nanolm.data.shards import PackedData
     from nanolm.model.moe import collect_aux_loss
     from nanolm.model.transformer import Transformer
     from nanolm.train.objectives import lm_loss
@@ -327,7 +328,8 @@ def test_moe_balance_loss_stays_a_mean_per_micro_batch(tmp_path):
 def test_pretraining_steps_are_unchanged_bit_for_bit(data_dir, tmp_path):
     """Without a mask every micro-batch holds batch_size x seq_len targets, and the step is exactly what the mean
     of each micro-batch divided by the micro-batches per step gives: the same bits."""
-    from nanolm.data.loader import Loader, PackedData
+    from nanolm.data.loader import Loader
+    from nanolm.data.shards import PackedData
     from nanolm.model.transformer import Transformer
     from nanolm.train.objectives import lm_loss
     from nanolm.train.optim import param_groups
@@ -376,7 +378,8 @@ def test_a_step_called_alone_applies_the_exact_update(data_dir, tmp_path):
     """Trainer.train_step on micro-batches it is given: exactly the AdamW update, at the schedule's first
     learning rate, of the gradient of the batch they make (unmasked text: the mean per micro-batch over the
     micro-batches), nothing else; the step and token counts move on by one step."""
-    from nanolm.data.loader import Loader, PackedData
+    from nanolm.data.loader import Loader
+    from nanolm.data.shards import PackedData
     from nanolm.model.transformer import Transformer
     from nanolm.train.objectives import lm_loss
     from nanolm.train.optim import build_optimizer

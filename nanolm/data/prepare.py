@@ -1,21 +1,11 @@
 r"""Tokenize text files into the token shards training reads (`nanolm prepare`).
 
-Output, in `out_dir`:
-
-- `train-00000.bin`, `train-00001.bin`, ... and `val-00000.bin`, ...: flat
-  arrays of token ids, uint16 when the vocabulary fits (<= 65536 ids), else
-  uint32. Each document's tokens are followed by one `<|endoftext|>` (id 0).
-  A shard is closed at the first document end at or past `shard_tokens`
-  tokens, so no document spans two shards.
-- `<shard>.idx`: uint64 start offsets of the shard's documents into its .bin,
-  n_docs + 1 entries, the first 0 and the last the .bin's length.
-- `manifest.json`: what was made from what (tokenizer fingerprint, dtype,
-  shards with their token and document counts, the source files with size,
-  mtime and sha256, the options, skipped lines, throughput). It is written
-  last: a directory without it is not prepared data.
-- `<shard>.mask` (chat and preference data only): one uint8 per token of the
-  .bin, 1 where the token is a training target (see "Chat data" and
-  "Preference data" below), else 0.
+Output, in `out_dir`: the token shards and `manifest.json` of
+nanolm/data/shards.py (which owns the format and writes the shards), the
+manifest telling what was made from what: the source files with size, mtime
+and sha256, the options, skipped lines, throughput. Each document's tokens
+are followed by one `<|endoftext|>` (id 0); chat and preference data carry a
+loss mask (see "Chat data" and "Preference data" below).
 
 Train/validation split, by document: documents are numbered 0, 1, 2, ...
 across all sources in order, and with k = max(2, round(1 / val_fraction))
@@ -96,38 +86,25 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
+from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
+                                write_splits)
 from nanolm.errors import UserError
 from nanolm.io import fsync_dir, pid_alive, space_note, write_failure, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 FORMATS = ("text", "chat", "dpo")
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
-SPLITS = ("train", "val")
-# Files this module owns in out_dir; stale ones from an earlier run are removed.
-SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
 BATCH_PIECES = 4096  # ... or this many pieces, whichever comes first
 INFLIGHT_PER_WORKER = 2  # batches queued per worker: keeps workers busy, memory bounded
-
-
-def shard_name(split: str, index: int) -> str:
-    """File stem of a shard: train-00000."""
-    return f"{split}-{index:05d}"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits, else uint32."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def val_every(val_fraction: float) -> int:
@@ -437,108 +414,6 @@ def _pair_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator
     return records
 
 
-class _SplitWriter:
-    """Appends one split's tokens (and loss mask) to its shards, rolling to a new shard at a document end.
-
-    group: documents that stay in one shard (2 for preference data: a pair's two conversations);
-    every `append` gives whole groups.
-    """
-
-    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False,
-                 group: int = 1) -> None:
-        self.tmp_dir = tmp_dir
-        self.group = group
-        self.split = split
-        self.dtype = dtype
-        self.shard_tokens = shard_tokens
-        self.with_mask = with_mask
-        self.shards: list[dict[str, Any]] = []  # manifest entries of the closed shards
-        self._bin: BinaryIO | None = None
-        self._idx: BinaryIO | None = None
-        self._mask: BinaryIO | None = None
-        self._n = 0  # tokens in the open shard
-        self.written = 0  # bytes handed to the shard files so far
-        self._docs = 0  # complete documents in the open shard
-        self._trainable = 0  # mask ones in the open shard
-
-    def _files(self) -> list[BinaryIO]:
-        return [f for f in (self._bin, self._idx, self._mask) if f is not None]
-
-    def _open(self) -> None:
-        stem = shard_name(self.split, len(self.shards))
-        self._bin = open(self.tmp_dir / f"{stem}.bin", "wb")
-        self._idx = open(self.tmp_dir / f"{stem}.idx", "wb")
-        if self.with_mask:
-            self._mask = open(self.tmp_dir / f"{stem}.mask", "wb")
-        self.written += 8
-        self._idx.write(np.zeros(1, dtype=np.uint64).data)
-        self._n = self._docs = self._trainable = 0
-
-    def _close(self) -> None:
-        for f in self._files():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        stem = shard_name(self.split, len(self.shards))
-        entry: dict[str, Any] = {"bin": f"{stem}.bin", "idx": f"{stem}.idx"}
-        if self.with_mask:
-            entry["mask"] = f"{stem}.mask"
-        entry.update(n_tokens=self._n, n_docs=self._docs)
-        if self.with_mask:
-            entry["n_trainable"] = self._trainable
-        self.shards.append(entry)
-        self._bin = self._idx = self._mask = None
-
-    def _write(self, tokens: np.ndarray, doc_ends: np.ndarray, mask: np.ndarray | None) -> None:
-        """tokens of the open shard; doc_ends: end offsets, relative to tokens[0], of the documents they complete."""
-        assert self._bin is not None and self._idx is not None
-        self.written += tokens.nbytes + 8 * len(doc_ends) + (len(tokens) if self._mask is not None else 0)
-        self._bin.write(np.ascontiguousarray(tokens).data)
-        self._idx.write((doc_ends + self._n).astype(np.uint64).data)
-        if self._mask is not None:
-            assert mask is not None and len(mask) == len(tokens)
-            self._mask.write(np.ascontiguousarray(mask, dtype=np.uint8).data)
-            self._trainable += int(np.count_nonzero(mask))
-        self._n += len(tokens)
-        self._docs += len(doc_ends)
-
-    def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray,
-               mask: np.ndarray | None = None) -> None:
-        ends = np.cumsum(piece_lens)[piece_last]  # document ends, relative to tokens[0]
-        cuts = ends[self.group - 1::self.group]  # where a shard may end
-        start, j = 0, 0
-        while start < len(tokens):
-            if self._bin is None:
-                self._open()
-            # The first group end at which the open shard reaches shard_tokens.
-            i = int(np.searchsorted(cuts, start + self.shard_tokens - self._n, side="left"))
-            if i >= len(cuts):
-                self._write(tokens[start:], ends[j:] - start, None if mask is None else mask[start:])
-                return
-            stop, last = int(cuts[i]), (i + 1) * self.group
-            self._write(tokens[start:stop], ends[j:last] - start, None if mask is None else mask[start:stop])
-            self._close()
-            start, j = stop, last
-
-    def discard(self) -> None:
-        """Close the open shard's files after a failure (the temp directory is removed anyway)."""
-        for f in self._files():
-            try:
-                f.close()
-            except OSError:  # flushing the rest failed too (a full disk): the file is dropped anyway
-                pass
-        self._bin = self._idx = self._mask = None
-
-    def finish(self) -> dict[str, Any]:
-        if self._bin is not None:
-            self._close()
-        out = {"shards": self.shards, "n_tokens": sum(s["n_tokens"] for s in self.shards),
-               "n_docs": sum(s["n_docs"] for s in self.shards)}
-        if self.with_mask:
-            out["n_trainable"] = sum(s["n_trainable"] for s in self.shards)
-        return out
-
-
 def _sha256(path: Path, stop: threading.Event | None = None) -> str:
     """Hex sha256 of the file; "" if `stop` is set before it is done."""
     h = hashlib.sha256()
@@ -562,21 +437,6 @@ def _read_manifest(out_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _shards_intact(out_dir: Path, manifest: dict[str, Any]) -> bool:
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    for split in manifest["splits"].values():
-        for s in split["shards"]:
-            b, i = out_dir / s["bin"], out_dir / s["idx"]
-            if not (b.is_file() and i.is_file()):
-                return False
-            if b.stat().st_size != s["n_tokens"] * itemsize or i.stat().st_size != (s["n_docs"] + 1) * 8:
-                return False
-            if "mask" in s and not ((out_dir / s["mask"]).is_file()
-                                    and (out_dir / s["mask"]).stat().st_size == s["n_tokens"]):
-                return False
-    return True
-
-
 def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, options: dict[str, Any],
                 stats: list[dict[str, Any]]) -> bool:
     """Whether out_dir already holds exactly what this run would write."""
@@ -584,7 +444,7 @@ def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, opt
         same = (old is not None and old.get("version") == FORMAT_VERSION
                 and old["tokenizer"]["fingerprint"] == fingerprint and old["options"] == options
                 and [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in old["sources"]] == stats
-                and _shards_intact(out_dir, old))
+                and shards_intact(out_dir, old))
         # size and mtime can stay the same across an edit; the content hash cannot.
         return same and all(s["sha256"] == _sha256(Path(s["path"])) for s in old["sources"])  # type: ignore[index]
     except (AttributeError, KeyError, TypeError, ValueError, OSError):
@@ -668,16 +528,6 @@ def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _write_splits(writers: dict[str, _SplitWriter], is_val: np.ndarray, tokens: np.ndarray, lens: np.ndarray,
-                  lasts: np.ndarray, mask: np.ndarray | None = None) -> None:
-    for split, sel in (("train", ~is_val), ("val", is_val)):
-        if sel.all():
-            writers[split].append(tokens, lens, lasts, mask)
-        elif sel.any():
-            keep = np.repeat(sel, lens)
-            writers[split].append(tokens[keep], lens[sel], lasts[sel], None if mask is None else mask[keep])
-
-
 def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, format: str = "text",
             max_tokens: int = DEFAULT_MAX_TOKENS, val_fraction: float = 0.01, workers: int = 2,
             skip_bad: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False) -> dict[str, Any]:
@@ -742,17 +592,17 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     hasher, stop_hashing = ThreadPoolExecutor(1), threading.Event()
     stats = ReadStats()
     fitting = {"truncated": 0, "too_long": 0}
-    writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat or dpo, group=1 + dpo)
+    writers = {split: SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat or dpo, group=1 + dpo)
                for split in SPLITS}
 
     def consume_text(batch: _Batch, tokens: np.ndarray, lens: np.ndarray) -> None:
-        _write_splits(writers, np.array(batch.is_val, dtype=bool), tokens, lens, np.array(batch.lasts, dtype=bool))
+        write_splits(writers, np.array(batch.is_val, dtype=bool), tokens, lens, np.array(batch.lasts, dtype=bool))
         progress.update(batch.nbytes)
 
     def consume_chat(batch: _Batch, tokens: np.ndarray, mask: np.ndarray, lens: np.ndarray, truncated: int,
                      too_long: int) -> None:
         kept = lens > 0  # conversations skipped as too long have no tokens
-        _write_splits(writers, np.array(batch.is_val, dtype=bool)[kept], tokens, lens[kept],
+        write_splits(writers, np.array(batch.is_val, dtype=bool)[kept], tokens, lens[kept],
                       np.ones(int(kept.sum()), dtype=bool), mask)
         fitting["truncated"] += truncated
         fitting["too_long"] += too_long
@@ -762,7 +612,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                       too_long: int) -> None:
         kept = lens > 0  # both conversations of a pair skipped as too long have no tokens
         is_val = np.repeat(np.array(batch.is_val, dtype=bool), 2)[kept]
-        _write_splits(writers, is_val, tokens, lens[kept], np.ones(int(kept.sum()), dtype=bool), mask)
+        write_splits(writers, is_val, tokens, lens[kept], np.ones(int(kept.sum()), dtype=bool), mask)
         fitting["truncated"] += truncated
         fitting["too_long"] += too_long
         progress.update(batch.nbytes)

@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from nanolm.config import Config, DataConfig, DataSetConfig, default_set_name
-from nanolm.data.loader import Batch, Loader, PackedData
+from nanolm.data.loader import Loader
+from nanolm.data.shards import Batch, PackedData
 from nanolm.errors import UserError
 
 UNIT_NAMES = {"text": "windows", "chat": "blocks", "dpo": "pairs"}

@@ -39,7 +39,8 @@ import torch
 
 from nanolm import checkpoint as ckpt
 from nanolm.config import Config
-from nanolm.data.loader import Batch, iter_eval_batches
+from nanolm.data.loader import iter_eval_batches
+from nanolm.data.shards import Batch
 from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
 from nanolm.io import first_line, write_json_atomic

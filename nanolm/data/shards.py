@@ -1,0 +1,428 @@
+"""The on-disk format of prepared token data: the shard files, their manifest, writing and reading them.
+
+A prepared data directory (what `nanolm prepare` writes and training reads) holds:
+
+- `train-00000.bin`, `train-00001.bin`, ... and `val-00000.bin`, ...: flat
+  arrays of token ids, uint16 when the vocabulary fits (<= 65536 ids), else
+  uint32 (`token_dtype`). Each document's tokens are followed by one
+  `<|endoftext|>` (id 0). A shard is closed at the first document end at or
+  past `shard_tokens` tokens, so no document spans two shards.
+- `<shard>.idx`: uint64 start offsets of the shard's documents into its .bin,
+  n_docs + 1 entries, the first 0 and the last the .bin's length.
+- `<shard>.mask` (chat and preference data only): one uint8 per token of the
+  .bin, 1 where the token is a training target, else 0 (see
+  nanolm/data/chatml.py for which tokens those are).
+- `manifest.json`: the format version, the tokenizer's fingerprint and vocab
+  size, the dtype, and per split its shards with their token and document
+  counts; `nanolm prepare` adds what was made from what (sources, options,
+  skipped lines, throughput). It is written last: a directory without it is
+  not prepared data.
+
+`SplitWriter` writes one split's shards; `PackedData` maps one split's shards
+read-only, after checking the manifest and the files' sizes against it.
+Training reads text windows with `os.pread` from the shard files
+(`PackedData.gather`), not through the memory maps: pages touched through a
+map stay in the process's resident set (they are counted in its peak RSS, and
+a random read faults in the pages around it too), so reading a multi-GB shard
+at random through its map grows the RSS to the size of the data, while pread
+leaves them in the kernel's page cache only.
+
+A batch of the data is a `Batch`, whatever the data's kind.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from nanolm.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+# The name of every file a SplitWriter makes (shard_name + suffix): what `nanolm prepare` may replace.
+SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
+# Shard files PackedData keeps open for reading windows (the least recently read closes first).
+MAX_OPEN_SHARDS = 64
+
+
+def shard_name(split: str, index: int) -> str:
+    """File stem of a shard: train-00000."""
+    return f"{split}-{index:05d}"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@dataclass
+class Batch:
+    """One rank's micro-batch, for every kind of data (text, chat, preference pairs).
+
+    x: (B, T) int64 input ids. y: (B, T) int64 next-token targets, IGNORE_INDEX
+    (-1) where no loss is taken. pos: (B, T) int64 position of each token within
+    its conversation, seg: (B, T) int64 segment id of each token within its row
+    (a token attends only to earlier tokens of its own segment); both None for
+    text data, where every row is one causal sequence at positions 0..T-1.
+    pairs: True for preference data, whose rows come in pairs: row 2i is the
+    chosen conversation of pair i, row 2i + 1 its rejected one (pos and seg
+    None: one conversation per row, padded at the end).
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    pos: torch.Tensor | None = None
+    seg: torch.Tensor | None = None
+    pairs: bool = False
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(move(self.x), move(self.y), move(self.pos), move(self.seg), self.pairs)
+
+    def pin_memory(self) -> "Batch":
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.x), pin(self.y), pin(self.pos), pin(self.seg), self.pairs)
+
+
+class SplitWriter:
+    """Appends one split's tokens (and loss mask) to its shards, rolling to a new shard at a document end.
+
+    group: documents that stay in one shard (2 for preference data: a pair's two conversations);
+    every `append` gives whole groups.
+    """
+
+    def __init__(self, tmp_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, with_mask: bool = False,
+                 group: int = 1) -> None:
+        self.tmp_dir = tmp_dir
+        self.group = group
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.with_mask = with_mask
+        self.shards: list[dict[str, Any]] = []  # manifest entries of the closed shards
+        self._bin: BinaryIO | None = None
+        self._idx: BinaryIO | None = None
+        self._mask: BinaryIO | None = None
+        self._n = 0  # tokens in the open shard
+        self.written = 0  # bytes handed to the shard files so far
+        self._docs = 0  # complete documents in the open shard
+        self._trainable = 0  # mask ones in the open shard
+
+    def _files(self) -> list[BinaryIO]:
+        return [f for f in (self._bin, self._idx, self._mask) if f is not None]
+
+    def _open(self) -> None:
+        stem = shard_name(self.split, len(self.shards))
+        self._bin = open(self.tmp_dir / f"{stem}.bin", "wb")
+        self._idx = open(self.tmp_dir / f"{stem}.idx", "wb")
+        if self.with_mask:
+            self._mask = open(self.tmp_dir / f"{stem}.mask", "wb")
+        self.written += 8
+        self._idx.write(np.zeros(1, dtype=np.uint64).data)
+        self._n = self._docs = self._trainable = 0
+
+    def _close(self) -> None:
+        for f in self._files():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        stem = shard_name(self.split, len(self.shards))
+        entry: dict[str, Any] = {"bin": f"{stem}.bin", "idx": f"{stem}.idx"}
+        if self.with_mask:
+            entry["mask"] = f"{stem}.mask"
+        entry.update(n_tokens=self._n, n_docs=self._docs)
+        if self.with_mask:
+            entry["n_trainable"] = self._trainable
+        self.shards.append(entry)
+        self._bin = self._idx = self._mask = None
+
+    def _write(self, tokens: np.ndarray, doc_ends: np.ndarray, mask: np.ndarray | None) -> None:
+        """tokens of the open shard; doc_ends: end offsets, relative to tokens[0], of the documents they complete."""
+        assert self._bin is not None and self._idx is not None
+        self.written += tokens.nbytes + 8 * len(doc_ends) + (len(tokens) if self._mask is not None else 0)
+        self._bin.write(np.ascontiguousarray(tokens).data)
+        self._idx.write((doc_ends + self._n).astype(np.uint64).data)
+        if self._mask is not None:
+            assert mask is not None and len(mask) == len(tokens)
+            self._mask.write(np.ascontiguousarray(mask, dtype=np.uint8).data)
+            self._trainable += int(np.count_nonzero(mask))
+        self._n += len(tokens)
+        self._docs += len(doc_ends)
+
+    def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray,
+               mask: np.ndarray | None = None) -> None:
+        ends = np.cumsum(piece_lens)[piece_last]  # document ends, relative to tokens[0]
+        cuts = ends[self.group - 1::self.group]  # where a shard may end
+        start, j = 0, 0
+        while start < len(tokens):
+            if self._bin is None:
+                self._open()
+            # The first group end at which the open shard reaches shard_tokens.
+            i = int(np.searchsorted(cuts, start + self.shard_tokens - self._n, side="left"))
+            if i >= len(cuts):
+                self._write(tokens[start:], ends[j:] - start, None if mask is None else mask[start:])
+                return
+            stop, last = int(cuts[i]), (i + 1) * self.group
+            self._write(tokens[start:stop], ends[j:last] - start, None if mask is None else mask[start:stop])
+            self._close()
+            start, j = stop, last
+
+    def discard(self) -> None:
+        """Close the open shard's files after a failure (the temp directory is removed anyway)."""
+        for f in self._files():
+            try:
+                f.close()
+            except OSError:  # flushing the rest failed too (a full disk): the file is dropped anyway
+                pass
+        self._bin = self._idx = self._mask = None
+
+    def finish(self) -> dict[str, Any]:
+        if self._bin is not None:
+            self._close()
+        out = {"shards": self.shards, "n_tokens": sum(s["n_tokens"] for s in self.shards),
+               "n_docs": sum(s["n_docs"] for s in self.shards)}
+        if self.with_mask:
+            out["n_trainable"] = sum(s["n_trainable"] for s in self.shards)
+        return out
+
+
+def write_splits(writers: dict[str, SplitWriter], is_val: np.ndarray, tokens: np.ndarray, lens: np.ndarray,
+                 lasts: np.ndarray, mask: np.ndarray | None = None) -> None:
+    """Append pieces to the train or val writer by is_val (per piece): tokens and mask of the pieces in order,
+    lens their lengths, lasts whether each ends a document (the `SplitWriter.append` arguments)."""
+    for split, sel in (("train", ~is_val), ("val", is_val)):
+        if sel.all():
+            writers[split].append(tokens, lens, lasts, mask)
+        elif sel.any():
+            keep = np.repeat(sel, lens)
+            writers[split].append(tokens[keep], lens[sel], lasts[sel], None if mask is None else mask[keep])
+
+
+def shards_intact(out_dir: Path, manifest: dict[str, Any]) -> bool:
+    """Whether every shard file the manifest lists is in out_dir at the size the manifest gives it."""
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split in manifest["splits"].values():
+        for s in split["shards"]:
+            b, i = out_dir / s["bin"], out_dir / s["idx"]
+            if not (b.is_file() and i.is_file()):
+                return False
+            if b.stat().st_size != s["n_tokens"] * itemsize or i.stat().st_size != (s["n_docs"] + 1) * 8:
+                return False
+            if "mask" in s and not ((out_dir / s["mask"]).is_file()
+                                    and (out_dir / s["mask"]).stat().st_size == s["n_tokens"]):
+                return False
+    return True
+
+
+class _ShardFiles:
+    """Shard files opened for reading on first use, at most MAX_OPEN_SHARDS at a time.
+
+    Plain file descriptors read with os.pread (no file position), so a forked
+    process can share them; closed when this object is collected. One thread
+    at a time: another could find its descriptor closed to make room.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # shard -> fd, oldest first
+        weakref.finalize(self, _close_fds, self._fds)
+
+    def read_into(self, shard: int, offset: int, out: np.ndarray, nbytes: int) -> None:
+        """Fill `out` (contiguous, nbytes long) with the shard's bytes from `offset`."""
+        fd = self._fds.get(shard)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN_SHARDS:
+                os.close(self._fds.popitem(last=False)[1])
+            fd = self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+        else:
+            self._fds.move_to_end(shard)
+        view = memoryview(out).cast("B")
+        got = 0
+        while got < nbytes:  # pread may return less than asked (signals, network file systems)
+            chunk = os.pread(fd, nbytes - got, offset + got)
+            if not chunk:
+                raise UserError(f"{self.paths[shard]}: ends before byte {offset + nbytes}; it changed after "
+                                "it was opened, or the data is damaged: run `nanolm prepare` again")
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+
+
+def _close_fds(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+def _check_manifest(m: dict[str, Any], path: Path) -> None:
+    """UserError naming the first field of a manifest that is missing or of the wrong type (a damaged file)."""
+    def need(ok: bool, field: str, want: str) -> None:
+        if not ok:
+            raise UserError(f"{path}: {field} is missing or not {want}; the manifest is damaged, run `nanolm "
+                            "prepare` again")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    tok, splits = m.get("tokenizer"), m.get("splits")
+    need(isinstance(tok, dict) and count(tok.get("vocab_size")) and tok["vocab_size"] > 0, "tokenizer.vocab_size",
+         "a positive integer")
+    need(isinstance(tok.get("fingerprint"), str), "tokenizer.fingerprint", "a string")
+    need(m.get("dtype") in ("uint16", "uint32"), "dtype", "uint16 or uint32")
+    need(isinstance(m.get("options", {}), dict), "options", "an object")
+    need(isinstance(splits, dict) and set(splits) <= set(SPLITS), "splits", "an object of train and val")
+    for name, e in splits.items():
+        need(isinstance(e, dict) and count(e.get("n_docs")), f"splits.{name}.n_docs", "an integer >= 0")
+        need(isinstance(e.get("shards"), list), f"splits.{name}.shards", "a list")
+        for i, s in enumerate(e["shards"]):
+            where = f"splits.{name}.shards[{i}]"
+            need(isinstance(s, dict), where, "an object")
+            for key in ("n_tokens", "n_docs"):
+                need(count(s.get(key)), f"{where}.{key}", "an integer >= 0")
+            for key in ("bin", "idx", "mask"):  # file names beside the manifest; mask for chat and dpo data
+                v = s.get(key)
+                need((key == "mask" and v is None) or (isinstance(v, str) and v == Path(v).name and v[:1] != "."),
+                     f"{where}.{key}", "a file name")
+
+
+class PackedData:
+    """The shards of one split of a prepared data directory, memory-mapped read-only.
+
+    shards[i] is a 1-D memmap of token ids (`gather` reads text windows from the files instead, see the
+    module doc); offsets[i] the uint64 document starts;
+    masks[i] (chat and preference data, else None) the uint8 loss mask of shards[i].
+    kind: "text", "chat" or "dpo" (preference pairs), from the manifest's options.format.
+    """
+
+    def __init__(self, data_dir: Path, split: str = "train", *, tokenizer_fingerprint: str | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.split = split
+        manifest_path = self.data_dir / MANIFEST
+        if not self.data_dir.is_dir():
+            raise UserError(f"{self.data_dir}: no such data directory; run `nanolm prepare` to make it")
+        if not manifest_path.is_file():
+            raise UserError(f"{manifest_path}: not found, so {self.data_dir} holds no prepared data; "
+                            "run `nanolm prepare` to make it")
+        try:
+            m = json.loads(manifest_path.read_text(encoding="utf-8"))
+            version = m.get("version")
+        except (ValueError, AttributeError, RecursionError):
+            raise UserError(f"{manifest_path}: not a nanolm manifest; run `nanolm prepare` again") from None
+        if version != FORMAT_VERSION:
+            raise UserError(f"{manifest_path}: data format version {version!r}, this nanolm reads version "
+                            f"{FORMAT_VERSION}; run `nanolm prepare` again")
+        _check_manifest(m, manifest_path)
+        self.manifest: dict[str, Any] = m
+        self.vocab_size: int = int(m["tokenizer"]["vocab_size"])
+        self.dtype = np.dtype(m["dtype"])
+        self.kind: str = m.get("options", {}).get("format", "text")
+        if self.kind not in ("text", "chat", "dpo"):
+            raise UserError(f"{manifest_path}: unknown data format {self.kind!r} (this nanolm reads text, chat and "
+                            "dpo); run `nanolm prepare` again")
+        self.is_chat: bool = self.kind == "chat"
+        self.is_dpo: bool = self.kind == "dpo"
+        fingerprint = m["tokenizer"]["fingerprint"]
+        if tokenizer_fingerprint is not None and tokenizer_fingerprint != fingerprint:
+            raise UserError(f"{manifest_path}: data was tokenized with tokenizer {fingerprint[:16]} "
+                            f"({m['tokenizer'].get('path')}) but the tokenizer in use is {tokenizer_fingerprint[:16]}; "
+                            "use that tokenizer, or run `nanolm prepare` again with this one")
+        entry = m["splits"].get(split)
+        if not entry or not entry["shards"]:
+            have = [s for s, e in m["splits"].items() if e["shards"]]
+            raise UserError(f"{manifest_path}: no {split!r} split (the data has: {', '.join(have) or 'none'}); "
+                            "run `nanolm prepare` with more documents or --val-fraction > 0 for a val split")
+        self.shards: list[np.memmap] = []
+        self.offsets: list[np.memmap] = []
+        self.masks: list[np.memmap] | None = None if self.kind == "text" else []
+        for s in entry["shards"]:
+            n = int(s["n_tokens"])
+            self.shards.append(self._map(s["bin"], self.dtype, n))
+            self.offsets.append(self._map(s["idx"], np.dtype(np.uint64), int(s["n_docs"]) + 1))
+            if self.masks is not None:
+                if "mask" not in s:
+                    raise UserError(f"{manifest_path}: {self.kind} shard {s['bin']} lists no loss mask file; "
+                                    f"the data is damaged, run `nanolm prepare --format {self.kind}` again")
+                self.masks.append(self._map(s["mask"], np.dtype(np.uint8), n))
+            if self.is_dpo and int(s["n_docs"]) % 2:
+                raise UserError(f"{manifest_path}: preference shard {s['bin']} holds {s['n_docs']} conversations, "
+                                "not whole pairs; the data is damaged, run `nanolm prepare --format dpo` again")
+        self.n_tokens: int = sum(len(s) for s in self.shards)
+        self.n_docs: int = int(entry["n_docs"])  # for preference data: conversations, two per pair
+        self._files = _ShardFiles([self.data_dir / s["bin"] for s in entry["shards"]])
+
+    def _map(self, name: str, dtype: np.dtype, count: int) -> np.memmap:
+        path = self.data_dir / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != count * dtype.itemsize:
+            found = "it is missing" if size is None else f"found {size}"
+            raise UserError(f"{path}: expected {count * dtype.itemsize} bytes ({count} x {dtype.name}), {found}; "
+                            "the data is damaged, run `nanolm prepare` again")
+        if count == 0:  # numpy cannot map an empty file
+            return np.zeros(0, dtype=dtype)  # type: ignore[return-value]
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+    def n_windows(self, seq_len: int) -> np.ndarray:
+        """Windows of seq_len + 1 tokens per shard."""
+        return np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
+
+    def gather(self, windows: np.ndarray, seq_len: int) -> np.ndarray:
+        """Global window ids (B,) -> int64 tokens (B, seq_len + 1).
+
+        Each window is one `os.pread` from its shard's file into a (B, seq_len + 1)
+        buffer of the shard dtype, so no page of the data is mapped into the process
+        (see the module doc); where os.pread is missing (Windows), one fancy index
+        per shard into the memory maps.
+        """
+        counts = self.n_windows(seq_len)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        windows = np.asarray(windows, dtype=np.int64)
+        shard = np.searchsorted(starts, windows, side="right") - 1
+        local = windows - starts[shard]  # window index within its shard
+        if not hasattr(os, "pread"):
+            out = np.empty((len(windows), seq_len + 1), dtype=np.int64)
+            cols = np.arange(seq_len + 1)
+            for s in np.unique(shard):
+                rows = np.nonzero(shard == s)[0]
+                out[rows] = self.shards[s][local[rows, None] * seq_len + cols]  # (b, T+1)
+            return self.check_ids(out, shard)
+        buf = np.empty((len(windows), seq_len + 1), dtype=self.dtype)  # (B, T+1)
+        row_bytes = buf.shape[1] * self.dtype.itemsize
+        for i, (s, w) in enumerate(zip(shard.tolist(), local.tolist())):
+            self._files.read_into(s, w * seq_len * self.dtype.itemsize, buf[i], row_bytes)
+        return self.check_ids(buf.astype(np.int64), shard)
+
+    def check_ids(self, ids: np.ndarray, shard: np.ndarray | int) -> np.ndarray:
+        """ids (rows read from shard[row], or all from one shard), after checking that each is in the
+        vocabulary: a damaged shard would otherwise index past the embedding (on CUDA, a device-side assert)."""
+        if ids.size and ids.max() >= self.vocab_size:
+            row = np.argwhere(ids >= self.vocab_size)[0]
+            s = shard if isinstance(shard, int) else int(shard[row[0]])
+            name = self.manifest["splits"][self.split]["shards"][s]["bin"]
+            raise UserError(f"{self.data_dir / name}: holds token id {int(ids[tuple(row)])}, outside the vocabulary "
+                            f"of {self.vocab_size} tokens ({MANIFEST}); the data is damaged, run `nanolm prepare` "
+                            "again")
+        return ids
+
+    def documents(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, start, length) of every document in split order, int64 each; length without the EOT."""
+        shards, starts, lengths = [], [], []
+        for i, o in enumerate(self.offsets):
+            o = np.asarray(o, dtype=np.int64)
+            sizes = np.diff(o)  # each document holds at least its EOT
+            if len(o) == 0 or o[0] != 0 or o[-1] != len(self.shards[i]) or (sizes < 1).any():
+                name = self.manifest["splits"][self.split]["shards"][i]["idx"]
+                raise UserError(f"{self.data_dir / name}: document offsets do not run from 0 up to the shard's "
+                                f"{len(self.shards[i])} tokens; the data is damaged, run `nanolm prepare` again")
+            shards.append(np.full(len(sizes), i, dtype=np.int64))
+            starts.append(o[:-1])
+            lengths.append(sizes - 1)
+        return np.concatenate(shards), np.concatenate(starts), np.concatenate(lengths)
