@@ -84,9 +84,8 @@ import numpy as np
 import torch
 
 from nanolm.data.prepare import fit_conversation, fit_pair
-from nanolm.data.shards import Batch, PackedData
+from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
 from nanolm.errors import UserError
-from nanolm.train.objectives import IGNORE_INDEX
 
 # Conversations packed together (see pack_blocks); a larger chunk packs
 # tighter, a smaller one varies the blocks' make-up more between epochs.

@@ -27,7 +27,8 @@ a random read faults in the pages around it too), so reading a multi-GB shard
 at random through its map grows the RSS to the size of the data, while pread
 leaves them in the kernel's page cache only.
 
-A batch of the data is a `Batch`, whatever the data's kind.
+A batch of the data is a `Batch`, whatever the data's kind; a target equal to
+`IGNORE_INDEX` takes no loss.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ SPLITS = ("train", "val")
 SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
 # Shard files PackedData keeps open for reading windows (the least recently read closes first).
 MAX_OPEN_SHARDS = 64
+IGNORE_INDEX = -1  # a Batch target equal to this contributes no loss (a masked or padding position)
 
 
 def shard_name(split: str, index: int) -> str:

@@ -24,9 +24,9 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from nanolm.data.shards import Batch
+from nanolm.data.shards import IGNORE_INDEX, Batch
 from nanolm.model.moe import collect_aux_loss, moe_layers
-from nanolm.train.objectives import IGNORE_INDEX, distill_loss, dpo_loss, lm_loss, sequence_logps, step_share
+from nanolm.train.objectives import distill_loss, dpo_loss, lm_loss, sequence_logps, step_share
 
 Metrics = dict[str, torch.Tensor]
 
