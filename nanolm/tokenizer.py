@@ -1,4 +1,4 @@
-"""Train, save and load nanolm's byte-level BPE tokenizer, and render ChatML.
+"""Train, save and load nanolm's byte-level BPE tokenizer.
 
 The tokenizer is a HuggingFace `tokenizers` byte-level BPE (as in GPT-2 and
 MiniMind): no normalizer, the ByteLevel pre-tokenizer (GPT-2 split regex, no
@@ -9,12 +9,13 @@ Three special tokens have fixed ids that the rest of nanolm relies on:
 `<|endoftext|>` = 0 (ends every pretraining document; also padding),
 `<|im_start|>` = 1 and `<|im_end|>` = 2 (ChatML turn markers).
 `encode` maps these strings to their ids wherever they occur in the text, so a
-chat transcript rendered with `render_chat` encodes to the right control ids;
-the flip side is that user text containing them becomes control tokens too.
+chat transcript rendered in ChatML (nanolm/data/chatml.py) encodes to the right
+control ids; the flip side is that user text containing them becomes control
+tokens too.
 
 A trained tokenizer is a directory holding `tokenizer.json` (what `tokenizers`
 reads) and `tokenizer_config.json` (what `transformers.AutoTokenizer` also
-needs: the class, the special-token roles and the ChatML chat template). The
+needs: the class, the special-token roles and chatml.CHAT_TEMPLATE). The
 roles follow Qwen2-Instruct and MiniMind: eos is `<|im_end|>`, because a chat
 model ends its turn with it and `generate` should stop there; pad is
 `<|endoftext|>`; there is no bos (nothing is prepended in training) and no unk
@@ -44,15 +45,6 @@ EOT_ID = 0
 IM_START_ID = 1
 IM_END_ID = 2
 
-# One line with no newline between tags, so the output does not depend on the
-# trim_blocks/lstrip_blocks settings of whoever renders it (transformers sets both).
-CHAT_TEMPLATE: str = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 # Written into tokenizer_config.json. The tokenizer does not know the model's
 # context length; this is MiniMind's value, and an export may overwrite it with
 # the model's own.
@@ -78,6 +70,9 @@ def _canonical_json(obj: Any) -> str:
 
 def _tokenizer_config() -> dict[str, Any]:
     """tokenizer_config.json for transformers' PreTrainedTokenizerFast."""
+    # ChatML builds on this module's special tokens, so its template is imported here, when written.
+    from nanolm.data.chatml import CHAT_TEMPLATE
+
     added = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
@@ -110,15 +105,8 @@ def _save_files(data: dict[str, Any], out_dir: Path) -> Path:
     return out_dir / TOKENIZER_FILE
 
 
-def _check_messages(messages: Sequence[dict]) -> None:
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise UserError(f"chat message {i}: expected {{\"role\": str, \"content\": str}}, got {m!r:.80}; "
-                            "give every message a string role and a string content")
-
-
 class Tokenizer:
-    """A loaded nanolm tokenizer: encode/decode, special ids, chat rendering.
+    """A loaded nanolm tokenizer: encode/decode and the special ids.
 
     Build one with `Tokenizer.load` or `train_tokenizer`. `path` is the
     tokenizer.json file it was loaded from.
@@ -218,12 +206,6 @@ class Tokenizer:
             lengths.setflags(write=False)
             self._byte_lengths = lengths
         return self._byte_lengths
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """ChatML text of `messages`, exactly what CHAT_TEMPLATE renders."""
-        _check_messages(messages)
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return (text + "<|im_start|>assistant\n") if add_generation_prompt else text
 
     def compression(self, texts: Iterable[str]) -> float:
         """Characters per token over `texts` (higher means fewer tokens for the same text)."""

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from nanolm.config import ModelConfig
+from nanolm.data.chatml import render_chat
 from nanolm.infer.chat import ChatSession, run_chat
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.model.transformer import Transformer
@@ -31,7 +32,7 @@ def test_history_is_rendered_with_the_chat_template(tokenizer_dir):
     assert s.turns == [{"role": "user", "content": "你好"}, {"role": "assistant", "content": reply}]
     ids, dropped = s.prompt_ids("And then?")
     tok = s.tok
-    expected = tok.render_chat([{"role": "system", "content": "Be brief."}, *s.turns,
+    expected = render_chat([{"role": "system", "content": "Be brief."}, *s.turns,
                                 {"role": "user", "content": "And then?"}], add_generation_prompt=True)
     assert ids == tok.encode(expected) and dropped == 0
 

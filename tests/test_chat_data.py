@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import nanolm.data.prepare as prep
+from nanolm.data.chatml import render_chat
 from nanolm.data.formats import ReadStats, iter_conversations
 from nanolm.data.loader import Loader, iter_eval_batches, pack_blocks
 from nanolm.data.prepare import fit_conversation, prepare
@@ -164,7 +165,7 @@ def test_ids_are_the_rendered_conversation_and_mask_is_exactly_the_replies(tmp_p
     docs = read_docs(out, m)
     assert len(docs) == len(CONVS)
     for conv, (ids, mask) in zip(CONVS, docs):
-        assert ids.tolist() == tok.encode(tok.render_chat(conv)) + [tok.eot_id]
+        assert ids.tolist() == tok.encode(render_chat(conv)) + [tok.eot_id]
         # The runs of ones are exactly the replies with their <|im_end|>: every other token
         # (system and user turns, "<|im_start|>assistant\n", the "\n" after <|im_end|>, EOT) is 0.
         replies = [msg["content"] + END for msg in conv if msg["role"] == "assistant"]
@@ -185,7 +186,7 @@ def test_reply_token_that_starts_in_the_template_is_a_target(tmp_path):
     m = prepare([write_jsonl(tmp_path / "c.jsonl", [{"messages": conv}])], tmp_path / "tok", tmp_path / "out",
                 format="chat", val_fraction=0, workers=0, quiet=True)
     (ids, mask), = read_docs(tmp_path / "out", m)
-    assert ids.tolist() == tok.encode(tok.render_chat(conv)) + [0]
+    assert ids.tolist() == tok.encode(render_chat(conv)) + [0]
     texts = [tok.decode(ids[x:y]) for x, y in runs(mask)]
     assert texts[0] == "\n    return x\n" + END  # the reply's first token holds the template's "\n" too
     assert texts[1] in ("\n\n\nok" + END, "\n\n\n\nok" + END)
@@ -319,10 +320,10 @@ def test_prepare_counts_truncated_and_skipped_conversations(tmp_path, tok, token
         [u("话说天下大势，分久必合，合久必分。" * 4), a("x")],  # the prompt alone is too long: skipped
     ]
     kept = [s("sys"), u("last one"), a("the end")]
-    max_tokens = len(tok.encode(tok.render_chat(kept))) + 2
-    n_tokens = [len(tok.encode(tok.render_chat(c))) for c in convs]
+    max_tokens = len(tok.encode(render_chat(kept))) + 2
+    n_tokens = [len(tok.encode(render_chat(c))) for c in convs]
     assert n_tokens[0] <= max_tokens < min(n_tokens[1:])
-    assert len(tok.encode(tok.render_chat([s("sys"), *long_history[2:], *kept[1:]]))) > max_tokens
+    assert len(tok.encode(render_chat([s("sys"), *long_history[2:], *kept[1:]]))) > max_tokens
     src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
     out = tmp_path / "out"
     m = prepare([src], tokenizer_dir, out, format="chat", max_tokens=max_tokens, val_fraction=0, workers=0,
@@ -330,11 +331,11 @@ def test_prepare_counts_truncated_and_skipped_conversations(tmp_path, tok, token
     assert (m["chat"]["truncated"], m["chat"]["skipped_too_long"]) == (2, 1)
     docs = read_docs(out, m)
     assert len(docs) == 3 and all(len(ids) - 1 <= max_tokens for ids, _ in docs)
-    assert docs[0][0].tolist() == tok.encode(tok.render_chat(convs[0])) + [0]
-    assert docs[1][0].tolist() == tok.encode(tok.render_chat(kept)) + [0]
+    assert docs[0][0].tolist() == tok.encode(render_chat(convs[0])) + [0]
+    assert docs[1][0].tolist() == tok.encode(render_chat(kept)) + [0]
     ids, mask = docs[2]
     assert len(ids) == max_tokens + 1 and ids[-2] != tok.im_end_id and mask[-2] == 1
-    assert tok.decode(ids[:-1]).startswith(tok.render_chat([u("q")]) + "<|im_start|>assistant\n话说天下")
+    assert tok.decode(ids[:-1]).startswith(render_chat([u("q")]) + "<|im_start|>assistant\n话说天下")
 
 
 # --- packing ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 import nanolm.data.loader as loader_mod
 import nanolm.data.prepare as prep
 from nanolm.config import ModelConfig
+from nanolm.data.chatml import render_chat
 from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
 from nanolm.data.loader import Loader, iter_eval_batches
 from nanolm.data.preferences import build_idiom_preferences
@@ -168,7 +169,7 @@ def test_each_pair_is_two_documents_masked_on_the_final_reply_only(tmp_path, tok
     assert len(docs) == 2 * len(PAIRS)
     for i, (chosen, rejected) in enumerate(PAIRS):
         for conv, (ids, mask) in ((chosen, docs[2 * i]), (rejected, docs[2 * i + 1])):
-            assert ids.tolist() == tok.encode(tok.render_chat(conv)) + [tok.eot_id]
+            assert ids.tolist() == tok.encode(render_chat(conv)) + [tok.eot_id]
             # One run of ones: the final reply and its <|im_end|>; earlier replies (pair 2) are context.
             assert [tok.decode(ids[x:y]) for x, y in runs(mask)] == [conv[-1]["content"] + END]
             assert mask[-2:].tolist() == [0, 0]
@@ -196,7 +197,7 @@ def test_val_split_and_shards_keep_pairs_together(tmp_path, tok, tokenizer_dir, 
         assert [len(docs) for docs in shards] == [2] * len(want)  # one pair per shard, never split
         assert m["splits"][split]["n_pairs"] == len(want)
         for docs, i in zip(shards, want):
-            assert [tok.decode(ids[:-1]) for ids, _ in docs] == [tok.render_chat(conv) for conv in pairs[i]]
+            assert [tok.decode(ids[:-1]) for ids, _ in docs] == [render_chat(conv) for conv in pairs[i]]
     data = PackedData(out, "val")
     assert data.n_docs == 6 and len(data.shards) == 3
 
@@ -211,8 +212,8 @@ def test_prepare_truncates_both_conversations_alike_and_counts(tmp_path, tok, to
         ([u(long_reply), a("x")], [u(long_reply), a("y")]),  # the prompt alone is too long: skipped
     ]
     kept_prompt = [s("sys"), u("last one")]
-    max_tokens = len(tok.encode(tok.render_chat([*kept_prompt, a("the end")]))) + 2
-    assert len(tok.encode(tok.render_chat(pairs[0][0]))) <= max_tokens
+    max_tokens = len(tok.encode(render_chat([*kept_prompt, a("the end")]))) + 2
+    assert len(tok.encode(render_chat(pairs[0][0]))) <= max_tokens
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in pairs])
     m = prepare([src], tokenizer_dir, tmp_path / "out", format="dpo", max_tokens=max_tokens, val_fraction=0,
                 workers=0, quiet=True)
@@ -221,12 +222,12 @@ def test_prepare_truncates_both_conversations_alike_and_counts(tmp_path, tok, to
     assert len(docs) == 6 and all(len(ids) - 1 <= max_tokens for ids, _ in docs)
     # Pair 1: the rejected reply is long, so both drop all the history (the chosen one would have fit with
     # part of it) and keep one prompt; the long reply is cut at the end, without <|im_end|>.
-    assert docs[2][0].tolist() == tok.encode(tok.render_chat([*kept_prompt, a("the end")])) + [0]
+    assert docs[2][0].tolist() == tok.encode(render_chat([*kept_prompt, a("the end")])) + [0]
     ids, mask = docs[3]
-    prompt_text = tok.render_chat(kept_prompt, add_generation_prompt=True)
+    prompt_text = render_chat(kept_prompt, add_generation_prompt=True)
     assert tok.decode(ids[:-1]).startswith(prompt_text + "话说天下") and len(ids) == max_tokens + 1
     assert ids[-2] != tok.im_end_id and mask[-2] == 1
-    assert docs[5][0].tolist() == tok.encode(tok.render_chat(pairs[2][1])) + [0]
+    assert docs[5][0].tolist() == tok.encode(render_chat(pairs[2][1])) + [0]
     with pytest.raises(UserError, match=r"no preference pairs in .*p\.jsonl \(0 bad line\(s\) skipped, 4 with a "
                                         r"conversation longer than max_tokens=5\); check the files, or raise "
                                         r"--max-tokens"):

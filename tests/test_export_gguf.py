@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from nanolm.checkpoint import load_model, save_checkpoint
 from nanolm.config import Config, ModelConfig, TrainConfig
+from nanolm.data.chatml import CHAT_TEMPLATE, render_chat
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer, apply_rope, rope_tables
-from nanolm.tokenizer import CHAT_TEMPLATE, Tokenizer
-from nanolm.checkpoint import load_model, save_checkpoint
+from nanolm.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -238,7 +239,7 @@ def test_chat_template_renders_chatml(exported, tokenizer_dir):
     meta, _ = read(exported["q8_0"])
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}]
     rendered = jinja2.Template(meta["tokenizer.chat_template"]).render(messages=messages, add_generation_prompt=True)
-    assert rendered == Tokenizer.load(tokenizer_dir).render_chat(messages, add_generation_prompt=True)
+    assert rendered == render_chat(messages, add_generation_prompt=True)
     assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -376,7 +377,7 @@ def test_llama_cpp_logits_match_nanolm(dense_run, exported, tokenizer_dir, outty
     pytest.importorskip("llama_cpp")
     model, _ = load_model(dense_run)
     tok = Tokenizer.load(tokenizer_dir)
-    text = tok.render_chat(CHAT)
+    text = render_chat(CHAT)
     ids = tok.encode(text)
     with torch.no_grad():
         want = model(torch.tensor([ids]))[0].numpy()  # (T, V)
@@ -394,7 +395,7 @@ def test_llama_cpp_runs_moe_exports_like_nanolm(tmp_path, tokenizer_dir, shared,
     out = export_gguf(run, tmp_path / "moe.gguf", outtype="f32", quiet=True)
     model, _ = load_model(run)
     tok = Tokenizer.load(tokenizer_dir)
-    text = tok.render_chat(CHAT)
+    text = render_chat(CHAT)
     ids = tok.encode(text)
     with torch.no_grad():
         want = model(torch.tensor([ids]))[0].numpy()

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from nanolm import checkpoint as ckpt
 from nanolm.checkpoint import save_adapter
 from nanolm.config import Config, ModelConfig, TrainConfig, load_config
+from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
 from nanolm.export.hf import export_hf, from_hf, import_hf, to_hf
 from nanolm.infer.engine import Engine, SamplingParams
@@ -153,7 +154,7 @@ def test_transformers_chat_template_renders_what_nanolm_does(tmp_path, tokenizer
     for messages in conversations:
         for gen in (False, True):
             text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            assert text == ours.render_chat(messages, add_generation_prompt=gen)
+            assert text == render_chat(messages, add_generation_prompt=gen)
             assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert text.endswith("<|im_start|>assistant\n") and text.count("<|im_start|>") == 4
 

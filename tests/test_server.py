@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from nanolm.config import ModelConfig
+from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.model.transformer import Transformer
@@ -115,7 +116,7 @@ def base(engine, tok):
 
 
 def chat_ids(tok, text: str) -> list[int]:
-    return tok.encode(tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True))
+    return tok.encode(render_chat([{"role": "user", "content": text}], add_generation_prompt=True))
 
 
 def reference(engine, tok, ids, max_tokens, temperature=0.0, top_p=1.0, seed=None) -> tuple[str, str, int]:

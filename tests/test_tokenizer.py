@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanolm.data.chatml import CHAT_TEMPLATE, render_chat
 from nanolm.errors import UserError
-from nanolm.tokenizer import (CHAT_TEMPLATE, EOT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, Tokenizer,
+from nanolm.tokenizer import (EOT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, Tokenizer,
                               compression_report, train_tokenizer)
 
 EN = [
@@ -190,25 +191,25 @@ CHATS = [
 
 def test_render_chat_exact(tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}]
-    assert tok.render_chat(msgs) == "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-    assert tok.render_chat(msgs, add_generation_prompt=True).endswith("<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.encode(tok.render_chat(msgs))
+    assert render_chat(msgs) == "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert render_chat(msgs, add_generation_prompt=True).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(render_chat(msgs))
     assert ids.count(IM_START_ID) == 2 and ids.count(IM_END_ID) == 2 and ids[0] == IM_START_ID
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
 @pytest.mark.parametrize("messages", CHATS)
-def test_render_chat_matches_jinja_template(tok: Tokenizer, messages, add_generation_prompt: bool) -> None:
+def test_render_chat_matches_jinja_template(messages, add_generation_prompt: bool) -> None:
     jinja2 = pytest.importorskip("jinja2.sandbox")
     # The environment transformers' apply_chat_template uses.
     env = jinja2.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     want = env.from_string(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=add_generation_prompt)
-    assert tok.render_chat(messages, add_generation_prompt=add_generation_prompt) == want
+    assert render_chat(messages, add_generation_prompt=add_generation_prompt) == want
 
 
-def test_render_chat_rejects_bad_message(tok: Tokenizer) -> None:
+def test_render_chat_rejects_bad_message() -> None:
     with pytest.raises(UserError, match=r"chat message 1: expected .*role.*content"):
-        tok.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}])
+        render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}])
 
 
 def test_compression(tok: Tokenizer) -> None:
@@ -305,7 +306,7 @@ def test_transformers_loads_it(tok_dir, tok: Tokenizer) -> None:
         assert hf.decode(ids) == text
     for messages in CHATS[:-1]:
         for gen in (False, True):
-            want = tok.render_chat(messages, add_generation_prompt=gen)
+            want = render_chat(messages, add_generation_prompt=gen)
             got = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
             assert got == want
             got_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)

@@ -35,11 +35,12 @@ in any of the formats users have:
   blank line and the input when there is one) and one assistant reply. An
   empty "input" or "system" counts as absent.
 
-Roles are "system", "user" and "assistant"; other keys of a message are
-ignored. A conversation is an optional system message, then user and assistant
-turns alternating, starting with user and ending with assistant; every content
-is a non-empty string without the ChatML control strings (`<|im_start|>` ...),
-which would change the conversation's structure once rendered. A record that
+Roles are those of ChatML (nanolm.data.chatml.ROLES: "system", "user" and
+"assistant"); other keys of a message are ignored. A conversation is an
+optional system message, then user and assistant turns alternating, starting
+with user and ending with assistant; every content is a non-empty string
+without the ChatML control strings (`<|im_start|>` ...), which would change
+the conversation's structure once rendered. A record that
 breaks any of this is a bad line, reported or skipped as for text.
 Conversations are yielded as lists of `{"role", "content"}` dicts.
 
@@ -67,8 +68,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
 
+from nanolm.data.chatml import ROLES, control_in
 from nanolm.errors import UserError
-from nanolm.tokenizer import SPECIAL_TOKENS
 
 SUFFIXES = (".txt", ".jsonl")
 
@@ -167,9 +168,6 @@ def _text_of(obj: Any) -> str:
     return text
 
 
-ROLES = ("system", "user", "assistant")
-# Rendered into the text, these would open or close turns the data does not have.
-_CONTROL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 _CHAT_SHAPE = ('{"conversations": [{"role": ..., "content": ...}, ...]}, {"messages": [...]} '
                'or {"instruction": ..., "output": ...}')
 
@@ -184,9 +182,9 @@ def _check_content(where: str, content: Any) -> str:
     if m:
         raise _BadRecord(f"{where} holds an unpaired surrogate escape \\u{ord(m.group()):04x}, "
                          "which is not valid Unicode")
-    m = _CONTROL.search(content)
-    if m:
-        raise _BadRecord(f"{where} contains the control token {m.group()}, which would change the "
+    control = control_in(content)
+    if control:
+        raise _BadRecord(f"{where} contains the control token {control}, which would change the "
                          "conversation's turns")
     return content
 
@@ -250,7 +248,7 @@ def _check_turns(key: str, turns: list[tuple[str, Any]]) -> list[dict[str, str]]
         if "role" not in m:
             raise _BadRecord(f'{where} has no "role"; use one of {", ".join(ROLES)}')
         role = m["role"]
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             shown = _shown(role, quote=True) if isinstance(role, str) else _json_type(role)
             raise _BadRecord(f"{where} has unknown role {shown}; allowed roles: {', '.join(ROLES)}")
         if "content" not in m:

@@ -21,9 +21,9 @@ most a few batches in flight per worker, so memory stays flat however large
 the input. The bytes written do not depend on the number of workers.
 
 Chat data (`format="chat"`): each conversation (read by `iter_conversations`
-of nanolm.data.formats) is rendered with the tokenizer's ChatML template
-(`Tokenizer.render_chat`, the template in tokenizer_config.json) and becomes
-one document: exactly the ids of `tok.encode(tok.render_chat(messages))`, then
+of nanolm.data.formats) is rendered in ChatML (`nanolm.data.chatml.render_chat`,
+the template in tokenizer_config.json) and becomes one document: exactly the
+ids of `tok.encode(render_chat(messages))`, then
 `<|endoftext|>`. They are computed by encoding each `role\ncontent` on its own:
 the tokenizer splits its input at the control tokens before anything else, so
 the pieces between them tokenize the same alone as in the whole text. The mask

@@ -179,7 +179,8 @@ def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
     tokenizer's) become "[PAD<id>]" tokens of type UNUSED, as llama.cpp's
     converter writes them.
     """
-    from nanolm.tokenizer import CHAT_TEMPLATE, CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+    from nanolm.data.chatml import CHAT_TEMPLATE
+    from nanolm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
     if not (ckpt_dir / TOKENIZER_FILE).is_file():
         raise UserError(f"{ckpt_dir}: the checkpoint has no {TOKENIZER_FILE}, and GGUF carries the tokenizer; "

@@ -1,7 +1,7 @@
 """Multi-turn chat over the generation engine: history, context window, terminal loop.
 
-`ChatSession` holds the conversation and renders it with the tokenizer's
-ChatML template; when the history no longer fits the model's context (with
+`ChatSession` holds the conversation and renders it in ChatML
+(nanolm/data/chatml.py); when the history no longer fits the model's context (with
 room left for the reply), the oldest user/assistant exchanges are dropped, and
 the session says how many. `run_chat` is the terminal front end: interactive
 on a TTY, or scripted (one user turn per line of stdin).
@@ -13,6 +13,7 @@ import itertools
 import sys
 from typing import Iterator, TextIO
 
+from nanolm.data.chatml import render_chat
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.errors import UserError
 from nanolm.infer.generate import check_text, stream_text
@@ -50,7 +51,7 @@ class ChatSession:
         turns = self.turns + [{"role": "user", "content": user_text}]
         dropped = 0
         while True:
-            ids = self.tok.encode(self.tok.render_chat(self._messages(turns), add_generation_prompt=True))
+            ids = self.tok.encode(render_chat(self._messages(turns), add_generation_prompt=True))
             if len(ids) <= limit or len(turns) == 1:
                 break
             turns = turns[2:]  # the oldest user/assistant exchange

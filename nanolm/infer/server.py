@@ -42,6 +42,7 @@ from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
+from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.infer.generate import StreamDecoder, check_vocab
@@ -55,7 +56,6 @@ DISCONNECT_POLL_S = 0.25
 # A completion without max_tokens stops after this many tokens, as OpenAI's /v1/completions does;
 # a chat reply without it may run to the end of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Every stop string is looked for after every token; OpenAI takes up to 4, so 16 leaves room and keeps
 # that check from multiplying the worker's time per token (20 000 stop strings made it 50x slower).
 MAX_STOPS = 16
@@ -320,8 +320,8 @@ def _schemas() -> Any:
         @field_validator("role")
         @classmethod
         def _known_role(cls, v: str) -> str:
-            if v not in ROLES:
-                raise ValueError(f"unknown role {v!r}; use one of {', '.join(ROLES)}")
+            if v not in ROLE_NAMES:
+                raise ValueError(f"unknown role {v!r}; use one of {', '.join(ROLE_NAMES)}")
             return v
 
         @field_validator("content")
@@ -606,8 +606,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, chat_model)
-        messages = [{"role": ROLES[m.role], "content": m.content} for m in req.messages]
-        prompt_ids = encode_prompt(tokenizer.render_chat(messages, add_generation_prompt=True), req)
+        messages = [{"role": ROLE_NAMES[m.role], "content": m.content} for m in req.messages]
+        prompt_ids = encode_prompt(render_chat(messages, add_generation_prompt=True), req)
         sizes = _Sizes(len(prompt_ids))
         job = start(prompt_ids, req, req.max_completion_tokens or req.max_tokens)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
