@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import nanolm.data.prepare as prep
-from nanolm.data.chatml import render_chat
+from nanolm.data import chatml
+from nanolm.data.chatml import fit_conversation, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations
 from nanolm.data.loader import Loader, iter_eval_batches, pack_blocks
-from nanolm.data.prepare import fit_conversation, prepare
+from nanolm.data.prepare import prepare
 from nanolm.data.shards import PackedData
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
@@ -197,11 +198,11 @@ def test_render_with_mask_exact_values():
     # byte lengths: 20 "user", 22 "assistant", 3 "\n" -> the reply starts after 4+1 and 9+1 bytes.
     byte_lengths = [0, 0, 0, 1] + [0] * 16 + [4, 2, 9, 1, 1]
     msgs = [("user", "hi"), ("assistant", "yo")]
-    ids, mask = prep.render_with_mask(msgs, [[20, 3, 21], [22, 3, 23, 24]], [3], byte_lengths)
+    ids, mask = chatml.render_with_mask(msgs, [[20, 3, 21], [22, 3, 23, 24]], [3], byte_lengths)
     assert ids == [1, 20, 3, 21, 2, 3, 1, 22, 3, 23, 24, 2, 3]
     assert mask == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
     # A token (25 = "\n  ", 3 bytes) that runs from the scaffolding into the reply is part of the reply.
-    ids, mask = prep.render_with_mask([("assistant", "  x")], [[22, 25, 23]], [3], byte_lengths + [3])
+    ids, mask = chatml.render_with_mask([("assistant", "  x")], [[22, 25, 23]], [3], byte_lengths + [3])
     assert mask == [0, 0, 1, 1, 1, 0]
 
 

@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 from nanolm.errors import UserError
 from nanolm.tokenizer import IM_END_ID, IM_START_ID, SPECIAL_TOKENS
@@ -125,3 +127,107 @@ def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
             raise UserError(f"chat message {i}: expected {{\"role\": str, \"content\": str}}, got {m!r:.80}; "
                             "give every message a string role and a string content")
     return conversation_text([(m["role"], m["content"]) for m in messages], add_generation_prompt)
+
+
+# --- ids and loss mask ---------------------------------------------------------------------------
+
+
+def render_with_mask(messages: Sequence[tuple[str, str]], segment_ids: Sequence[Sequence[int]],
+                     newline_ids: Sequence[int], byte_lengths: Sequence[int], *,
+                     final_only: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a conversation, from the ids of each message's `segment_text`.
+
+    messages: (role, content) pairs of known roles; segment_ids[i]: the ids of segment_text of message i;
+    newline_ids: the ids of TURN_SEP; byte_lengths[id]: UTF-8 bytes of each token. final_only: the mask on
+    the last message only (preference data). Gives (ids, mask) of equal length, ids equal to
+    encode(conversation_text(messages)) (see module doc).
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, ((role, _), seg) in enumerate(zip(messages, segment_ids)):
+        ids.append(IM_START_ID)
+        ids.extend(seg)
+        ids.append(IM_END_ID)
+        ids.extend(newline_ids)
+        if ROLES[role].trains and (not final_only or i == len(messages) - 1):
+            # The content starts at the first token that reaches past the bytes of "{role}\n".
+            prefix, acc, k = len(segment_text(role, "").encode("utf-8")), 0, 0
+            while k < len(seg) and acc + byte_lengths[seg[k]] <= prefix:
+                acc += byte_lengths[seg[k]]
+                k += 1
+            mask.extend([0] * (1 + k))
+            mask.extend([1] * (len(seg) - k + 1))  # content and <|im_end|>
+            mask.extend([0] * len(newline_ids))
+        else:
+            mask.extend([0] * (len(seg) + 2 + len(newline_ids)))
+    return ids, mask
+
+
+def check_piecewise(messages: Sequence[tuple[str, str]], ids: list[int], encode: Callable[[str], list[int]],
+                    tokenizer_file: str) -> None:
+    """UserError unless `ids` (render_with_mask of messages) are encode(conversation_text(messages)).
+
+    Holds for any tokenizer that splits at its special tokens; `nanolm prepare` checks it once per batch.
+    """
+    if ids != encode(conversation_text(messages)):
+        raise UserError(f"{tokenizer_file}: encoding a conversation piece by piece does not give the ids of "
+                        "the whole rendered conversation, so its loss mask cannot be placed; use a tokenizer "
+                        "made by `nanolm tokenizer train` (its control tokens are special tokens)")
+
+
+# --- truncation ----------------------------------------------------------------------------------
+
+
+def fit_conversation(ids: np.ndarray, mask: np.ndarray,
+                     max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A rendered conversation (no trailing EOT) cut to at most max_tokens tokens by the truncation
+    policy of the module doc, or None when no target would be left. Returned as is when it fits.
+
+    Message boundaries are found at the <|im_start|> tokens (no content may hold one), and a
+    conversation with an odd number of messages is the one that starts with a system message.
+    """
+    if len(ids) <= max_tokens:
+        return ids, mask
+    return _cut(ids, mask, _first_kept(ids, max_tokens), max_tokens)
+
+
+def fit_pair(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray],
+             max_tokens: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
+    """The two rendered conversations of a preference pair, (ids, mask) each with no trailing EOT, cut
+    to at most max_tokens tokens each by the truncation policy of `fit_conversation`, dropping the same
+    old turns from both so that they still share their prompt; None when either would keep no target.
+    Returned as is when both fit.
+    """
+    if len(chosen[0]) <= max_tokens and len(rejected[0]) <= max_tokens:
+        return chosen, rejected
+    first = max(_first_kept(chosen[0], max_tokens), _first_kept(rejected[0], max_tokens))
+    c, r = _cut(*chosen, first, max_tokens), _cut(*rejected, first, max_tokens)
+    return None if c is None or r is None else (c, r)
+
+
+def _message_starts(ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Where each message starts, and the length of the system message (0 when there is none)."""
+    starts = np.flatnonzero(ids == IM_START_ID)
+    return starts, int(starts[1]) if len(starts) % 2 else 0
+
+
+def _first_kept(ids: np.ndarray, max_tokens: int) -> int:
+    """The index of the oldest message (a user turn) kept when the system message and the messages from
+    it on fit in max_tokens; that of the last user turn when even the last pair alone does not fit."""
+    starts, head = _message_starts(ids)
+    n, n_msgs = len(ids), len(starts)
+    for first in range(n_msgs % 2, n_msgs, 2):
+        if head + n - int(starts[first]) <= max_tokens:
+            return first
+    return n_msgs - 2
+
+
+def _cut(ids: np.ndarray, mask: np.ndarray, first: int,
+         max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The system message and the messages from `first` on, cut at the end to max_tokens tokens;
+    None when no target is left."""
+    starts, head = _message_starts(ids)
+    keep = np.r_[0:head, int(starts[first]):len(ids)][:max_tokens]
+    if not mask[keep].any():
+        return None
+    return ids[keep], mask[keep]

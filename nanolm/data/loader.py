@@ -30,8 +30,8 @@ reads of data larger than the page cache local. Windows are read with
 Chat data (prepared with `format="chat"`). The unit is a block of seq_len + 1
 tokens holding whole conversations (each without its trailing end-of-text
 token), padded at the end with id 0. A conversation longer than the block is
-cut by `fit_conversation`, the truncation policy of `nanolm prepare` (one
-that cannot be cut to fit is left out; the loader says how many). Epoch e
+cut by `fit_conversation`, ChatML's truncation policy, as `nanolm prepare`
+cuts it (one that cannot be cut to fit is left out; the loader says how many). Epoch e
 shuffles the conversations with `np.random.default_rng([seed, e])`, packs them
 into blocks with `pack_blocks` (over consecutive chunks of `PACK_CHUNK`
 conversations), then shuffles the blocks with the same generator. So each
@@ -83,7 +83,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from nanolm.data.prepare import fit_conversation, fit_pair
+from nanolm.data.chatml import fit_conversation, fit_pair
 from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
 from nanolm.errors import UserError
 

@@ -21,39 +21,21 @@ most a few batches in flight per worker, so memory stays flat however large
 the input. The bytes written do not depend on the number of workers.
 
 Chat data (`format="chat"`): each conversation (read by `iter_conversations`
-of nanolm.data.formats) is rendered in ChatML (`nanolm.data.chatml.render_chat`,
-the template in tokenizer_config.json) and becomes one document: exactly the
-ids of `tok.encode(render_chat(messages))`, then
-`<|endoftext|>`. They are computed by encoding each `role\ncontent` on its own:
-the tokenizer splits its input at the control tokens before anything else, so
-the pieces between them tokenize the same alone as in the whole text. The mask
-is 1 on each assistant reply's content tokens and its closing `<|im_end|>`, 0
-on system and user turns, on the template's scaffolding (`<|im_start|>`,
-`assistant\n`, the `\n` after `<|im_end|>`) and on the `<|endoftext|>`. When a
-reply starts with two or more whitespace characters, its first token joins the
-`\n` of `assistant\n` with that whitespace; the token carries reply text, so it
-is a target.
-
-Truncation (`fit_conversation`, which the loader applies too): a conversation
-longer than `max_tokens` tokens (`<|endoftext|>` not counted) keeps its system
-message and drops its oldest user/assistant pairs until it fits. If the last
-pair alone does not fit, the final reply is cut at the end to fit: a reply cut
-inside its content keeps no `<|im_end|>`, so the model is never taught to end a
-turn where the text did not (one that loses only its last `\n` keeps it, being
-whole). A conversation whose system message, last user turn and first reply
-token do not fit (no target would be left) is skipped. Both are counted in the
-manifest.
+of nanolm.data.formats) becomes one document: its ChatML ids and loss mask
+(`nanolm.data.chatml.render_with_mask`: exactly the ids of
+`tok.encode(render_chat(messages))`, the mask on the assistant replies), then
+`<|endoftext|>` (mask 0). A conversation longer than `max_tokens` tokens is
+cut by ChatML's truncation policy (`fit_conversation`), or skipped when no
+target would be left; both are counted in the manifest.
 
 Preference data (`format="dpo"`): each pair (read by `iter_preferences`)
 becomes two adjacent documents, its chosen conversation then its rejected
-one, rendered as chat data is, but with the mask 1 only on the final reply and
-its `<|im_end|>`: the earlier turns, assistant replies included, are the
-prompt that both continue, and DPO compares the log-probabilities of the two
-final replies. The split is by pair (pair i goes to val when i % k == 1), a
-shard ends only after a pair's second conversation, and `max_tokens` applies to
-each conversation, both cut by `fit_pair`: the same old turns are dropped from
-both (so they keep one prompt) and each final reply is cut at the end if need
-be; a pair is skipped when either would keep no target. The manifest gives
+one, rendered as chat data is, but with the mask on the final reply only
+(DPO compares the log-probabilities of the two final replies). The split is
+by pair (pair i goes to val when i % k == 1), a shard ends only after a
+pair's second conversation, and `max_tokens` applies to each conversation,
+both cut by `fit_pair` (the same old turns dropped from both); a pair is
+skipped when either would keep no target. The manifest gives
 `options.format = "dpo"` and a "dpo" section with the number of pairs.
 
 Everything, manifest included, is written into a temporary directory inside
@@ -91,13 +73,15 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from nanolm.data.chatml import (TURN_SEP, check_piecewise, fit_conversation, fit_pair, render_with_mask,
+                                segment_text)
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
 from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
                                 write_splits)
 from nanolm.errors import UserError
 from nanolm.io import fsync_dir, pid_alive, space_note, write_failure, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
-from nanolm.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, Tokenizer
+from nanolm.tokenizer import EOT_ID, Tokenizer
 
 FORMATS = ("text", "chat", "dpo")
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
@@ -159,90 +143,6 @@ def _encode(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in encode(texts, add_special_tokens=False)]
 
 
-def render_with_mask(messages: Sequence[tuple[str, str]], segment_ids: Sequence[Sequence[int]],
-                     newline_ids: Sequence[int], byte_lengths: Sequence[int]) -> tuple[list[int], list[int]]:
-    r"""Token ids and loss mask of a ChatML conversation, from the ids of each message's `role\ncontent`.
-
-    messages: (role, content) pairs; segment_ids[i]: the ids of f"{role}\n{content}" of message i;
-    newline_ids: the ids of "\n"; byte_lengths[id]: UTF-8 bytes of each token. Gives
-    (ids, mask) of equal length, ids equal to encode(render_chat(messages)) (see module doc).
-    """
-    ids: list[int] = []
-    mask: list[int] = []
-    for (role, _), seg in zip(messages, segment_ids):
-        ids.append(IM_START_ID)
-        ids.extend(seg)
-        ids.append(IM_END_ID)
-        ids.extend(newline_ids)
-        if role == "assistant":
-            # The reply starts at the first token that reaches past the bytes of "assistant\n".
-            prefix, acc, k = len(role) + 1, 0, 0
-            while k < len(seg) and acc + byte_lengths[seg[k]] <= prefix:
-                acc += byte_lengths[seg[k]]
-                k += 1
-            mask.extend([0] * (1 + k))
-            mask.extend([1] * (len(seg) - k + 1))  # content and <|im_end|>
-            mask.extend([0] * len(newline_ids))
-        else:
-            mask.extend([0] * (len(seg) + 2 + len(newline_ids)))
-    return ids, mask
-
-
-def fit_conversation(ids: np.ndarray, mask: np.ndarray,
-                     max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """A rendered conversation (no trailing EOT) cut to at most max_tokens tokens by the truncation
-    policy of the module doc, or None when no target would be left. Returned as is when it fits.
-
-    Message boundaries are found at the <|im_start|> tokens (no content may hold one), and a
-    conversation with an odd number of messages is the one that starts with a system message.
-    """
-    if len(ids) <= max_tokens:
-        return ids, mask
-    return _cut(ids, mask, _first_kept(ids, max_tokens), max_tokens)
-
-
-def fit_pair(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray],
-             max_tokens: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
-    """The two rendered conversations of a preference pair, (ids, mask) each with no trailing EOT, cut
-    to at most max_tokens tokens each by the truncation policy of `fit_conversation`, dropping the same
-    old turns from both so that they still share their prompt; None when either would keep no target.
-    Returned as is when both fit.
-    """
-    if len(chosen[0]) <= max_tokens and len(rejected[0]) <= max_tokens:
-        return chosen, rejected
-    first = max(_first_kept(chosen[0], max_tokens), _first_kept(rejected[0], max_tokens))
-    c, r = _cut(*chosen, first, max_tokens), _cut(*rejected, first, max_tokens)
-    return None if c is None or r is None else (c, r)
-
-
-def _message_starts(ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """Where each message starts, and the length of the system message (0 when there is none)."""
-    starts = np.flatnonzero(ids == IM_START_ID)
-    return starts, int(starts[1]) if len(starts) % 2 else 0
-
-
-def _first_kept(ids: np.ndarray, max_tokens: int) -> int:
-    """The index of the oldest message (a user turn) kept when the system message and the messages from
-    it on fit in max_tokens; that of the last user turn when even the last pair alone does not fit."""
-    starts, head = _message_starts(ids)
-    n, n_msgs = len(ids), len(starts)
-    for first in range(n_msgs % 2, n_msgs, 2):
-        if head + n - int(starts[first]) <= max_tokens:
-            return first
-    return n_msgs - 2
-
-
-def _cut(ids: np.ndarray, mask: np.ndarray, first: int,
-         max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The system message and the messages from `first` on, cut at the end to max_tokens tokens;
-    None when no target is left."""
-    starts, head = _message_starts(ids)
-    keep = np.r_[0:head, int(starts[first]):len(ids)][:max_tokens]
-    if not mask[keep].any():
-        return None
-    return ids[keep], mask[keep]
-
-
 def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
                   max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     """Ids and mask of each conversation (each followed by EOT, mask 0), fitted to max_tokens.
@@ -251,51 +151,21 @@ def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
     length with its EOT, 0 for one skipped as too long.
     """
     tok = _chat_state(state)
-    segments = _encode(tok, [f"{role}\n{content}" for conv in convs for role, content in conv])
-    out_ids: list[int] = []
-    out_mask: list[int] = []
-    lens = np.zeros(len(convs), dtype=np.int64)
-    truncated = too_long = 0
+    segments = _encode(tok, [segment_text(role, content) for conv in convs for role, content in conv])
+    out = _Documents(len(convs), state["dtype"])
     at = 0
     for i, conv in enumerate(convs):
-        ids, mask = render_with_mask(conv, segments[at:at + len(conv)], state["newline"], state["byte_lengths"])
+        ids, mask = _render(state, conv, segments[at:at + len(conv)], check=i == 0)
         at += len(conv)
-        if i == 0:
-            _check_piecewise(state, conv, ids)
         if len(ids) > max_tokens:
             fitted = fit_conversation(np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8), max_tokens)
             if fitted is None:
-                too_long += 1
+                out.too_long += 1
                 continue
-            truncated += 1
+            out.truncated += 1
             ids, mask = fitted[0].tolist(), fitted[1].tolist()
-        out_ids += ids
-        out_ids.append(EOT_ID)
-        out_mask += mask
-        out_mask.append(0)
-        lens[i] = len(ids) + 1
-    return (np.array(out_ids, dtype=state["dtype"]), np.array(out_mask, dtype=np.uint8), lens, truncated, too_long)
-
-
-def _chat_state(state: dict[str, Any]) -> HFTokenizer:
-    """The worker's tokenizer, with what render_with_mask needs loaded into state on first use."""
-    tok = state["tok"]
-    if "byte_lengths" not in state:
-        state["byte_lengths"] = Tokenizer.load(state["file"]).token_byte_lengths().tolist()
-        state["newline"] = _encode(tok, ["\n"])[0]
-    return tok
-
-
-def _check_piecewise(state: dict[str, Any], conv: list[tuple[str, str]], ids: list[int]) -> None:
-    """UserError unless ids, rendered piece by piece, are the ids of the whole rendered conversation.
-
-    Checked once per batch: holds for any tokenizer that splits at its special tokens.
-    """
-    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in conv)
-    if ids != _encode(state["tok"], [text])[0]:
-        raise UserError(f"{state['file']}: encoding a conversation piece by piece does not give the ids of "
-                        "the whole rendered conversation, so its loss mask cannot be placed; use a tokenizer "
-                        "made by `nanolm tokenizer train` (its control tokens are special tokens)")
+        out.add(i, ids, mask)
+    return out.result()
 
 
 def _encode_pairs(state: dict[str, Any], pairs: list[tuple[list[tuple[str, str]], str, str]],
@@ -310,42 +180,72 @@ def _encode_pairs(state: dict[str, Any], pairs: list[tuple[list[tuple[str, str]]
     tok = _chat_state(state)
     texts = []
     for prompt, chosen, rejected in pairs:
-        texts += [f"{role}\n{content}" for role, content in prompt]
-        texts += [f"assistant\n{chosen}", f"assistant\n{rejected}"]
+        texts += [segment_text(role, content) for role, content in prompt]
+        texts += [segment_text("assistant", chosen), segment_text("assistant", rejected)]
     segments = _encode(tok, texts)
-    out_ids: list[int] = []
-    out_mask: list[int] = []
-    lens = np.zeros(2 * len(pairs), dtype=np.int64)
-    truncated = too_long = 0
+    out = _Documents(2 * len(pairs), state["dtype"])
     at = 0
     for i, (prompt, chosen, rejected) in enumerate(pairs):
         head = segments[at:at + len(prompt)]
-        rendered: list[tuple[list[int], list[int]]] = []
-        for reply, seg in ((chosen, segments[at + len(prompt)]), (rejected, segments[at + len(prompt) + 1])):
-            conv = [*prompt, ("assistant", reply)]
-            ids, mask = render_with_mask(conv, [*head, seg], state["newline"], state["byte_lengths"])
-            # Earlier replies are context here: the loss (the sequence log-probability) is on the last one.
-            last = len(ids) - 1 - ids[::-1].index(IM_START_ID)
-            mask[:last] = [0] * last
-            if i == 0:
-                _check_piecewise(state, conv, ids)
-            rendered.append((ids, mask))
+        # Earlier replies are context here: the loss (the sequence log-probability) is on the last one.
+        rendered = [_render(state, [*prompt, ("assistant", reply)], [*head, seg], check=i == 0, final_only=True)
+                    for reply, seg in ((chosen, segments[at + len(prompt)]),
+                                       (rejected, segments[at + len(prompt) + 1]))]
         at += len(prompt) + 2
         if max(len(rendered[0][0]), len(rendered[1][0])) > max_tokens:
             fitted = fit_pair(*[(np.array(x, dtype=np.int64), np.array(m, dtype=np.uint8)) for x, m in rendered],
                               max_tokens)
             if fitted is None:
-                too_long += 1
+                out.too_long += 1
                 continue
-            truncated += 1
+            out.truncated += 1
             rendered = [(x.tolist(), m.tolist()) for x, m in fitted]
         for j, (ids, mask) in enumerate(rendered):
-            out_ids += ids
-            out_ids.append(EOT_ID)
-            out_mask += mask
-            out_mask.append(0)
-            lens[2 * i + j] = len(ids) + 1
-    return (np.array(out_ids, dtype=state["dtype"]), np.array(out_mask, dtype=np.uint8), lens, truncated, too_long)
+            out.add(2 * i + j, ids, mask)
+    return out.result()
+
+
+def _chat_state(state: dict[str, Any]) -> HFTokenizer:
+    """The worker's tokenizer, with what render_with_mask needs loaded into state on first use."""
+    tok = state["tok"]
+    if "byte_lengths" not in state:
+        state["byte_lengths"] = Tokenizer.load(state["file"]).token_byte_lengths().tolist()
+        state["newline"] = _encode(tok, [TURN_SEP])[0]
+    return tok
+
+
+def _render(state: dict[str, Any], conv: list[tuple[str, str]], segments: list[list[int]], *, check: bool,
+            final_only: bool = False) -> tuple[list[int], list[int]]:
+    """chatml.render_with_mask of conv from its messages' segment ids; check: also check the tokenizer
+    (`chatml.check_piecewise`, once per batch)."""
+    ids, mask = render_with_mask(conv, segments, state["newline"], state["byte_lengths"], final_only=final_only)
+    if check:
+        check_piecewise(conv, ids, lambda text: _encode(state["tok"], [text])[0], state["file"])
+    return ids, mask
+
+
+class _Documents:
+    """The documents a chat or pair job gives back: each one's ids and mask followed by EOT (mask 0), and
+    how many were truncated or skipped as too long."""
+
+    def __init__(self, n: int, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.lens = np.zeros(n, dtype=np.int64)  # 0 for a document left out
+        self.truncated = self.too_long = 0
+
+    def add(self, i: int, ids: list[int], mask: list[int]) -> None:
+        self.ids += ids
+        self.ids.append(EOT_ID)
+        self.mask += mask
+        self.mask.append(0)
+        self.lens[i] = len(ids) + 1
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(tokens, mask, lens, n_truncated, n_too_long)."""
+        return (np.array(self.ids, dtype=self.dtype), np.array(self.mask, dtype=np.uint8), self.lens,
+                self.truncated, self.too_long)
 
 
 # --- main side -------------------------------------------------------------------
