@@ -469,7 +469,7 @@ def test_an_epoch_holds_every_conversation_once_and_the_order_is_seeded(chat):
                                  "for this seq_len: few fit together)")
     epoch0 = stream(loader, n_blocks)
     assert loader.state_dict() == {"epoch": 1, "cursor": 0, "seed": 3, "seq_len": SEQ, "n_conversations": 60}
-    epoch1 = stream(loader, loader._units(1))
+    epoch1 = stream(loader, loader.epoch_units(1))
     for blocks in (epoch0, epoch1):
         assert sorted(c for b in blocks for c in b) == list(range(60))  # no gap, no repeat
     assert epoch0 != epoch1  # reshuffled and repacked each epoch

@@ -6,7 +6,10 @@ segment id per conversation, so that a row can hold several conversations
 that do not see each other; for preference data, rows in (chosen, rejected)
 pairs.
 
-Text data. A split's shards are cut into windows of seq_len + 1 tokens at
+The three kinds of unit, one class each behind one protocol (`UnitKind`),
+which the one `Loader` and `iter_eval_batches` drive:
+
+Text data (`Windows`). A split's shards are cut into windows of seq_len + 1 tokens at
 stride seq_len (window j of a shard covers tokens [j*T, j*T + T], T =
 seq_len): the inputs x = window[:-1] and targets y = window[1:] of consecutive
 windows tile the shard with no padding and no gap; the last (n - 1) % T tokens
@@ -27,14 +30,15 @@ data (at seq_len 512, 0.5B consecutive tokens), which is also what keeps the
 reads of data larger than the page cache local. Windows are read with
 `os.pread` from the shard files (`PackedData.gather`; shards.py says why).
 
-Chat data (prepared with `format="chat"`). The unit is a block of seq_len + 1
-tokens holding whole conversations (each without its trailing end-of-text
-token), padded at the end with id 0. A conversation longer than the block is
-cut by `fit_conversation`, ChatML's truncation policy, as `nanolm prepare`
-cuts it (one that cannot be cut to fit is left out; the loader says how many). Epoch e
-shuffles the conversations with `np.random.default_rng([seed, e])`, packs them
-into blocks with `pack_blocks` (over consecutive chunks of `PACK_CHUNK`
-conversations), then shuffles the blocks with the same generator. So each
+Chat data (`PackedConversations`, prepared with `format="chat"`). The unit is
+a block of seq_len + 1 tokens holding whole conversations (each without its
+trailing end-of-text token), padded at the end with id 0. A conversation
+longer than the block is cut by `fit_conversation`, ChatML's truncation
+policy, as `nanolm prepare` cuts it (one that cannot be cut to fit is left
+out; the loader says how many). Epoch e shuffles the conversations with
+`np.random.default_rng([seed, e])`, packs them into blocks with `pack_blocks`
+(over consecutive chunks of `PACK_CHUNK` conversations), then shuffles the
+blocks with the same generator. So each
 epoch sees every conversation once, in other company, and epochs can differ
 by a few blocks; `Loader.describe()` tells how full the blocks are. In a row,
 seg numbers the conversations 0, 1, ... (the padding gets the next number),
@@ -42,9 +46,9 @@ pos restarts at 0 with each of them, and y is -1 where the loss mask of the
 target token is 0 (system and user turns, template scaffolding, padding) and
 at the last token of every segment, so nothing predicts across a boundary.
 
-Preference data (prepared with `format="dpo"`: each pair is two adjacent
-documents, chosen then rejected, the mask on their final replies). The unit is
-a pair, and batch_size counts pairs: a batch has 2 * batch_size rows, row 2i
+Preference data (`PreferencePairs`, prepared with `format="dpo"`: each pair is
+two adjacent documents, chosen then rejected, the mask on their final
+replies). The unit is a pair, and batch_size counts pairs: a batch has 2 * batch_size rows, row 2i
 the chosen conversation of its i-th pair and row 2i + 1 the rejected one
 (`Batch.pairs` is True), each from position 0 and padded at the end with id 0
 and target -1, to the longest row of the batch rounded up to a multiple of
@@ -72,13 +76,20 @@ of the next, so within an epoch no unit is seen twice and none is skipped. The
 state (`epoch`, `cursor` into the epoch; the epoch's order, for chat data its
 blocks, is made again from the seed) is global, so a run can resume with
 another number of processes, or another batch size, and continue the same
-stream.
+stream. A saved state also holds the count a resume checks against, named by
+the kind (`epoch_windows`, `n_conversations` or `n_pairs`).
+
+A kind says how many units an epoch holds (the length of its order), in
+which order (`order`, `file_order`), how a slice of that order becomes a
+`Batch`, what it holds (`describe`) and what a saved state is checked
+against; the Loader's messages are built from the phrases it gives about
+itself. A new kind of unit is one class and one entry in `KINDS`.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -203,54 +214,202 @@ def _fill_exactly(lengths: list[int], capacity: int) -> list[list[int]]:
     return blocks
 
 
+class Order(Protocol):
+    """An epoch's units in their order: len() is how many there are (the epoch's count), and a contiguous
+    slice [lo:hi] gives what `UnitKind.batch` takes for those units."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, s: slice) -> Any: ...
+
+
+class UnitKind(Protocol):
+    """One kind of unit the Loader streams (see the module doc): what it needs to know of the kind.
+
+    Messages are built by the Loader from the phrases a kind gives about itself (holds, needs, amount, empty).
+    """
+
+    name: str  # what a unit is called in messages: "windows", "blocks", "pairs"
+    state_key: str  # the key, in a saved stream position, of the count it is checked against
+    n_state: int  # that count for this split and seq_len
+
+    def order(self, seed: int, epoch: int) -> Order:
+        """The units of an epoch in the epoch's shuffled order."""
+        ...
+
+    def file_order(self) -> Order:
+        """The units in file order (evaluation)."""
+        ...
+
+    def batch(self, parts: list[Any], pin: bool) -> Batch:
+        """The batch of the units of `parts` (slices of orders, in stream order), pinned if `pin`."""
+        ...
+
+    def tokens_per_epoch(self, order: Order) -> int:
+        """Input positions an epoch of this order holds (preference data: those with a next token)."""
+        ...
+
+    def describe(self, order: Order, batch_size: int) -> str:
+        """One line on what an epoch of this order holds."""
+        ...
+
+    def holds(self, n_units: int) -> str:
+        """What the split holds, for a message that says it is too little: "100 tokens make 12 windows ..."."""
+        ...
+
+    def needs(self, step: int) -> str:
+        """The size of a step of `step` units as that message gives it ("14", "42 pairs"), then the fix."""
+        ...
+
+    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
+        """`count` of what n_state counts at seq_len, in words (again: named a second time in a message)."""
+        ...
+
+    def empty(self) -> str:
+        """What is wrong when the split holds no unit at all, and the fix."""
+        ...
+
+
+class Windows:
+    """Text data: windows of seq_len + 1 tokens at stride seq_len, read from the shard files."""
+
+    name = "windows"
+    state_key = "epoch_windows"
+
+    def __init__(self, data: PackedData, seq_len: int) -> None:
+        self.data, self.seq_len = data, seq_len
+        self.n_state = int(data.n_windows(seq_len).sum())  # every epoch holds every window
+
+    def order(self, seed: int, epoch: int) -> Order:
+        n, rng = self.n_state, np.random.default_rng([seed, epoch])
+        return rng.permutation(n) if n <= SHUFFLE_BLOCK else _BlockShuffle(n, SHUFFLE_BLOCK, seed, epoch, rng)
+
+    def file_order(self) -> Order:
+        return np.arange(self.n_state, dtype=np.int64)
+
+    def batch(self, parts: list[np.ndarray], pin: bool) -> Batch:
+        tokens = self.data.gather(np.concatenate(parts), self.seq_len)  # (B, T+1)
+        x = torch.from_numpy(np.ascontiguousarray(tokens[:, :-1]))
+        y = torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]))
+        return _pinned(Batch(x, y), pin)
+
+    def tokens_per_epoch(self, order: Order) -> int:
+        return len(order) * self.seq_len
+
+    def describe(self, order: Order, batch_size: int) -> str:
+        return (f"{len(order)} windows of seq_len+1 = {self.seq_len + 1} tokens per epoch "
+                f"from {self.data.n_tokens:,} tokens")
+
+    def holds(self, n_units: int) -> str:
+        return f"{self.data.n_tokens} tokens make {n_units} windows of seq_len+1 = {self.seq_len + 1} tokens"
+
+    def needs(self, step: int) -> str:
+        # One shard needs step windows of seq_len tokens, plus the first input token.
+        return (f"{step}; it needs at least {step * self.seq_len + 1} tokens: prepare more text, or lower "
+                "batch_size or seq_len")
+
+    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
+        return f"{count} windows of seq_len {seq_len}"
+
+    def empty(self) -> str:
+        return (f"{self.data.n_tokens} tokens, fewer than one window of seq_len+1 = {self.seq_len + 1} in any "
+                "shard; prepare more text or lower seq_len")
+
+
 class _Conversations:
-    """The conversations of a chat split, fitted to blocks of seq_len + 1 tokens, and batch assembly."""
+    """What the kinds made of whole conversations of a chat or preference split (with their loss masks)
+    share: the documents, fitted to seq_len + 1 tokens each by ChatML's truncation policy.
+
+    A subclass fits its units (`_fit`) and says what they are called (noun, short_noun, each, cut_what).
+    """
+
+    noun: str  # what n_state counts: "conversations", "preference pairs"
+    short_noun: str  # the same, named again in a message
+    each: str  # what must fit in a block: "" (a conversation: the unit), " a conversation" (of a pair)
+    cut_what: str  # what of a unit was too long: "" (a conversation), " with a conversation" (a pair)
 
     def __init__(self, data: PackedData, seq_len: int) -> None:
         assert data.masks is not None
-        self.data = data
-        self.block = seq_len + 1
-        shard, start, length = data.documents()
-        fitted = length.copy()
-        for c in np.flatnonzero(length > self.block).tolist():
-            cut = fit_conversation(*self._raw(int(shard[c]), int(start[c]), int(length[c])), self.block)
-            fitted[c] = 0 if cut is None else len(cut[0])
-        self.n_total = len(length)
-        self.n_cut = int(((length > self.block) & (fitted > 0)).sum())
-        self.kept = np.flatnonzero(fitted > 0)  # conversation ids that are trained on
-        self.n_dropped = self.n_total - len(self.kept)
+        self.data, self.seq_len, self.block = data, seq_len, seq_len + 1
+        self.shard, self.start, self.length = data.documents()
+        fitted, long, kept = self._fit()
+        self.n_state = len(long)  # units of the split, trained on or not
+        self.n_cut = int((long & kept).sum())
+        self.kept = np.flatnonzero(kept)  # unit ids that are trained on
+        self.n_dropped = self.n_state - len(self.kept)
         if len(self.kept) == 0:
-            raise UserError(f"{data.data_dir} ({data.split}): none of its {self.n_total} conversations fits in "
-                            f"seq_len+1 = {self.block} tokens with a reply token left; raise seq_len, or run "
-                            f"`nanolm prepare --format chat --max-tokens {self.block}` on shorter conversations")
-        self.shard, self.start, self.length = shard, start, length
-        self.lengths = fitted[self.kept]  # fitted length of each kept conversation
-        self.n_real = int(self.lengths.sum())
-        self._positions = np.arange(self.block, dtype=np.int64)
+            raise UserError(f"{data.data_dir} ({data.split}): {self.empty()}")
+        self.lengths = fitted[self.kept]  # fitted length(s) of each kept unit
 
-    def _raw(self, shard: int, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def _fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per unit: its fitted length(s), 0 when it cannot be cut to fit; whether it was longer than a block;
+        whether it is kept (trained on)."""
+        raise NotImplementedError
+
+    def _raw(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and mask of document `doc` of the split, as stored."""
+        shard, start, length = int(self.shard[doc]), int(self.start[doc]), int(self.length[doc])
         ids = self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
         return ids, np.asarray(self.data.masks[shard][start:start + length])  # type: ignore[index]
 
+    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
+        return f"{count} {self.short_noun if again else self.noun} at seq_len {seq_len}"
+
+    def empty(self) -> str:
+        return (f"none of its {self.n_state} {self.noun} fits in seq_len+1 = {self.block} tokens{self.each} with "
+                f"a reply token left; raise seq_len, or run `nanolm prepare --format {self.data.kind} --max-tokens "
+                f"{self.block}` on shorter {self.short_noun}")
+
+    def _cut_note(self) -> str:
+        """The end of `describe`: the units cut to fit, and those left out."""
+        return (f"; {self.n_cut}{self.cut_what} longer than {self.block} tokens cut to fit" if self.n_cut else "") + \
+               (f", {self.n_dropped} left out (no reply token would fit)" if self.n_dropped else "")
+
+
+class PackedConversations(_Conversations):
+    """Chat data: blocks of seq_len + 1 tokens, each packing whole conversations that do not see each other."""
+
+    name = "blocks"
+    state_key = "n_conversations"
+    noun = short_noun = "conversations"
+    each = cut_what = ""
+
+    def __init__(self, data: PackedData, seq_len: int) -> None:
+        super().__init__(data, seq_len)
+        self.n_real = int(self.lengths.sum())
+        self._positions = np.arange(self.block, dtype=np.int64)
+
+    def _fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        long = self.length > self.block
+        fitted = self.length.copy()
+        for c in np.flatnonzero(long).tolist():
+            cut = fit_conversation(*self._raw(c), self.block)
+            fitted[c] = 0 if cut is None else len(cut[0])
+        return fitted, long, fitted > 0
+
     def tokens(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Ids and mask of kept conversation k, fitted to the block."""
-        c = int(self.kept[k])
-        ids, mask = self._raw(int(self.shard[c]), int(self.start[c]), int(self.length[c]))
+        ids, mask = self._raw(int(self.kept[k]))
         if len(ids) > self.block:
             ids, mask = fit_conversation(ids, mask, self.block)  # type: ignore[misc]
         return ids, mask
 
-    def plan(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Blocks of the kept conversations taken in `order`: (conversations block by block, block starts)."""
+    def _plan(self, order: np.ndarray) -> _Blocks:
+        """Blocks of the kept conversations taken in `order`."""
         packed, starts = pack_blocks(self.lengths[order], self.block)
-        return order[packed], starts
+        return _Blocks(order[packed], starts)
 
-    def fill(self, n_blocks: int) -> float:
-        """Fraction of the positions of n_blocks blocks that hold a real token."""
-        return self.n_real / (n_blocks * self.block)
+    def order(self, seed: int, epoch: int) -> Order:
+        # The conversations shuffled, packed, then the blocks shuffled, all with one generator.
+        rng = np.random.default_rng([seed, epoch])
+        return self._plan(rng.permutation(len(self.kept))).shuffled(rng)
 
-    def batch(self, blocks: list[np.ndarray], pin: bool) -> Batch:
+    def file_order(self) -> Order:
+        return self._plan(np.arange(len(self.kept)))
+
+    def batch(self, parts: list[list[np.ndarray]], pin: bool) -> Batch:
         """Rows of x, y, pos, seg from blocks given as arrays of kept-conversation indices."""
+        blocks = [b for part in parts for b in part]
         rows, width = len(blocks), self.block
         ids = np.zeros((rows, width), dtype=np.int64)  # padding is id 0, mask 0
         mask = np.zeros((rows, width), dtype=np.uint8)
@@ -265,101 +424,122 @@ class _Conversations:
                 seg[r, at:at + n], pos[r, at:at + n] = s, self._positions[:n]
                 at += n
             seg[r, at:], pos[r, at:] = len(convs), self._positions[:width - at]
-        y = ids[:, 1:].copy()
-        y[mask[:, 1:] == 0] = IGNORE_INDEX
+        y = _targets(ids, mask)
         y[seg[:, 1:] != seg[:, :-1]] = IGNORE_INDEX  # the last token of a segment predicts nothing
-        batch = Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(y),
-                      torch.from_numpy(np.ascontiguousarray(pos[:, :-1])),
-                      torch.from_numpy(np.ascontiguousarray(seg[:, :-1])))
-        return batch.pin_memory() if pin else batch
+        return _pinned(Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(y),
+                             torch.from_numpy(np.ascontiguousarray(pos[:, :-1])),
+                             torch.from_numpy(np.ascontiguousarray(seg[:, :-1]))), pin)
 
-    def describe(self, n_blocks: int) -> str:
-        cut = (f"; {self.n_cut} longer than {self.block} tokens cut to fit" if self.n_cut else "") + \
-              (f", {self.n_dropped} left out (no reply token would fit)" if self.n_dropped else "")
-        hint = "" if self.fill(n_blocks) >= 0.97 else " (the conversations are long for this seq_len: few fit together)"
-        return (f"{len(self.kept)} conversations ({self.n_real:,} tokens) packed into {n_blocks} blocks of "
-                f"seq_len+1 = {self.block}: {100 * self.fill(n_blocks):.1f}% of positions hold a real token"
-                f"{hint}{cut}")
+    def tokens_per_epoch(self, order: Order) -> int:
+        return len(order) * self.seq_len
+
+    def describe(self, order: Order, batch_size: int) -> str:
+        fill = self.n_real / (len(order) * self.block)  # of the positions, those holding a real token
+        hint = "" if fill >= 0.97 else " (the conversations are long for this seq_len: few fit together)"
+        return (f"{len(self.kept)} conversations ({self.n_real:,} tokens) packed into {len(order)} blocks of "
+                f"seq_len+1 = {self.block}: {100 * fill:.1f}% of positions hold a real token{hint}{self._cut_note()}")
+
+    def holds(self, n_units: int) -> str:
+        return f"{len(self.kept)} conversations make {n_units} blocks of seq_len+1 = {self.block} tokens"
+
+    def needs(self, step: int) -> str:
+        return f"{step}; prepare more conversations, or lower batch_size"
 
 
-class _Pairs:
-    """The preference pairs of a dpo split, fitted to seq_len + 1 tokens a conversation, and batch assembly."""
+class PreferencePairs(_Conversations):
+    """Preference data: (chosen, rejected) pairs of conversations, one conversation per row."""
+
+    name = "pairs"
+    state_key = "n_pairs"
+    noun, short_noun = "preference pairs", "pairs"
+    each, cut_what = " a conversation", " with a conversation"
 
     def __init__(self, data: PackedData, seq_len: int) -> None:
-        assert data.masks is not None
-        self.data = data
-        self.block = seq_len + 1
-        self.seq_len = seq_len
-        shard, start, length = data.documents()
-        self.shard, self.start, self.length = shard, start, length
-        fitted = length.reshape(-1, 2).copy()  # (pairs, 2): chosen, rejected
-        for p in np.flatnonzero(fitted.max(axis=1) > self.block).tolist():
-            cut = fit_pair(self._raw(2 * p), self._raw(2 * p + 1), self.block)
-            fitted[p] = (0, 0) if cut is None else (len(cut[0][0]), len(cut[1][0]))
-        self.n_total = len(fitted)
-        self.n_cut = int(((fitted.max(axis=1) > 0) & (length.reshape(-1, 2).max(axis=1) > self.block)).sum())
-        self.kept = np.flatnonzero(fitted[:, 0] > 0)  # pair ids that are trained on
-        self.n_dropped = self.n_total - len(self.kept)
-        if len(self.kept) == 0:
-            raise UserError(f"{data.data_dir} ({data.split}): none of its {self.n_total} preference pairs fits in "
-                            f"seq_len+1 = {self.block} tokens a conversation with a reply token left; raise seq_len, "
-                            f"or run `nanolm prepare --format dpo --max-tokens {self.block}` on shorter pairs")
-        self.lengths = fitted[self.kept]  # (kept pairs, 2) fitted lengths
+        super().__init__(data, seq_len)
         self.n_real = int((self.lengths - 1).sum())  # positions whose next token is in their conversation
 
-    def _raw(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
-        shard, start, length = int(self.shard[doc]), int(self.start[doc]), int(self.length[doc])
-        ids = self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
-        return ids, np.asarray(self.data.masks[shard][start:start + length])  # type: ignore[index]
+    def _fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        fitted = self.length.reshape(-1, 2).copy()  # (pairs, 2): chosen, rejected
+        long = fitted.max(axis=1) > self.block
+        for p in np.flatnonzero(long).tolist():
+            cut = fit_pair(self._raw(2 * p), self._raw(2 * p + 1), self.block)
+            fitted[p] = (0, 0) if cut is None else (len(cut[0][0]), len(cut[1][0]))
+        return fitted, long, fitted[:, 0] > 0
 
     def tokens(self, k: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """(ids, mask) of the chosen and rejected conversation of kept pair k, fitted to the block."""
         p = int(self.kept[k])
-        chosen, rejected = self._raw(2 * p), self._raw(2 * p + 1)
-        return fit_pair(chosen, rejected, self.block)  # type: ignore[return-value]
+        return fit_pair(self._raw(2 * p), self._raw(2 * p + 1), self.block)  # type: ignore[return-value]
 
-    def group(self, order: np.ndarray) -> np.ndarray:
-        """The kept pairs in `order`, each run of LENGTH_CHUNK sorted by its longer conversation (stable)."""
+    def order(self, seed: int, epoch: int) -> Order:
+        """The kept pairs shuffled, each run of LENGTH_CHUNK then sorted by its longer conversation (stable)."""
+        out = np.random.default_rng([seed, epoch]).permutation(len(self.kept))
         longest = self.lengths.max(axis=1)
-        out = order.copy()
         for c in range(0, len(out), LENGTH_CHUNK):
             run = out[c:c + LENGTH_CHUNK]
             out[c:c + LENGTH_CHUNK] = run[np.argsort(longest[run], kind="stable")]
         return out
 
-    def width(self, pairs: np.ndarray) -> int:
-        """Columns of a batch of these kept pairs: the longest row, rounded up to PAD_MULTIPLE, at most seq_len."""
-        longest = int(self.lengths[pairs].max()) - 1
-        return min(self.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+    def file_order(self) -> Order:
+        return np.arange(len(self.kept), dtype=np.int64)
 
-    def batch(self, pairs: np.ndarray, pin: bool) -> Batch:
+    def _widths(self, longest: np.ndarray) -> np.ndarray:
+        """Columns of batches whose longest rows are `longest` tokens: rounded up to PAD_MULTIPLE, at most
+        seq_len."""
+        return np.minimum(self.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+    def batch(self, parts: list[np.ndarray], pin: bool) -> Batch:
         """Rows 2i, 2i + 1: the chosen and rejected conversation of kept pair pairs[i], padded with id 0,
         target -1 (see `Batch`)."""
-        rows, width = 2 * len(pairs), self.width(pairs)
+        pairs = np.concatenate(parts)
+        rows, width = 2 * len(pairs), int(self._widths(self.lengths[pairs].max() - 1))
         ids = np.zeros((rows, width + 1), dtype=np.int64)  # padding is id 0, mask 0
         mask = np.zeros((rows, width + 1), dtype=np.uint8)
         for i, k in enumerate(pairs.tolist()):
             for j, (t, m) in enumerate(self.tokens(k)):
                 ids[2 * i + j, :len(t)], mask[2 * i + j, :len(t)] = t, m
-        y = ids[:, 1:].copy()
-        y[mask[:, 1:] == 0] = IGNORE_INDEX
-        batch = Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(y), pairs=True)
-        return batch.pin_memory() if pin else batch
+        return _pinned(Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(_targets(ids, mask)),
+                             pairs=True), pin)
 
-    def padding(self, order: np.ndarray, batch_size: int) -> float:
-        """Fraction of the positions of the batches of batch_size pairs taken in `order` that are padding."""
+    def tokens_per_epoch(self, order: Order) -> int:
+        return self.n_real
+
+    def describe(self, order: Order, batch_size: int) -> str:
+        # The padding of the batches of batch_size pairs taken in `order`.
         starts = np.arange(0, len(order), batch_size)
         longest = np.maximum.reduceat(self.lengths.max(axis=1)[order], starts) - 1  # per batch
-        widths = np.minimum(self.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)  # as width()
         rows = 2 * np.diff(np.r_[starts, len(order)])
-        return 1 - int((self.lengths[order] - 1).sum()) / int((rows * widths).sum())
-
-    def describe(self, order: np.ndarray, batch_size: int) -> str:
-        cut = (f"; {self.n_cut} with a conversation longer than {self.block} tokens cut to fit" if self.n_cut else "") \
-            + (f", {self.n_dropped} left out (no reply token would fit)" if self.n_dropped else "")
+        padding = 1 - int((self.lengths[order] - 1).sum()) / int((rows * self._widths(longest)).sum())
         return (f"{len(self.kept)} preference pairs ({self.n_real:,} tokens to predict), {batch_size} a batch as "
                 f"{2 * batch_size} rows padded to the longest (a multiple of {PAD_MULTIPLE}, at most seq_len "
-                f"{self.seq_len}): {100 * self.padding(order, batch_size):.1f}% of positions are padding{cut}")
+                f"{self.seq_len}): {100 * padding:.1f}% of positions are padding{self._cut_note()}")
+
+    def holds(self, n_units: int) -> str:
+        return f"{n_units} preference pairs"
+
+    def needs(self, step: int) -> str:
+        return f"{step} pairs; prepare more pairs, or lower batch_size"
+
+
+# The unit kind of each data format (PackedData.kind); a new kind of unit is one class and one entry here.
+KINDS: dict[str, Callable[[PackedData, int], UnitKind]] = {
+    "text": Windows, "chat": PackedConversations, "dpo": PreferencePairs}
+
+
+def unit_kind(data: PackedData, seq_len: int) -> UnitKind:
+    """The units of a split at seq_len, of the kind its data format makes."""
+    return KINDS[data.kind](data, seq_len)
+
+
+def _targets(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """(R, W - 1) next-token targets of rows of ids (R, W), IGNORE_INDEX where the mask of the target is 0."""
+    y = ids[:, 1:].copy()
+    y[mask[:, 1:] == 0] = IGNORE_INDEX
+    return y
+
+
+def _pinned(batch: Batch, pin: bool) -> Batch:
+    return batch.pin_memory() if pin else batch
 
 
 def _check_positive(**kw: int) -> None:
@@ -368,81 +548,45 @@ def _check_positive(**kw: int) -> None:
             raise UserError(f"{name}={v!r}: must be a positive integer")
 
 
-def _text_batch(tokens: np.ndarray, pin: bool) -> Batch:
-    x = torch.from_numpy(np.ascontiguousarray(tokens[:, :-1]))
-    y = torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]))
-    batch = Batch(x, y)
-    return batch.pin_memory() if pin else batch
-
-
 class Loader:
-    """Shuffled packed batches for one rank, from the global stream of windows or blocks (see module doc)."""
+    """Shuffled packed batches for one rank, from the global stream of one kind of unit (see module doc)."""
 
     def __init__(self, data: PackedData, batch_size: int, seq_len: int, *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, pin_memory: bool | None = None) -> None:
         _check_positive(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
         if not 0 <= rank < world_size:
             raise UserError(f"rank={rank}: must be in [0, world_size={world_size})")
-        self.data = data
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
+        self.data, self.batch_size, self.seq_len, self.seed = data, batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.epoch = 0
         self.cursor = 0  # position in this epoch's order of the next step's first unit
-        self._orders: dict[int, Any] = {}  # epoch -> window permutation (text), block plan (chat), pairs (dpo)
-        self._chat = _Conversations(data, seq_len) if data.is_chat else None
-        self._pairs = _Pairs(data, seq_len) if data.is_dpo else None
-        self._n_windows = int(data.n_windows(seq_len).sum()) if data.kind == "text" else 0
+        self._orders: dict[int, Order] = {}  # epoch -> its order (the last ones made)
+        self.units: UnitKind = unit_kind(data, seq_len)
         # Units (windows, blocks or pairs) in epoch 0; chat epochs can differ by a few blocks.
-        self.epoch_windows: int = self._units(0)
+        self.epoch_windows: int = self.epoch_units(0)
         # Input positions per epoch (preference data: those with a next token, padding left out).
-        self.tokens_per_epoch: int = self._pairs.n_real if self._pairs else self.epoch_windows * seq_len
+        self.tokens_per_epoch: int = self.units.tokens_per_epoch(self._order(0))
         step = batch_size * world_size
         if self.epoch_windows < step:
-            if self._pairs is not None:
-                raise UserError(f"{data.data_dir} ({data.split}): {self.epoch_windows} preference pairs, but a step "
-                                f"takes batch_size x world_size = {step} pairs; prepare more pairs, or lower "
-                                "batch_size")
-            if self._chat is not None:
-                raise UserError(f"{data.data_dir} ({data.split}): {len(self._chat.kept)} conversations make "
-                                f"{self.epoch_windows} blocks of seq_len+1 = {seq_len + 1} tokens, but a step takes "
-                                f"batch_size x world_size = {step}; prepare more conversations, or lower batch_size")
-            # One shard needs step windows of seq_len tokens, plus the first input token.
-            raise UserError(
-                f"{data.data_dir} ({data.split}): {data.n_tokens} tokens make {self.epoch_windows} windows of "
-                f"seq_len+1 = {seq_len + 1} tokens, but a step takes batch_size x world_size = {step}; it needs at "
-                f"least {step * seq_len + 1} tokens: prepare more text, or lower batch_size or seq_len")
+            raise UserError(f"{data.data_dir} ({data.split}): {self.units.holds(self.epoch_windows)}, but a step "
+                            f"takes batch_size x world_size = {self.units.needs(step)}")
 
-    def _order(self, epoch: int) -> Any:
+    def _order(self, epoch: int) -> Order:
         if epoch not in self._orders:
             self._orders = {e: p for e, p in self._orders.items() if e >= self.epoch}  # drop past epochs
-            rng = np.random.default_rng([self.seed, epoch])
-            if self._pairs is not None:
-                self._orders[epoch] = self._pairs.group(rng.permutation(len(self._pairs.kept)))
-            elif self._chat is None:
-                n = self._n_windows
-                self._orders[epoch] = rng.permutation(n) if n <= SHUFFLE_BLOCK else \
-                    _BlockShuffle(n, SHUFFLE_BLOCK, self.seed, epoch, rng)
-            else:
-                convs, starts = self._chat.plan(rng.permutation(len(self._chat.kept)))
-                self._orders[epoch] = _shuffle_blocks(convs, starts, rng)
+            self._orders[epoch] = self.units.order(self.seed, epoch)
         return self._orders[epoch]
 
-    def _units(self, epoch: int) -> int:
-        if self._pairs is not None:
-            return len(self._pairs.kept)
-        if self._chat is None:
-            return self._n_windows
-        return len(self._order(epoch)[1]) - 1
+    def epoch_units(self, epoch: int) -> int:
+        """Units (windows, blocks or pairs) in epoch `epoch` of the stream."""
+        return len(self._order(epoch))
 
     def _ranges(self, start: int, count: int) -> list[tuple[int, int, int]]:
         """(epoch, lo, hi): the units at positions start .. start+count-1 of the stream from (self.epoch, 0)."""
         out, epoch = [], self.epoch
         while count > 0:
-            n = self._units(epoch)
+            n = self.epoch_units(epoch)
             if start < n:
                 take = min(count, n - start)
                 out.append((epoch, start, start + take))
@@ -456,12 +600,7 @@ class Loader:
     def describe(self) -> str:
         """One line on what an epoch holds (for chat data: how full the packed blocks are; for preference
         data: how much of epoch 0's batches is padding)."""
-        if self._pairs is not None:
-            return self._pairs.describe(self._order(0), self.batch_size)
-        if self._chat is None:
-            return (f"{self.epoch_windows} windows of seq_len+1 = {self.seq_len + 1} tokens per epoch "
-                    f"from {self.data.n_tokens:,} tokens")
-        return self._chat.describe(self.epoch_windows)
+        return self.units.describe(self._order(0), self.batch_size)
 
     def next_batch(self) -> Batch:
         """This rank's next batch: (batch_size, seq_len) tensors; for preference data (2 * batch_size, width)
@@ -474,59 +613,33 @@ class Loader:
         """The batch of the batch_size units `offset` units past the stream position, without taking them
         (`next_batch` is peek(rank * batch_size) then skip(batch_size * world_size))."""
         ranges = self._ranges(self.cursor + offset, self.batch_size)
-        if self._pairs is not None:
-            pairs = np.concatenate([self._order(e)[lo:hi] for e, lo, hi in ranges])
-            return self._pairs.batch(pairs, self.pin_memory)
-        if self._chat is None:
-            windows = np.concatenate([self._order(e)[lo:hi] for e, lo, hi in ranges])
-            return _text_batch(self.data.gather(windows, self.seq_len), self.pin_memory)
-        blocks = []
-        for e, lo, hi in ranges:
-            convs, starts = self._order(e)
-            blocks += [convs[starts[j]:starts[j + 1]] for j in range(lo, hi)]
-        return self._chat.batch(blocks, self.pin_memory)
+        return self.units.batch([self._order(e)[lo:hi] for e, lo, hi in ranges], self.pin_memory)
 
     def skip(self, n: int) -> None:
         """Move the stream position n units on (into the next epochs as needed)."""
         self.cursor += n
-        while self.cursor >= self._units(self.epoch):
-            self.cursor -= self._units(self.epoch)
+        while self.cursor >= self.epoch_units(self.epoch):
+            self.cursor -= self.epoch_units(self.epoch)
             self.epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The global stream position (identical on every rank), JSON-serialisable."""
-        state = {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len}
-        if self._pairs is not None:
-            state["n_pairs"] = self._pairs.n_total
-        elif self._chat is None:
-            state["epoch_windows"] = self.epoch_windows
-        else:
-            state["n_conversations"] = self._chat.n_total
-        return state
+        """The global stream position (identical on every rank), JSON-serialisable; with the count of the
+        kind's units (`UnitKind.state_key`) that a resume checks."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
+                self.units.state_key: self.units.n_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream saved by `state_dict` (from any number of ranks, any batch size)."""
-        if self._pairs is not None:
-            if state.get("seq_len") != self.seq_len or state.get("n_pairs") != self._pairs.n_total:
-                raise UserError(f"the saved data position is for {state.get('n_pairs')} preference pairs at seq_len "
-                                f"{state.get('seq_len')}, but {self.data.data_dir} ({self.data.split}) has "
-                                f"{self._pairs.n_total} pairs at seq_len {self.seq_len}; resume with the same "
-                                "prepared data and seq_len, or start a new run")
-        elif self._chat is None:
-            if state.get("seq_len") != self.seq_len or state.get("epoch_windows") != self.epoch_windows:
-                raise UserError(f"the saved data position is for {state.get('epoch_windows')} windows of seq_len "
-                                f"{state.get('seq_len')}, but {self.data.data_dir} ({self.data.split}) has "
-                                f"{self.epoch_windows} windows of seq_len {self.seq_len}; resume with the same "
-                                "prepared data and seq_len, or start a new run")
-        elif state.get("seq_len") != self.seq_len or state.get("n_conversations") != self._chat.n_total:
-            raise UserError(f"the saved data position is for {state.get('n_conversations')} conversations at seq_len "
-                            f"{state.get('seq_len')}, but {self.data.data_dir} ({self.data.split}) has "
-                            f"{self._chat.n_total} conversations at seq_len {self.seq_len}; resume with the same "
+        units, key = self.units, self.units.state_key
+        if state.get("seq_len") != self.seq_len or state.get(key) != units.n_state:
+            raise UserError(f"the saved data position is for {units.amount(state.get(key), state.get('seq_len'))}, "
+                            f"but {self.data.data_dir} ({self.data.split}) has "
+                            f"{units.amount(units.n_state, self.seq_len, again=True)}; resume with the same "
                             "prepared data and seq_len, or start a new run")
         cursor, epoch, seed = int(state["cursor"]), int(state["epoch"]), int(state["seed"])
         old = (self.seed, self.epoch, self._orders)
         self.seed, self.epoch, self._orders = seed, epoch, {}  # the stream is defined by the seed it started with
-        if not (epoch >= 0 and 0 <= cursor < self._units(epoch)):
+        if not (epoch >= 0 and 0 <= cursor < self.epoch_units(epoch)):
             self.seed, self.epoch, self._orders = old
             raise UserError(f"the saved data position (epoch {epoch}, cursor {cursor}) is out of range; "
                             "the checkpoint's state is damaged")
@@ -574,17 +687,31 @@ class _BlockShuffle:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _shuffle_blocks(convs: np.ndarray, starts: np.ndarray,
-                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """The same blocks in a random order: (conversations block by block, block starts)."""
-    counts = np.diff(starts)
-    perm = rng.permutation(len(counts))
-    new_counts = counts[perm]
-    new_starts = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(new_counts, out=new_starts[1:])
-    # Entry i of the new order is entry (old start of its block) + (i - new start of its block).
-    shift = np.repeat(starts[:-1][perm] - new_starts[:-1], new_counts)
-    return convs[np.arange(len(convs)) + shift], new_starts
+
+
+class _Blocks:
+    """A chat epoch's order: its blocks, each a run of kept-conversation indices; a slice is a list of blocks."""
+
+    def __init__(self, convs: np.ndarray, starts: np.ndarray) -> None:
+        self.convs, self.starts = convs, starts  # the conversations block by block; where each block starts
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, s: slice) -> list[np.ndarray]:
+        lo, hi, _ = s.indices(len(self))
+        return [self.convs[self.starts[j]:self.starts[j + 1]] for j in range(lo, hi)]
+
+    def shuffled(self, rng: np.random.Generator) -> _Blocks:
+        """The same blocks in a random order."""
+        counts = np.diff(self.starts)
+        perm = rng.permutation(len(counts))
+        new_counts = counts[perm]
+        new_starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(new_counts, out=new_starts[1:])
+        # Entry i of the new order is entry (old start of its block) + (i - new start of its block).
+        shift = np.repeat(self.starts[:-1][perm] - new_starts[:-1], new_counts)
+        return _Blocks(self.convs[np.arange(len(self.convs)) + shift], new_starts)
 
 
 def iter_eval_batches(data: PackedData, batch_size: int, seq_len: int,
@@ -597,25 +724,11 @@ def iter_eval_batches(data: PackedData, batch_size: int, seq_len: int,
     """
     _check_positive(batch_size=batch_size, seq_len=seq_len)
     pin = torch.cuda.is_available()
-    if data.is_dpo:
-        pairs = _Pairs(data, seq_len)
-        n = len(pairs.kept)
-    elif data.is_chat:
-        chat = _Conversations(data, seq_len)
-        convs, starts = chat.plan(np.arange(len(chat.kept)))
-        n = len(starts) - 1
-    else:
-        n = int(data.n_windows(seq_len).sum())
-        if n == 0:
-            raise UserError(f"{data.data_dir} ({data.split}): {data.n_tokens} tokens, fewer than one window of "
-                            f"seq_len+1 = {seq_len + 1} in any shard; prepare more text or lower seq_len")
-    for i, start in enumerate(range(0, n, batch_size)):
+    units = unit_kind(data, seq_len)
+    order = units.file_order()
+    if len(order) == 0:
+        raise UserError(f"{data.data_dir} ({data.split}): {units.empty()}")
+    for i, start in enumerate(range(0, len(order), batch_size)):
         if max_batches is not None and i >= max_batches:
             return
-        stop = min(start + batch_size, n)
-        if data.is_dpo:
-            yield pairs.batch(np.arange(start, stop, dtype=np.int64), pin)
-        elif data.is_chat:
-            yield chat.batch([convs[starts[j]:starts[j + 1]] for j in range(start, stop)], pin)
-        else:
-            yield _text_batch(data.gather(np.arange(start, stop, dtype=np.int64), seq_len), pin)
+        yield units.batch([order[start:start + batch_size]], pin)
