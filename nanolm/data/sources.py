@@ -68,8 +68,6 @@ from nanolm.data.loader import Loader
 from nanolm.data.shards import Batch, PackedData
 from nanolm.errors import UserError
 
-UNIT_NAMES = {"text": "windows", "chat": "blocks", "dpo": "pairs"}
-
 
 @dataclass
 class SetStream:
@@ -85,7 +83,8 @@ class SetStream:
 
     @property
     def unit_name(self) -> str:
-        return UNIT_NAMES[self.data.kind]
+        """What the set's units are called: windows, blocks or pairs."""
+        return self.loader.units.name
 
 
 def _budget(spec: DataSetConfig, loader: Loader, step: int) -> tuple[int | None, str]:
