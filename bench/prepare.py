@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from nanolm import datasets
+from nanolm import corpora
 from nanolm.data.formats import iter_texts
 from nanolm.data.prepare import prepare
 from nanolm.tokenizer import train_tokenizer
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="timed prepare runs per corpus (median)")
     args = p.parse_args(argv)
 
-    names = list(datasets.REGISTRY)
-    paths = {name: datasets.fetch(name, quiet=True) for name in names}
-    kinds = {name: datasets.REGISTRY[name].records for name in names}
+    names = list(corpora.REGISTRY)
+    paths = {name: corpora.fetch(name, quiet=True) for name in names}
+    kinds = {name: corpora.REGISTRY[name].records for name in names}
     results: dict = {"workers": args.workers, "vocab_size": args.vocab_size, "corpora": {}}
     with tempfile.TemporaryDirectory(prefix="nanolm-bench-prepare-") as tmp:
         t0 = time.perf_counter()

@@ -15,21 +15,21 @@ from nanolm.errors import UserError
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
-    from nanolm import datasets
+    from nanolm import corpora
     if args.data_cmd == "list":
-        print(datasets.describe())
+        print(corpora.describe())
     elif args.data_cmd == "preferences":
         from nanolm.data.preferences import build_idiom_preferences
-        out = build_idiom_preferences(datasets.fetch("idioms"), Path(args.out), args.n, args.seed)
+        out = build_idiom_preferences(corpora.fetch("idioms"), Path(args.out), args.n, args.seed)
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     else:
         for name in args.names:
-            print(datasets.fetch(name))
+            print(corpora.fetch(name))
 
 
 def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from nanolm.data.formats import iter_texts
-    from nanolm.datasets import resolve_sources
+    from nanolm.corpora import resolve_sources
     from nanolm.tokenizer import compression_report, split_by_script, train_tokenizer
 
     files = resolve_sources(args.sources)
@@ -42,7 +42,7 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
 def _cmd_prepare(args: argparse.Namespace) -> None:
     from nanolm.data.prepare import prepare
-    from nanolm.datasets import resolve_sources
+    from nanolm.corpora import resolve_sources
 
     files = resolve_sources(args.sources)
     prepare(files, Path(args.tokenizer), Path(args.out), format=args.format, max_tokens=args.max_tokens,

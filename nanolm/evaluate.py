@@ -134,7 +134,7 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
     first max_tokens predicted tokens (chat data: whole blocks, at least that many positions).
     """
     from nanolm.checkpoint import load_model, trained_seq_len
-    from nanolm.datasets import resolve_sources
+    from nanolm.corpora import resolve_sources
 
     if which not in ("best", "last"):
         raise UserError(f"which={which!r}: use 'best' (lowest validation loss) or 'last'")

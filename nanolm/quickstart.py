@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from nanolm.config import load_config
-from nanolm.datasets import resolve_sources
+from nanolm.corpora import resolve_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_duration
 

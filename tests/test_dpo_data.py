@@ -15,13 +15,13 @@ import torch
 import nanolm.data.loader as loader_mod
 import nanolm.data.prepare as prep
 from nanolm.config import ModelConfig
+from nanolm.corpora import fetch
 from nanolm.data.chatml import fit_pair, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
 from nanolm.data.loader import Loader, iter_eval_batches
 from nanolm.data.preferences import build_idiom_preferences
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import PackedData
-from nanolm.datasets import fetch
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer

