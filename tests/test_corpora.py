@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from nanolm import corpora
-from nanolm.data.formats import iter_conversations
 from nanolm.corpora import REGISTRY, Corpus, cache_dir, describe, fetch, normalise_text, resolve_sources
+from nanolm.corpora.yaml_subset import parse_chatterbot_yml
+from nanolm.data.formats import iter_conversations
 from nanolm.errors import UserError
 
 # The toy package's data members, and the .jsonl fetch must make of them:
@@ -422,7 +423,7 @@ def test_chatterbot_yml_subset():
         "- - '1984'\n"
         "  - 「我」\n"
     )
-    assert corpora._parse_chatterbot_yml(text, "t.yml") == {
+    assert parse_chatterbot_yml(text, "t.yml") == {
         "categories": ["AI", "small talk"],
         "conversations": [
             ["Hello", "Hi there, it's   plain and folded over lines\nwith a blank line kept as a newline",
@@ -431,7 +432,7 @@ def test_chatterbot_yml_subset():
             "A string where a list belongs - '22'",
             ["1984", "「我」"],
         ]}
-    assert corpora._parse_chatterbot_yml("conversations:\n", "t.yml") == {"categories": [], "conversations": []}
+    assert parse_chatterbot_yml("conversations:\n", "t.yml") == {"categories": [], "conversations": []}
 
 
 @pytest.mark.parametrize("text, line, what", [
@@ -456,7 +457,7 @@ def test_chatterbot_yml_subset():
 ])
 def test_chatterbot_yml_outside_the_subset_names_file_and_line(text, line, what):
     with pytest.raises(UserError) as e:
-        corpora._parse_chatterbot_yml(text, "data/english/bad.yml")
+        parse_chatterbot_yml(text, "data/english/bad.yml")
     msg = str(e.value)
     assert msg.startswith(f"data/english/bad.yml:{line}: {what}")
     assert msg.endswith("and plain, quoted or '|' block strings") and "\n" not in msg
