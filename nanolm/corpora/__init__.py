@@ -32,11 +32,11 @@ The pinned archive sha256 makes the source irrelevant to what is read. An
 archive a user downloads by hand and puts in the corpus directory under its
 own file name is used instead of downloading.
 
-Adding a corpus is one `Corpus` entry and, when no existing one fits, one
-extractor: a function from the selected members (path -> bytes) to records,
-which counts what it leaves out in the Counter it is given (reason -> count,
-recorded in SOURCE.json).
-Put placeholder checksums and counts in the entry; the first fetch fails with
+Adding a corpus is one table in registry.toml and, when no existing one
+fits, one extractor in extractors.py: a function from the selected members
+(path -> bytes) to records, which counts what it leaves out in the Counter it
+is given (reason -> count, recorded in SOURCE.json).
+Put placeholder checksums and counts in the table; the first fetch fails with
 a message that gives the observed values to paste in.
 """
 

@@ -155,3 +155,7 @@ def chatterbot(members: Mapping[str, bytes], skipped: collections.Counter[str]) 
                 turns = turns[:-1]
                 skipped["last user turn with no reply"] += 1
             yield _chat(turns)
+
+
+# The extractors by name, as registry.toml's `extract` names them.
+EXTRACTORS: dict[str, Extractor] = {f.__name__: f for f in (json_chapters, text_files, idioms, chatterbot)}
