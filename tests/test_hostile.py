@@ -985,11 +985,12 @@ def test_cli_in_a_process_prints_no_traceback(tmp_path, tokenizer_dir):
 def test_corpus_names_and_a_damaged_cache(tmp_path, monkeypatch):
     """No network here: a download is replaced by a UserError, which is what an offline machine gets."""
     from nanolm import corpora
+    from nanolm.corpora import download
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
 
     def offline(*args, **kwargs):
         raise UserError("offline (in this test)")
-    monkeypatch.setattr(corpora, "_download_archive", offline)
+    monkeypatch.setattr(download, "download_archive", offline)
     corpus = corpora.REGISTRY["sanguo"]
     d = tmp_path / "cache" / "corpora" / "sanguo"
     d.mkdir(parents=True)
