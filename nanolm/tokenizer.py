@@ -57,11 +57,11 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1  # every byte, the specials and o
 MAX_VOCAB_SIZE = 2**32  # ids are 32-bit in `tokenizers` and in nanolm's shards
 
 
-def _byte_alphabet() -> set[str]:
-    """The 256 printable characters GPT-2's byte-level scheme uses for the 256 bytes."""
+def _byte_alphabet() -> dict[str, int]:
+    """The 256 printable characters GPT-2's byte-level scheme uses for the 256 bytes, each with its byte."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [256 + i for i in range(256 - len(keep))]  # the other bytes, moved past 255
-    return {chr(c) for c in keep + shifted}
+    moved = [b for b in range(256) if b not in keep]  # the other bytes, in order, shown as 256, 257, ...
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
 def _canonical_json(obj: Any) -> str:
@@ -122,6 +122,7 @@ class Tokenizer:
         self.im_start_id = IM_START_ID
         self.im_end_id = IM_END_ID
         self._byte_lengths: np.ndarray | None = None
+        self._token_bytes: list[bytes] | None = None
 
     @classmethod
     def load(cls, path: Path | str) -> "Tokenizer":
@@ -185,6 +186,27 @@ class Tokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def token_bytes(self) -> list[bytes]:
+        """The UTF-8 bytes each id stands for in `decode`, indexed by id (read-only use; built once).
+
+        `decode(ids)` is the lossy UTF-8 decoding of these bytes joined, as `tokenizers`' ByteLevel decoder
+        does it: a token spelled in the byte alphabet stands for those bytes, any other token (a special one,
+        or one added by hand) for its own text. An id the vocabulary lacks stands for no bytes.
+        """
+        if self._token_bytes is None:
+            alphabet = _byte_alphabet()
+            table = []
+            for i in range(self.vocab_size):
+                token = self._tok.id_to_token(i)
+                if token is None:
+                    table.append(b"")
+                elif all(c in alphabet for c in token):
+                    table.append(bytes(alphabet[c] for c in token))  # one alphabet character per byte
+                else:
+                    table.append(token.encode("utf-8"))
+            self._token_bytes = table
+        return self._token_bytes
+
     def token_byte_lengths(self) -> np.ndarray:
         """int32 [vocab_size]: how many UTF-8 bytes each token stands for; 0 for special tokens.
 
@@ -192,17 +214,9 @@ class Tokenizer:
         loss in nats per token into bits per byte, comparable across tokenizers.
         """
         if self._byte_lengths is None:
-            alphabet = _byte_alphabet()
             special = set(self._tok.get_added_tokens_decoder())
-            lengths = np.zeros(self.vocab_size, dtype=np.int32)
-            for i in range(self.vocab_size):
-                token = self._tok.id_to_token(i)
-                if token is None or i in special:
-                    continue
-                if all(c in alphabet for c in token):
-                    lengths[i] = len(token)  # one alphabet character per byte
-                else:  # a non-byte-level token (e.g. added by hand) stands for its own text
-                    lengths[i] = len(token.encode("utf-8"))
+            lengths = np.array([0 if i in special else len(b) for i, b in enumerate(self.token_bytes())],
+                               dtype=np.int32)
             lengths.setflags(write=False)
             self._byte_lengths = lengths
         return self._byte_lengths
