@@ -8,40 +8,8 @@ from typing import Iterable, Iterator, TextIO
 
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.text import StreamDecoder
 from nanolm.tokenizer import Tokenizer
-
-
-class StreamDecoder:
-    """Turns a stream of token ids into text pieces.
-
-    A byte-level token can end in the middle of a multi-byte UTF-8 character
-    (common with Chinese and emoji), so text is emitted only up to the last
-    complete character and the rest waits for the next token. An id past the
-    tokenizer's vocabulary (a model's vocab_size is often rounded up beyond
-    it, and an undertrained model may sample one) stands for no text.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
-
-    def push(self, token_id: int) -> str:
-        if not 0 <= token_id < self.tok.vocab_size:
-            return ""
-        self.ids.append(token_id)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete character; wait for more bytes
-        piece = text[self.emitted:]
-        self.emitted = len(text)
-        return piece
-
-    def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        piece = text[self.emitted:]
-        self.emitted = len(text)
-        return piece
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
-from nanolm.infer.generate import StreamDecoder, check_vocab
+from nanolm.infer.generate import check_vocab
+from nanolm.infer.text import StreamDecoder
 from nanolm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
