@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 import nanolm.infer.server as server_mod  # noqa: E402  (imports nothing from the extra itself)
-create_app, find_stop, stop_prefix_len = server_mod.create_app, server_mod.find_stop, server_mod.stop_prefix_len
+create_app = server_mod.create_app
 
 CTX = 96
 STOPS = (2, 0)  # <|im_end|>, <|endoftext|>: where the server stops a reply
@@ -260,16 +260,6 @@ def test_finish_reason_stop_at_the_end_token_and_length_at_max_tokens(scripted, 
     assert (r.choices[0].text, r.choices[0].finish_reason) == (SENTENCE, "length")
     r = c.completions.create(model="m", prompt="q", max_tokens=len(script) + 1)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (SENTENCE, "stop")
-
-
-def test_stop_helpers_exact():
-    assert find_stop("abcabc", ["ca", "bc"]) == 1
-    assert find_stop("abcabc", ["ca", "bc"], 2) == 2
-    assert find_stop("abcabc", ["x"]) is None and find_stop("abc", []) is None
-    assert stop_prefix_len("hello wor", ["world"]) == 3
-    assert stop_prefix_len("xab", ["abc", "bcd"]) == 2
-    assert stop_prefix_len("abc", ["x"]) == 0 and stop_prefix_len("", ["ab"]) == 0
-    assert stop_prefix_len("ab", ["b"]) == 0  # a whole stop string is find_stop's business
 
 
 CHAT = "/v1/chat/completions"

@@ -1,12 +1,15 @@
-"""Streamed text (nanolm/infer/text.py): incremental decoding equal to the tokenizer's own, in bounded work."""
+"""Streamed text (nanolm/infer/text.py): incremental decoding equal to the tokenizer's own, in bounded work;
+stop strings cut streamed text exactly, however it is split."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanolm.infer.text import StreamDecoder
+from nanolm.infer.text import StopStrings, StreamDecoder, TextStream, find_stop, stop_prefix_len
 from nanolm.tokenizer import Tokenizer
 
 
@@ -126,3 +129,95 @@ def test_work_per_push_does_not_grow_with_the_reply(tok):
     assert CountingTable.lookups == len(ids)
     assert max(stand_in.decode_sizes, default=0) <= 1 and stand_in.tables == 1
     assert "".join(pieces) == tok.decode(ids)
+
+
+# --- stop strings ------------------------------------------------------------------------------------
+
+def test_stop_helpers_exact():
+    assert find_stop("abcabc", ["ca", "bc"]) == 1
+    assert find_stop("abcabc", ["ca", "bc"], 2) == 2
+    assert find_stop("abcabc", ["x"]) is None and find_stop("abc", []) is None
+    assert stop_prefix_len("hello wor", ["world"]) == 3
+    assert stop_prefix_len("xab", ["abc", "bcd"]) == 2
+    assert stop_prefix_len("abc", ["x"]) == 0 and stop_prefix_len("", ["ab"]) == 0
+    assert stop_prefix_len("ab", ["b"]) == 0  # a whole stop string is find_stop's business
+
+
+def cut_reference(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The whole text cut before its first stop string, and whether one occurred."""
+    cut = find_stop(text, stops)
+    return (text, False) if cut is None else (text[:cut], True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc话", max_size=30), stops=st.lists(st.text(alphabet="abc话", min_size=1, max_size=4),
+                                                                 max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=10))
+def test_stop_strings_cut_streamed_text_as_the_whole_text(text, stops, cuts):
+    """However the text is split into pieces, what comes out is the whole text cut before its first stop string,
+    and nothing that comes out is ever part of a stop string."""
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    s = StopStrings(stops)
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        out.append(s.push(text[a:b]))
+        if s.stopped:
+            break
+    if not s.stopped:
+        out.append(s.flush())
+    assert ("".join(out), s.stopped) == cut_reference(text, stops)
+
+
+def test_stop_strings_hold_back_a_possible_start_and_release_it():
+    s = StopStrings(["world", "wx"])
+    assert s.push("hello wo") == "hello "  # "wo" may begin "world"
+    assert s.push("r") == ""  # "wor" still may
+    assert s.push("k") == "work"  # it did not
+    assert s.push("s w") == "s "
+    assert s.flush() == "w" and not s.stopped
+    s = StopStrings(["world"])
+    assert s.push("hello wor") == "hello " and s.push("ld, and more") == "" and s.stopped
+    assert s.push("after") == "" and s.flush() == ""
+    assert StopStrings().push("anything") == "anything"
+    with pytest.raises(ValueError, match="must not be empty"):
+        StopStrings(["a", ""])
+
+
+def test_text_stream_stops_inside_a_token_and_across_split_characters(tok):
+    one = byte_ids(tok)
+    ids = tok.encode("To be, or not to be") + [one[b] for b in "话说".encode("utf-8")]
+    text = TextStream(tok, ["not", "说"])
+    pieces = []
+    for i in ids:
+        pieces.append(text.push(i))
+        if text.stopped:
+            break
+    assert "".join(pieces) == "To be, or " and text.stopped
+    text = TextStream(tok, ["说!"])
+    assert "".join(text.push(i) for i in ids) + text.finish() == "To be, or not to be话说" and not text.stopped
+
+
+class ScriptEngine:
+    """An engine stand-in that replays fixed ids and records whether its generation was closed."""
+
+    def __init__(self, script: list[int], vocab_size: int) -> None:
+        self.script = script
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        self.closed = False
+
+    def generate(self, prompt, params, stop_ids=()):
+        try:
+            yield from self.script
+        finally:
+            self.closed = True
+
+
+def test_stream_text_ends_at_a_stop_string_and_closes_the_generation(tok):
+    from nanolm.infer.engine import SamplingParams
+    from nanolm.infer.generate import stream_text
+
+    engine = ScriptEngine(tok.encode("To be, or not to be"), tok.vocab_size)
+    params = SamplingParams(max_new_tokens=50)
+    assert "".join(stream_text(engine, tok, [0], params, (), stops=["not", "x"])) == "To be, or "
+    assert engine.closed
+    assert "".join(stream_text(engine, tok, [0], params, ())) == "To be, or not to be"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Iterable, Iterator, TextIO
+from typing import Iterable, Iterator, Sequence, TextIO
 
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
-from nanolm.infer.text import StreamDecoder
+from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
 
 
@@ -35,15 +35,21 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 
 
 def stream_text(engine: Engine, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-                stop_ids: Iterable[int]) -> Iterator[str]:
-    """Generate and yield text pieces as soon as they form whole characters."""
+                stop_ids: Iterable[int], stops: Sequence[str] = ()) -> Iterator[str]:
+    """Generate and yield text pieces as soon as they form whole characters, up to the first stop string."""
     check_vocab(tokenizer, engine.model.config.vocab_size)
-    dec = StreamDecoder(tokenizer)
-    for tid in engine.generate(prompt_ids, params, stop_ids=list(stop_ids)):
-        piece = dec.push(tid)
-        if piece:
-            yield piece
-    tail = dec.flush()
+    text = TextStream(tokenizer, stops)
+    gen = engine.generate(prompt_ids, params, stop_ids=list(stop_ids))
+    try:
+        for tid in gen:
+            piece = text.push(tid)
+            if piece:
+                yield piece
+            if text.stopped:
+                return
+    finally:
+        gen.close()  # frees the KV cache now, also when the caller or a stop string ends the reply early
+    tail = text.finish()
     if tail:
         yield tail
 

@@ -46,7 +46,7 @@ from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.infer.generate import check_vocab
-from nanolm.infer.text import StreamDecoder
+from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -74,28 +74,6 @@ def _require_extra(*modules: str) -> None:
         except ImportError:
             raise UserError(f"nanolm serve needs FastAPI and uvicorn, and {name} is not installed; "
                             "pip install 'nanolm[serve]'") from None
-
-
-# --- stop strings: small pure functions -------------------------------------------------------------
-
-def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
-    """Index of the earliest occurrence in text[start:] of any stop string, or None."""
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string (and may yet complete it).
-
-    Streamed text holds that much back: it may turn out to be the start of a stop string.
-    """
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 # --- one generation request, run on the worker thread ----------------------------------------------
@@ -136,30 +114,22 @@ class _Job:
         # token (not yielded). Fewer tokens than the budget therefore means a stop token ended the reply.
         budget = min(self.params.max_new_tokens, self.engine.max_seq_len - len(self.prompt_ids))
         stop_ids = (self.tok.im_end_id, self.tok.eot_id)
-        dec = StreamDecoder(self.tok)
-        text, sent, n = "", 0, 0  # decoded text so far, how much of it went out, tokens generated
+        text = TextStream(self.tok, self.stops)
+        n = 0  # tokens generated
         gen = self.engine.generate(self.prompt_ids, self.params, stop_ids)
         try:
             for tid in gen:
                 n += 1
-                text += dec.push(tid)
-                cut = find_stop(text, self.stops, sent)
-                if cut is not None:
-                    self._emit(text[sent:cut])
+                self._emit(text.push(tid))
+                if text.stopped:
                     self._post(("end", "stop", n))
                     return True
-                safe = len(text) - stop_prefix_len(text, self.stops)
-                if safe > sent:
-                    self._emit(text[sent:safe])
-                    sent = safe
                 if self.cancel.is_set():
                     return False
         finally:
             gen.close()  # frees the KV cache now, also when we leave early
-        text += dec.flush()
-        cut = find_stop(text, self.stops, sent)
-        self._emit(text[sent:len(text) if cut is None else cut])
-        self._post(("end", "stop" if cut is not None or n < budget else "length", n))
+        self._emit(text.finish())
+        self._post(("end", "stop" if text.stopped or n < budget else "length", n))
         return True
 
     def _emit(self, piece: str) -> None:

@@ -1,11 +1,16 @@
-"""Streamed text: token ids in, text pieces out.
+"""Streamed text: token ids in, text pieces out, cut at stop strings.
 
-`StreamDecoder` turns ids into text as they come, in constant work per id.
+Three small parts, each usable alone: `StreamDecoder` turns ids into text as
+they come, `StopStrings` cuts that text at the first stop string while
+holding back an end that may yet become one, and `TextStream` chains the two
+for the generate command, the chat session and the server.
 """
 
 from __future__ import annotations
 
 import codecs
+from typing import Sequence
+
 from nanolm.tokenizer import Tokenizer
 
 
@@ -40,3 +45,81 @@ class StreamDecoder:
     def pending_bytes(self) -> int:
         """Bytes of an incomplete character held for the next token (0 to 3)."""
         return len(self._utf8.getstate()[0])
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index of the earliest occurrence in text[start:] of any stop string, or None."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string (and may yet complete it).
+
+    Streamed text holds that much back: it may turn out to be the start of a stop string.
+    """
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class StopStrings:
+    """Cuts streamed text before the first stop string; the stop string itself never comes out.
+
+    `push` returns what is safe to show now: the text up to an end that may
+    begin a stop string, which is held back until the next piece decides it.
+    Only that held end (shorter than the longest stop string) is searched
+    again, so the work per piece does not grow with the text.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        self.stops = list(stops)
+        self.stopped = False  # a stop string has occurred; everything after it is dropped
+        self._held = ""
+
+    def push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return piece
+        text = self._held + piece
+        cut = find_stop(text, self.stops)
+        if cut is not None:
+            self.stopped, self._held = True, ""
+            return text[:cut]
+        safe = len(text) - stop_prefix_len(text, self.stops)
+        self._held = text[safe:]
+        return text[:safe]
+
+    def flush(self) -> str:
+        """The held end, at the end of the text: no stop string can complete any more."""
+        held, self._held = self._held, ""
+        return held
+
+
+class TextStream:
+    """Token ids in, the text to show out: a StreamDecoder followed by StopStrings.
+
+    Stop after a push that sets `stopped`; otherwise call `finish` once the ids
+    end, for the rest of the text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()) -> None:
+        self._decoder = StreamDecoder(tokenizer)
+        self._stops = StopStrings(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def push(self, token_id: int) -> str:
+        return self._stops.push(self._decoder.push(token_id))
+
+    def finish(self) -> str:
+        return self._stops.push(self._decoder.flush()) + self._stops.flush()
