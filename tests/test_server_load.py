@@ -25,6 +25,8 @@ from nanolm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+from nanolm.infer.server.routes import max_token_bytes  # noqa: E402  (needs the serve extra)
+from nanolm.infer.server.schemas import MAX_STOPS  # noqa: E402
 
 
 def _load_bench():
@@ -107,7 +109,7 @@ def tok(tokenizer_dir) -> Tokenizer:
 
 
 def test_max_token_bytes_bounds_every_text(tok, corpus):
-    n = server_mod.max_token_bytes(tok)
+    n = max_token_bytes(tok)
     assert n >= len("<|endoftext|>") and n >= int(tok.token_byte_lengths().max())
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
     texts += ["<|im_start|>user\n<|im_end|><|endoftext|>", "一壶浊酒喜相逢" * 20]
@@ -150,7 +152,7 @@ def test_body_over_the_limit_gets_413_unread(tok):
 
 def test_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tok, monkeypatch):
     engine = Engine(tiny_model())
-    limit = 4 * server_mod.max_token_bytes(tok) * engine.max_seq_len
+    limit = 4 * max_token_bytes(tok) * engine.max_seq_len
     calls = []
     real = tok.encode
     monkeypatch.setattr(tok, "encode", lambda text: calls.append(len(text)) or real(text))
@@ -172,13 +174,13 @@ def test_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tok, monkeypa
 
 def test_stop_strings_are_capped(tok):
     with running(server_mod.create_app(Engine(tiny_model()), tok, model_name="tiny")) as url:
-        ok = {"prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(server_mod.MAX_STOPS)]}
+        ok = {"prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(MAX_STOPS)]}
         assert httpx.post(url + COMPLETE, json=ok, timeout=30).status_code == 200
         r = httpx.post(url + COMPLETE, json={**ok, "stop": ok["stop"] + ["one more"]}, timeout=30)
         assert r.status_code == 400
         e = error(r)
-        assert e["param"] == "stop" and e["message"] == (f"stop: at most {server_mod.MAX_STOPS} stop strings are "
-                                                         f"allowed, got {server_mod.MAX_STOPS + 1}")
+        assert e["param"] == "stop" and e["message"] == (f"stop: at most {MAX_STOPS} stop strings are "
+                                                         f"allowed, got {MAX_STOPS + 1}")
 
 
 def test_health_needs_no_key_and_counts_admitted_requests(tok):

@@ -1,0 +1,123 @@
+"""An OpenAI-compatible HTTP API over the generation engine: `nanolm serve`.
+
+Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages rendered
+with the tokenizer's ChatML template) and `POST /v1/completions` (a prompt
+continued), each streaming (server-sent events in OpenAI's chunk shapes) or
+not, so the official `openai` client and tools built on it work unchanged.
+
+In parts: `worker` runs the generations one at a time on a single thread
+and admits at most `max_queue` requests at once (the next gets 429); a client
+that goes away, mid-stream or while waiting, cancels its request, which frees
+its place after at most one token. `schemas` is the wire format: the request
+models and OpenAI's error body `{"error": {"message", "type", "param",
+"code"}}`, which every failure a client causes gets with a 4xx, never a 500.
+`routes` is the FastAPI app: the routes are plain functions over one shared
+`ServerState`. What one request may cost is bounded before any work is done
+for it: a body over `max_body_bytes` gets 413 without being read into memory,
+one that does not arrive within `body_timeout_s` gets 408, a prompt whose
+byte count alone shows it cannot fit the context is refused untokenized, and
+at most `schemas.MAX_STOPS` stop strings are checked per token. `GET /health`
+(no API key) says whether the server is up and how many requests it has
+admitted. FastAPI and uvicorn are the `serve` extra, imported only when a
+server is built (`create_app`, `serve`).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nanolm.errors import UserError
+from nanolm.infer.engine import Engine
+from nanolm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+# The default request size limit: a whole context of text, JSON-escaped, is far less for nanolm's models.
+MAX_BODY_BYTES = 1 << 20
+# A request body must arrive within this many seconds of its headers; a client that stops sending gets 408
+# instead of holding its connection open for good.
+BODY_TIMEOUT_S = 30.0
+
+
+def _require_extra(*modules: str) -> None:
+    for name in modules:
+        try:
+            __import__(name)
+        except ImportError:
+            raise UserError(f"nanolm serve needs FastAPI and uvicorn, and {name} is not installed; "
+                            "pip install 'nanolm[serve]'") from None
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
+               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`.
+
+    At most `max_queue` requests are admitted at once (the next gets 429), a request body over
+    `max_body_bytes` gets 413, and one that takes longer than `body_timeout_s` to arrive gets 408.
+    """
+    _require_extra("fastapi")
+    from nanolm.infer.server.routes import ServerState, build_app
+
+    state = ServerState(engine, tokenizer, model_name=model_name, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                        body_timeout_s=body_timeout_s)
+    return build_app(state, api_key)
+
+
+# --- `nanolm serve` ----------------------------------------------------------------------------------
+
+def default_model_name(ckpt_dir: Path) -> str:
+    """The run's directory name for a checkpoint inside `<run>/checkpoints/`, else the directory's own name."""
+    ckpt_dir = Path(ckpt_dir).resolve()
+    return ckpt_dir.parent.parent.name if ckpt_dir.parent.name == "checkpoints" else ckpt_dir.name
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise UserError(f"--port {port!r}: must be an integer from 0 to 65535 (0 picks a free port)")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+                        "pick another --port, or stop the process that uses it") from None
+    return sock
+
+
+def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          adapter: str | Path | None = None, which: str = "best", device: str = "auto",
+          model_name: str | None = None, max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
+          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+    """Load a checkpoint and serve it until interrupted. Listens on loopback unless `host` says otherwise."""
+    _require_extra("fastapi", "uvicorn")
+    import uvicorn
+
+    from nanolm.runtime import resolve_device
+    from nanolm.checkpoint import load_model
+
+    sock = _bind(host, port)  # first, so a busy port fails before the model loads
+    try:
+        dev = resolve_device(device)
+        model, src = load_model(checkpoint, which, dev, adapter=adapter)
+        name = model_name or default_model_name(Path(adapter) if adapter is not None else src)
+        app = create_app(Engine(model, dev), Tokenizer.load(src), model_name=name, api_key=api_key,
+                         max_queue=max_queue, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}]", file=sys.stderr)
+        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: serving on {host} without an API key: anyone who can reach this port can use the "
+                  "model; pass --api-key", file=sys.stderr)
+        print(f"serving {name!r} at http://{shown}:{bound_port}/v1 (OpenAI-compatible; Ctrl+C stops)",
+              file=sys.stderr, flush=True)
+        # A short graceful shutdown: streams still open after it are cancelled, which stops their generation.
+        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

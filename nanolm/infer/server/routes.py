@@ -1,0 +1,357 @@
+"""The HTTP side of `nanolm serve`: the FastAPI app, and its routes as plain functions over one ServerState.
+
+`ServerState` is what every route shares (the engine and tokenizer, the
+worker, the limits, the served model's name); `build_app` puts it on the app
+and registers the routes, the error handlers and the API-key middleware. A
+route reads the state from its request, validates the body (`schemas`),
+bounds its cost, submits a `worker.Job` and answers from the job's events:
+one JSON body, or server-sent events in OpenAI's chunk shapes.
+
+Every failure a client causes is a 4xx with OpenAI's error body, never a 500.
+Imported only when a server is built: FastAPI comes with the `serve` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from nanolm.data.chatml import ROLE_NAMES, render_chat
+from nanolm.errors import UserError
+from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.generate import check_vocab
+from nanolm.infer.server.schemas import (ChatRequest, CompletionRequest, Usage, error_body, sse,
+                                         validation_error)
+from nanolm.infer.server.worker import Job, Worker, events
+from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+# A completion without max_tokens stops after this many tokens, as OpenAI's /v1/completions does;
+# a chat reply without it may run to the end of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    """A failure to answer with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes of text one token can stand for: a special token's name or the longest BPE token."""
+    return max(int(tokenizer.token_byte_lengths().max()), *(len(s.encode("utf-8")) for s in SPECIAL_TOKENS))
+
+
+class ServerState:
+    """What the routes share: the engine and tokenizer, the generation worker, the limits, the model's name."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int,
+                 max_body_bytes: int, body_timeout_s: float) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise UserError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests admitted at once)")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise UserError(f"max_body_bytes={max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
+        if not (isinstance(body_timeout_s, (int, float)) and body_timeout_s > 0):
+            raise UserError(f"body_timeout_s={body_timeout_s!r}: must be a number of seconds > 0")
+        # Refused at start, not as a failure inside the first request.
+        check_vocab(tokenizer, engine.model.config.vocab_size)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
+        # cheap (1 MiB of text took 1.1 s of the event loop and 230 MiB that stayed resident), so a prompt
+        # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
+        # whose normalizer shrinks text (NFKC maps a 4-byte letter to 1 byte); nanolm's have none.
+        self.max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
+        self.worker = Worker(max_queue)
+        self.created = int(time.time())
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanolm"}
+
+    def _too_large(self, size: int | None) -> ApiError:
+        what = f"is {size} bytes, over" if size is not None else "passes"
+        return ApiError(413, f"the request body {what} this server's limit of {self.max_body_bytes} bytes; "
+                             "shorten the prompt or the conversation", None, "request_too_large")
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused as soon as it is known to pass max_body_bytes: by its declared length, before
+        reading any of it, else while it arrives. uvicorn discards the unread rest after the response."""
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        body = bytearray()
+
+        async def receive() -> None:
+            async for part in request.stream():
+                body.extend(part)
+                if len(body) > self.max_body_bytes:
+                    raise self._too_large(None)
+
+        try:
+            await asyncio.wait_for(receive(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s of its headers "
+                                f"({len(body)} bytes came); send the whole request at once", None,
+                           "request_timeout") from None
+        return bytes(body)
+
+    async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
+        """The request body, read within the limits and validated; 400 naming the field otherwise."""
+        body = await self._read_body(request)
+        try:
+            return schema.model_validate_json(body)
+        except ValidationError as e:
+            message, param = validation_error(e.errors(include_url=False))
+            raise ApiError(400, message, param) from None
+
+    def encode_prompt(self, text: str, param: str) -> list[int]:
+        """The prompt's token ids; a prompt too long by its byte count alone is refused before tokenizing."""
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"the prompt is {size} bytes long, more tokens than the model's context of "
+                                f"{self.engine.max_seq_len} tokens can hold; shorten the prompt or the conversation",
+                           param, "context_length_exceeded")
+        return self.tokenizer.encode(text)
+
+    def start(self, prompt_ids: list[int], req: Any, max_tokens: int | None, param: str) -> Job:
+        """Submit the request's generation to the worker: 400 if the prompt leaves no room, 429 if the queue is full."""
+        max_seq_len = self.engine.max_seq_len
+        if len(prompt_ids) >= max_seq_len:
+            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens long and the model's context is "
+                                f"{max_seq_len} tokens, which leaves no room for a reply; "
+                                "shorten the prompt or the conversation", param, "context_length_exceeded")
+        params = SamplingParams(max_new_tokens=max_seq_len if max_tokens is None else max_tokens,
+                                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+        job = Job(self.engine, self.tokenizer, prompt_ids, params, req.stop)
+        if not self.worker.submit(job):
+            raise ApiError(429, f"the server is busy: {self.worker.max_queue} requests are already queued; "
+                                "retry shortly", None, "queue_full", "rate_limit_error")
+        return job
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.nanolm
+
+
+# --- answering from a job's events -------------------------------------------------------------------
+
+Chunk = Callable[..., dict[str, Any]]  # (text or None, finish_reason or None) -> one chunk of the stream
+
+
+async def _collect(request: Request, job: Job, usage: Usage) -> tuple[str, str] | None:
+    """(text, finish_reason) of a whole generation; None when the client went away."""
+    pieces = []
+    async with aclosing(events(request, job)) as stream:
+        async for event in stream:
+            if event[0] == "text":
+                pieces.append(event[1])
+            elif event[0] == "end":
+                usage.completion_tokens = event[2]
+                return "".join(pieces), event[1]
+            else:
+                raise ApiError(500, event[1], type_="server_error")
+    return None
+
+
+def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]], chunk: Chunk,
+            include_usage: bool) -> StreamingResponse:
+    """Server-sent events: the `first` chunks, one per text piece, one with the finish reason,
+    a usage chunk if asked for, then [DONE]. With include_usage every chunk carries "usage": null."""
+    def shaped(c: dict[str, Any]) -> bytes:
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    async def body() -> AsyncIterator[bytes]:
+        for c in first:
+            yield shaped(c)
+        async with aclosing(events(request, job)) as stream:
+            async for event in stream:
+                if event[0] == "text":
+                    yield shaped(chunk(event[1], None))
+                elif event[0] == "end":
+                    usage.completion_tokens = event[2]
+                    yield shaped(chunk(None, event[1]))
+                    if include_usage:
+                        last = chunk(None, None)
+                        last["choices"], last["usage"] = [], usage.as_dict()
+                        yield sse(last)
+                    yield b"data: [DONE]\n\n"
+                else:
+                    yield sse(error_body(event[1], "server_error"))
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _respond(request: Request, job: Job, usage: Usage, req: Any, first: list[dict[str, Any]], chunk: Chunk,
+                   whole: Callable[[str, str], dict[str, Any]]) -> Response:
+    """The answer to a generation request: a stream of chunks, or `whole(text, finish_reason)` once done."""
+    if req.stream:
+        return _stream(request, job, usage, first, chunk,
+                       bool(req.stream_options and req.stream_options.include_usage))
+    done = await _collect(request, job, usage)
+    if done is None:
+        return Response(status_code=499)  # nobody is there to read it
+    return JSONResponse(whole(*done))
+
+
+# --- the routes --------------------------------------------------------------------------------------
+
+async def health(request: Request) -> dict[str, Any]:
+    # Outside /v1, so no API key: for load balancers and monitors. `admitted` counts requests
+    # generating or waiting for the worker; it returns to 0 when the server is idle.
+    state = _state(request)
+    return {"status": "ok", "model": state.model_name, "admitted": state.worker.admitted,
+            "max_queue": state.worker.max_queue}
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_state(request).model_card()]}
+
+
+async def get_model(request: Request, model: str) -> dict[str, Any]:
+    state = _state(request)
+    if model != state.model_name:
+        raise ApiError(404, f"model {model!r} not found; this server serves {state.model_name!r}", "model",
+                       "model_not_found")
+    return state.model_card()
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    req = await state.parse(request, ChatRequest)
+    messages = [{"role": ROLE_NAMES[m.role], "content": m.content} for m in req.messages]
+    prompt_ids = state.encode_prompt(render_chat(messages, add_generation_prompt=True), "messages")
+    usage = Usage(len(prompt_ids))
+    job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages")
+    rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+
+    def chunk(content: str | None, finish: str | None, delta: dict | None = None) -> dict[str, Any]:
+        delta = delta if delta is not None else ({} if content is None else {"content": content})
+        return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    def whole(text: str, finish: str) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion", "created": now, "model": name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish}],
+                "usage": usage.as_dict()}
+
+    first = [chunk(None, None, {"role": "assistant", "content": ""})]
+    return await _respond(request, job, usage, req, first, chunk, whole)
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    req = await state.parse(request, CompletionRequest)
+    # An empty prompt starts a fresh document, as after an end-of-text token.
+    prompt_ids = state.encode_prompt(req.prompt, "prompt") or [state.tokenizer.eot_id]
+    usage = Usage(len(prompt_ids))
+    job = state.start(prompt_ids, req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+                      "prompt")
+    rid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+
+    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": now, "model": name,
+                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+
+    def whole(text: str, finish: str) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": now, "model": name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "usage": usage.as_dict()}
+
+    return await _respond(request, job, usage, req, [], chunk, whole)
+
+
+ROUTES: list[tuple[str, str, Callable[..., Any]]] = [
+    ("GET", "/health", health),
+    ("GET", "/v1/models", list_models),
+    ("GET", "/v1/models/{model}", get_model),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/completions", completions),
+]
+
+
+# --- errors and the API key --------------------------------------------------------------------------
+
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse(exc.body, status_code=exc.status, headers=headers)
+
+
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_error(list(exc.errors()))
+    return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail), code="not_found" if exc.status_code == 404 else None),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _bug(_request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+
+ERROR_HANDLERS: list[tuple[type[Exception], Callable[..., Any]]] = [
+    (ApiError, _api_error), (RequestValidationError, _invalid), (HTTPException, _http_error), (Exception, _bug)]
+
+
+class BearerAuth:
+    """ASGI middleware: paths under /v1 need `Authorization: Bearer <api_key>`.
+
+    Checked before anything else (even before a malformed body is parsed), so a client without
+    the key learns nothing but that it needs one.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode("utf-8")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                what = "a wrong API key" if given else "no API key"
+                body = error_body(f"this server needs an API key and the request has {what}; "
+                                  "send the header `Authorization: Bearer <key>`", code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# --- the app -----------------------------------------------------------------------------------------
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    app.state.nanolm.worker.close()
+
+
+def build_app(state: ServerState, api_key: str | None) -> FastAPI:
+    """The FastAPI app over `state`; with `api_key`, /v1 needs `Authorization: Bearer <key>`."""
+    app = FastAPI(title="nanolm", summary=f"OpenAI-compatible API serving {state.model_name}", lifespan=_lifespan)
+    app.state.nanolm = state
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    for exc_type, handler in ERROR_HANDLERS:
+        app.add_exception_handler(exc_type, handler)
+    for method, path, route in ROUTES:
+        app.add_api_route(path, route, methods=[method])
+    return app

@@ -1,0 +1,135 @@
+"""The server's worker alone (nanolm/infer/server/worker.py), without FastAPI or HTTP: a job's events, the
+admission limit, and a client that goes away cancelling its generation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from nanolm.infer.engine import SamplingParams
+from nanolm.infer.server import worker as worker_mod
+from nanolm.infer.server.worker import Job, Worker, events
+from nanolm.tokenizer import Tokenizer
+
+
+class ScriptEngine:
+    """Replays fixed ids (at most max_new_tokens), each once its `gate` is open; records when it is closed."""
+
+    def __init__(self, script: list[int], vocab_size: int, max_seq_len: int = 64) -> None:
+        self.script = script
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        self.max_seq_len = max_seq_len
+        self.gate = threading.Event()
+        self.gate.set()
+        self.closed = threading.Event()
+        self.tokens = 0
+
+    def generate(self, prompt, params, stop_ids=()) -> "Replay":
+        return Replay(self, self.script[:params.max_new_tokens])
+
+
+class Replay:
+    """What ScriptEngine.generate returns: an iterator of ids with the generator's close()."""
+
+    def __init__(self, engine: ScriptEngine, ids: list[int]) -> None:
+        self.engine, self.ids = engine, iter(ids)
+
+    def __iter__(self) -> "Replay":
+        return self
+
+    def __next__(self) -> int:
+        tid = next(self.ids)
+        self.engine.gate.wait(10)
+        self.engine.tokens += 1
+        return tid
+
+    def close(self) -> None:
+        self.engine.closed.set()
+
+
+class Client:
+    """A request stand-in: `gone` says whether the client has disconnected."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    async def is_disconnected(self) -> bool:
+        return self.gone
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.load(tokenizer_dir)
+
+
+async def run_job(engine, tok, max_new_tokens: int, stops=(), client=None) -> list[tuple]:
+    worker = Worker(max_queue=1)
+    job = Job(engine, tok, [0], SamplingParams(max_new_tokens=max_new_tokens), stops)
+    assert worker.submit(job)
+    out = [e async for e in events(client or Client(), job)]
+    worker.close()
+    return out
+
+
+def texts(evs: list[tuple]) -> str:
+    return "".join(e[1] for e in evs if e[0] == "text")
+
+
+def test_a_job_posts_its_text_then_how_it_ended(tok):
+    script = tok.encode("To be, or not to be")
+    evs = asyncio.run(run_job(ScriptEngine(script, tok.vocab_size), tok, 50))
+    assert texts(evs) == "To be, or not to be" and evs[-1] == ("end", "stop", len(script))  # the model ended
+    evs = asyncio.run(run_job(ScriptEngine(script, tok.vocab_size), tok, 3))
+    assert texts(evs) == tok.decode(script[:3]) and evs[-1] == ("end", "length", 3)
+    engine = ScriptEngine(script, tok.vocab_size)
+    evs = asyncio.run(run_job(engine, tok, 50, stops=["not"]))
+    assert texts(evs) == "To be, or " and evs[-1][:2] == ("end", "stop") and engine.closed.is_set()
+    assert engine.tokens < len(script)  # the stop string ended the generation
+
+
+def test_the_queue_admits_at_most_max_queue_and_frees_the_slot(tok):
+    async def scenario() -> None:
+        engine = ScriptEngine(tok.encode("To be"), tok.vocab_size)
+        engine.gate.clear()
+        worker = Worker(max_queue=2)
+        jobs = [Job(engine, tok, [0], SamplingParams(max_new_tokens=5), ()) for _ in range(3)]
+        assert worker.submit(jobs[0]) and worker.submit(jobs[1])
+        assert not worker.submit(jobs[2]) and worker.admitted == 2
+        engine.gate.set()
+        for job in jobs[:2]:
+            assert [e async for e in events(Client(), job)][-1][0] == "end"
+        for _ in range(100):  # released by the executor's done callback, just after the end
+            if worker.admitted == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert worker.admitted == 0 and worker.submit(jobs[2])
+        worker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_goes_away_cancels_its_generation(tok, monkeypatch):
+    monkeypatch.setattr(worker_mod, "DISCONNECT_POLL_S", 0.01)
+
+    async def scenario() -> None:
+        engine = ScriptEngine(tok.encode("To be, or not to be, that is the question.") * 20, tok.vocab_size, 10**6)
+        engine.gate.clear()  # the job holds before its first token
+        worker = Worker(max_queue=1)
+        job = Job(engine, tok, [0], SamplingParams(max_new_tokens=10**6), ())
+        assert worker.submit(job)
+        client = Client()
+        client.gone = True
+        assert [e async for e in events(client, job)] == []  # noticed by polling, with no event to wait for
+        assert job.cancel.is_set()
+        engine.gate.set()
+        posted = [await asyncio.wait_for(job.events.get(), 10)]
+        while posted[-1][0] == "text":
+            posted.append(await asyncio.wait_for(job.events.get(), 10))
+        assert len(posted) <= 2 and posted[-1][0] == "error" and "cancelled" in posted[-1][1]
+        assert engine.closed.wait(10) and engine.tokens == 1  # it stopped after the token it was making
+        worker.close()
+
+    asyncio.run(scenario())
