@@ -59,9 +59,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanolm.config import PRESETS, Config, preset
+from nanolm.config import PRESETS, Config, SamplingParams, preset
 from nanolm.io import first_line, write_json_atomic
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_bytes
 from nanolm.runtime import DTYPES, autocast, resolve_device

@@ -85,30 +85,59 @@ def _cmd_train(args: argparse.Namespace) -> None:
     train(cfg, resume=args.resume)
 
 
-def _add_inference_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One option per field of the dataclass `cls`, generated from it: field `top_k` is `--top-k` (or the field's
+    metadata "flag"), typed as the field, with the field's default and its metadata "help"."""
+    import dataclasses
+    import typing
+
+    from nanolm.config import override_fields
+    types = override_fields(cls)
+    g = p.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        kind = next(t for t in (*typing.get_args(types[f.name]), types[f.name]) if t is not type(None))
+        default = "none" if f.default is None else f.default
+        g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
+                       default=f.default, metavar=kind.__name__.upper(),
+                       help=f"{f.metadata.get('help', f.name)} (default {default})")
+
+
+def _from_fields(args: argparse.Namespace, cls: type):
+    """The dataclass `cls` from the options `_add_fields` made for it; it validates itself."""
+    import dataclasses
+    try:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    except UserError as e:
+        raise UserError(f"{args.command}: {e}") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model to load, for generate, chat and serve."""
     p.add_argument("checkpoint", help="a run directory or a checkpoint directory")
     p.add_argument("--adapter", default=None, help="a LoRA run or checkpoint to apply to the model, unmerged")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 = off")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 = off")
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
     p.add_argument("--device", default="auto")
 
 
+def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) -> argparse.ArgumentParser:
+    """The parser of a command that loads a model and samples from it: generate, chat, serve."""
+    from nanolm.config import SamplingParams
+    p = sub.add_parser(name, **kw)
+    _add_model_args(p)
+    _add_fields(p, SamplingParams, "sampling")
+    p.set_defaults(func=func)
+    return p
+
+
 def _engine_from_args(args: argparse.Namespace):
     """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments."""
-    from nanolm.infer.engine import Engine, SamplingParams
+    from nanolm.config import SamplingParams
+    from nanolm.infer.engine import Engine
     from nanolm.runtime import resolve_device
     from nanolm.tokenizer import Tokenizer
     from nanolm.checkpoint import load_model
 
-    try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    except ValueError as e:
-        raise UserError(f"{args.command}: {e}") from None
+    params = _from_fields(args, SamplingParams)  # checked before the model loads
     device = resolve_device(args.device)
     model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter)
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}]", file=sys.stderr)
@@ -155,10 +184,12 @@ def _cmd_import(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
+    from nanolm.config import SamplingParams
     from nanolm.infer.server import serve
     serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NANOLM_API_KEY"),
           adapter=args.adapter, which="last" if args.last else "best", device=args.device,
-          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
+          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+          sampling=_from_fields(args, SamplingParams))
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
@@ -256,15 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(tr)
     tr.set_defaults(func=_cmd_train)
 
-    g = sub.add_parser("generate", help="continue a prompt with a trained model, streaming")
-    _add_inference_args(g, max_new_tokens=200)
+    g = _inference_parser(sub, "generate", _cmd_generate, help="continue a prompt with a trained model, streaming")
     g.add_argument("--prompt", default="", help="text to continue")
-    g.set_defaults(func=_cmd_generate)
 
-    c = sub.add_parser("chat", help="multi-turn chat in the terminal (or scripted: one user turn per stdin line)")
-    _add_inference_args(c, max_new_tokens=256)
+    c = _inference_parser(sub, "chat", _cmd_chat,
+                          help="multi-turn chat in the terminal (or scripted: one user turn per stdin line)")
     c.add_argument("--system", default="", help="system prompt")
-    c.set_defaults(func=_cmd_chat)
 
     lo = sub.add_parser("lora", help="LoRA adapters: merge into a full model")
     losub = lo.add_subparsers(dest="lora_cmd", required=True, metavar="ACTION")
@@ -297,21 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
     ih.add_argument("out", help="the nanolm checkpoint directory to write")
     im.set_defaults(func=_cmd_import)
 
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (needs the serve extra)")
-    sv.add_argument("checkpoint", help="a run or checkpoint directory")
+    sv = _inference_parser(sub, "serve", _cmd_serve, help="an OpenAI-compatible HTTP API (needs the serve extra)",
+                           description="Serve a checkpoint over an OpenAI-compatible HTTP API. The sampling options "
+                                       "are the defaults for the fields a request leaves out; a completion without "
+                                       "max_tokens gets 16 tokens, as OpenAI's does.")
     sv.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set NANOLM_API_KEY)")
-    sv.add_argument("--adapter", default=None, help="a LoRA run to apply, unmerged")
-    sv.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
-    sv.add_argument("--device", default="auto")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests admitted at once (running or waiting); more get 429 (default 64)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
                     help="largest request body; a larger one gets 413 unread (default 1 MiB)")
     sv.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a request body may take to arrive after its headers; then 408 (default 30)")
-    sv.set_defaults(func=_cmd_serve)
 
     pl = sub.add_parser("plot", help="loss, lr, tokens/s and grad-norm of one or more runs, as a PNG")
     pl.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl)")

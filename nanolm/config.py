@@ -423,6 +423,47 @@ class Config:
         return _build(cls, d, source, prefix="")
 
 
+# ----------------------------------------------------------------------------- generation
+
+# What torch.Generator.manual_seed takes.
+SEED_RANGE = (-2**63, 2**64)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass
+class SamplingParams:
+    """How the next token is drawn and how many are drawn: the one set of defaults that `nanolm generate`,
+    `nanolm chat`, the server (for the fields a request leaves out) and the quickstart all take.
+
+    The defaults are the command line's long-standing ones, tuned for small models: top-k 50 and top-p 0.95
+    cut the long tail of unlikely tokens a small model's sampled text otherwise wanders into. The command-line
+    options (`--temperature`, `--top-k`, ...) are generated from these fields; `help` is their help text.
+    """
+
+    max_new_tokens: int = field(default=256, metadata={"help": "the most tokens to generate"})
+    temperature: float = field(default=0.8, metadata={"help": "0 = greedy"})
+    top_k: int = field(default=50, metadata={"help": "keep the k most likely tokens; 0 = off"})
+    top_p: float = field(default=0.95, metadata={"help": "keep the most likely tokens up to this mass; 1 = off"})
+    seed: int | None = field(default=None, metadata={"help": "makes sampling reproducible"})
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+               f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+
+
 # ----------------------------------------------------------------------------- presets
 
 def _preset_tiny() -> Config:

@@ -91,10 +91,11 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
                chat_corpora: Sequence[str] = CHAT_CORPORA, vocab_size: int = 6400, preset_name: str = "tiny",
                max_chars: int = 2_000_000, chat_max_chars: int = 500_000) -> dict[str, Path]:
     """Run every stage into `out`; returns the artefact paths."""
+    from nanolm.config import SamplingParams
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.infer.chat import ChatSession, run_chat
-    from nanolm.infer.engine import Engine, SamplingParams
+    from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
     from nanolm.tokenizer import Tokenizer, compression_report, split_by_script, train_tokenizer
     from nanolm.checkpoint import load_model
@@ -147,7 +148,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     model, ckpt_dir = load_model(run_dir, "best")
     engine = Engine(model)
     tok = Tokenizer.load(ckpt_dir)
-    params = SamplingParams(max_new_tokens=60, temperature=0.8, top_k=50, top_p=0.95, seed=0)
+    params = SamplingParams(max_new_tokens=60, seed=0)  # the one set of sampling defaults, short and reproducible
     for prompt in SAMPLE_PROMPTS:
         print(f"\n> {prompt}", end="", flush=True)
         complete(engine, tok, prompt, params)
@@ -168,8 +169,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
 
         _banner(7, n, "a scripted chat")
         model, sft_ckpt = load_model(sft_run, "best")
-        chat_params = SamplingParams(max_new_tokens=60, temperature=0.7, top_k=20, top_p=0.9, seed=0)
-        session = ChatSession(Engine(model), Tokenizer.load(sft_ckpt), chat_params)
+        session = ChatSession(Engine(model), Tokenizer.load(sft_ckpt), params)
         run_chat(session, stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"), interactive=False)
         artefacts.update({"sft data": sft_dir, "sft run": sft_run, "sft ckpt": sft_ckpt})
         final = sft_run

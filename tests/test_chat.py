@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from nanolm.config import ModelConfig
+from nanolm.config import ModelConfig, SamplingParams
 from nanolm.data.chatml import render_chat
 from nanolm.infer.chat import ChatSession, run_chat
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 from nanolm.train.trainer import train

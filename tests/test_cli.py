@@ -130,3 +130,22 @@ def test_ecosystem_commands(tmp_path, data_dir, corpus):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
+    """generate, chat and serve take --max-new-tokens/--temperature/--top-k/--top-p/--seed from SamplingParams,
+    with its defaults; a bad value is one line naming the option's field, before any model is loaded."""
+    from nanolm.cli import _from_fields, build_parser, main
+    from nanolm.config import SamplingParams
+
+    for command in ("generate", "chat", "serve"):
+        args = build_parser().parse_args([command, "run"])
+        assert _from_fields(args, SamplingParams) == SamplingParams()
+        args = build_parser().parse_args([command, "run", "--temperature", "0", "--top-k", "3", "--top-p", "0.5",
+                                          "--seed", "7", "--max-new-tokens", "9"])
+        assert _from_fields(args, SamplingParams) == SamplingParams(max_new_tokens=9, temperature=0, top_k=3,
+                                                                    top_p=0.5, seed=7)
+    assert main(["generate", str(tmp_path / "nowhere"), "--temperature", "-1"]) == 2
+    assert capsys.readouterr().err == "error: generate: temperature must be >= 0, got -1.0\n"
+    assert main(["chat", str(tmp_path / "nowhere"), "--top-p", "1.5"]) == 2
+    assert capsys.readouterr().err == "error: chat: top_p must be in (0, 1], got 1.5\n"

@@ -2,12 +2,14 @@
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 
-from nanolm.config import ModelConfig
-from nanolm.infer.engine import Engine, SamplingParams, sample_next, top_k_filter, top_p_filter
+from nanolm.config import ModelConfig, SamplingParams
+from nanolm.errors import UserError
+from nanolm.infer.engine import Engine, sample_next, top_k_filter, top_p_filter
 from nanolm.model.transformer import KVCache, Transformer, fuse_projections
 
 
@@ -77,10 +79,21 @@ def test_sampling_respects_filters():
     assert int(sample_next(logits, SamplingParams(temperature=0), g)) == 1
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=-1)])
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=-1),
+                                dict(temperature=float("nan")), dict(top_p=1.5), dict(top_k=2.5), dict(top_k=True),
+                                dict(max_new_tokens="5"), dict(seed=2**64), dict(seed=-2**63 - 1), dict(seed=1.0)])
 def test_bad_sampling_params(kw):
-    with pytest.raises(ValueError):
+    (field, value), = kw.items()
+    with pytest.raises(UserError, match=rf"^{field} must be .*, got {re.escape(repr(value))}$"):
         SamplingParams(**kw)
+
+
+def test_one_set_of_sampling_defaults():
+    """The defaults generate, chat, the server and the quickstart all take (tuned for small models)."""
+    p = SamplingParams()
+    assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (256, 0.8, 50, 0.95, None)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
+    assert SamplingParams(temperature=1, top_p=1).top_p == 1  # integers are numbers too
 
 
 # ----------------------------------------------------------------------------- fused projections

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 
 from nanolm import checkpoint as ckpt
 from nanolm.checkpoint import save_adapter
-from nanolm.config import Config, ModelConfig, TrainConfig, load_config
+from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig, load_config
 from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
 from nanolm.export.hf import export_hf, from_hf, import_hf, to_hf
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.model.lora import apply_lora, base_fingerprint
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import EOT_ID, IM_END_ID, Tokenizer

@@ -18,10 +18,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from nanolm.config import ModelConfig
+from nanolm.config import ModelConfig, SamplingParams
 from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 
@@ -313,6 +313,29 @@ def test_other_client_errors_have_the_error_body_too(base):
     assert httpx.get(base + "/v1/models/tiny", timeout=30).json()["id"] == "tiny"
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client(base).chat.completions.create(model="tiny", messages=OK_MSG, n=2)
+
+
+def test_fields_a_request_leaves_out_take_the_sampling_defaults(base, engine, tok):
+    """SamplingParams' defaults unless the server was given others (`nanolm serve --temperature ...`); what a
+    request gives wins, field by field. A chat without max_tokens gets the server's max_new_tokens, a
+    completion without it 16 tokens (OpenAI's rule)."""
+    ids = chat_ids(tok, "hi")
+    r = client(base).chat.completions.create(model="tiny", messages=OK_MSG, seed=11, max_tokens=12)
+    assert r.choices[0].message.content == tok.decode(engine.generate_all(ids, SamplingParams(max_new_tokens=12,
+                                                                                             seed=11), STOPS))
+    defaults = SamplingParams(max_new_tokens=5, temperature=0.9, top_k=7, top_p=0.8, seed=3)
+    with running(create_app(engine, tok, model_name="tiny", sampling=defaults)) as url:
+        c = client(url)
+        want = engine.generate_all(ids, defaults, STOPS)
+        r = c.chat.completions.create(model="tiny", messages=OK_MSG)
+        assert (r.choices[0].message.content, r.usage.completion_tokens) == (tok.decode(want), len(want))
+        r = c.chat.completions.create(model="tiny", messages=OK_MSG, temperature=0, max_tokens=9)
+        assert r.choices[0].message.content == reference(engine, tok, ids, 9)[0]
+        mixed = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=0, top_p=0.8, seed=4)
+        r = c.chat.completions.create(model="tiny", messages=OK_MSG, max_tokens=8, extra_body={"top_k": 0}, seed=4)
+        assert r.choices[0].message.content == tok.decode(engine.generate_all(ids, mixed, STOPS))
+        r = c.completions.create(model="tiny", prompt="To be", temperature=0)
+        assert r.usage.completion_tokens == 16
 
 
 def test_prompt_longer_than_the_context_is_refused(base, tok):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanolm.infer.engine import SamplingParams
+from nanolm.config import SamplingParams
 from nanolm.infer.server import worker as worker_mod
 from nanolm.infer.server.worker import Job, Worker, events
 from nanolm.tokenizer import Tokenizer

@@ -213,7 +213,7 @@ class ScriptEngine:
 
 
 def test_stream_text_ends_at_a_stop_string_and_closes_the_generation(tok):
-    from nanolm.infer.engine import SamplingParams
+    from nanolm.config import SamplingParams
     from nanolm.infer.generate import stream_text
 
     engine = ScriptEngine(tok.encode("To be, or not to be"), tok.vocab_size)

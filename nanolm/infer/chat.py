@@ -13,9 +13,10 @@ import itertools
 import sys
 from typing import Iterator, TextIO
 
+from nanolm.config import SamplingParams
 from nanolm.data.chatml import render_chat
-from nanolm.infer.engine import Engine, SamplingParams
 from nanolm.errors import UserError
+from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_text, stream_text
 from nanolm.tokenizer import Tokenizer
 

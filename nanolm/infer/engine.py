@@ -7,32 +7,13 @@ filters are small pure functions over a logits vector.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
+from nanolm.config import SamplingParams
 from nanolm.model.transformer import KVCache, fuse_projections
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 256
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -6,8 +6,9 @@ import re
 import sys
 from typing import Iterable, Iterator, Sequence, TextIO
 
+from nanolm.config import SamplingParams
 from nanolm.errors import UserError
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
 

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanolm.config import SamplingParams
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.tokenizer import Tokenizer
@@ -53,18 +54,19 @@ def _require_extra(*modules: str) -> None:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
-               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
+               sampling: SamplingParams | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`.
 
     At most `max_queue` requests are admitted at once (the next gets 429), a request body over
     `max_body_bytes` gets 413, and one that takes longer than `body_timeout_s` to arrive gets 408.
+    `sampling` (default: SamplingParams()) gives the sampling fields a request leaves out.
     """
     _require_extra("fastapi")
     from nanolm.infer.server.routes import ServerState, build_app
 
     state = ServerState(engine, tokenizer, model_name=model_name, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                        body_timeout_s=body_timeout_s)
+                        body_timeout_s=body_timeout_s, sampling=sampling if sampling is not None else SamplingParams())
     return build_app(state, api_key)
 
 
@@ -93,7 +95,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           adapter: str | Path | None = None, which: str = "best", device: str = "auto",
           model_name: str | None = None, max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
-          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+          body_timeout_s: float = BODY_TIMEOUT_S, sampling: SamplingParams | None = None) -> None:
     """Load a checkpoint and serve it until interrupted. Listens on loopback unless `host` says otherwise."""
     _require_extra("fastapi", "uvicorn")
     import uvicorn
@@ -107,7 +109,8 @@ def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, 
         model, src = load_model(checkpoint, which, dev, adapter=adapter)
         name = model_name or default_model_name(Path(adapter) if adapter is not None else src)
         app = create_app(Engine(model, dev), Tokenizer.load(src), model_name=name, api_key=api_key,
-                         max_queue=max_queue, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+                         max_queue=max_queue, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                         sampling=sampling)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}]", file=sys.stderr)

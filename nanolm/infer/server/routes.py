@@ -14,6 +14,7 @@ Imported only when a server is built: FastAPI comes with the `serve` extra.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 import uuid
@@ -26,18 +27,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from nanolm.config import SamplingParams
 from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_vocab
 from nanolm.infer.server.schemas import (ChatRequest, CompletionRequest, Usage, error_body, sse,
                                          validation_error)
 from nanolm.infer.server.worker import Job, Worker, events
 from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
 
-# A completion without max_tokens stops after this many tokens, as OpenAI's /v1/completions does;
-# a chat reply without it may run to the end of the context.
+# A completion without max_tokens stops after this many tokens, as OpenAI's /v1/completions does; a chat
+# reply without it gets the server's max_new_tokens (its SamplingParams), at most the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The request fields that are SamplingParams fields of the same name.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 
 
 class ApiError(Exception):
@@ -55,10 +59,11 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
 
 
 class ServerState:
-    """What the routes share: the engine and tokenizer, the generation worker, the limits, the model's name."""
+    """What the routes share: the engine and tokenizer, the generation worker, the limits, the model's name,
+    and the sampling defaults for what a request leaves out."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int,
-                 max_body_bytes: int, body_timeout_s: float) -> None:
+                 max_body_bytes: int, body_timeout_s: float, sampling: SamplingParams) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise UserError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests admitted at once)")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
@@ -70,6 +75,7 @@ class ServerState:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.sampling = sampling
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
@@ -128,6 +134,13 @@ class ServerState:
                            param, "context_length_exceeded")
         return self.tokenizer.encode(text)
 
+    def sampling_params(self, req: BaseModel, max_tokens: int | None) -> SamplingParams:
+        """The request's sampling fields, and the server's defaults for those it leaves out; a reply without
+        max_tokens gets the server's max_new_tokens, both at most the rest of the context (the engine's cut)."""
+        given = {name: getattr(req, name) for name in SAMPLING_FIELDS if name in req.model_fields_set}
+        return dataclasses.replace(self.sampling, **given,
+                                   max_new_tokens=self.sampling.max_new_tokens if max_tokens is None else max_tokens)
+
     def start(self, prompt_ids: list[int], req: Any, max_tokens: int | None, param: str) -> Job:
         """Submit the request's generation to the worker: 400 if the prompt leaves no room, 429 if the queue is full."""
         max_seq_len = self.engine.max_seq_len
@@ -135,9 +148,7 @@ class ServerState:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens long and the model's context is "
                                 f"{max_seq_len} tokens, which leaves no room for a reply; "
                                 "shorten the prompt or the conversation", param, "context_length_exceeded")
-        params = SamplingParams(max_new_tokens=max_seq_len if max_tokens is None else max_tokens,
-                                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
-        job = Job(self.engine, self.tokenizer, prompt_ids, params, req.stop)
+        job = Job(self.engine, self.tokenizer, prompt_ids, self.sampling_params(req, max_tokens), req.stop)
         if not self.worker.submit(job):
             raise ApiError(429, f"the server is busy: {self.worker.max_queue} requests are already queued; "
                                 "retry shortly", None, "queue_full", "rate_limit_error")

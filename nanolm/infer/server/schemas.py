@@ -13,10 +13,15 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nanolm.config import SEED_RANGE, SamplingParams
 from nanolm.data.chatml import ROLE_NAMES
+
 # Every stop string is looked for after every token; OpenAI takes up to 4, so 16 leaves room and keeps
 # that check from multiplying the worker's time per token (20 000 stop strings made it 50x slower).
 MAX_STOPS = 16
+# The defaults a request's sampling fields show; the server applies its own (`nanolm serve --temperature ...`,
+# SamplingParams' unless told) to the fields a request leaves out (ServerState.sampling_params).
+_DEFAULTS = SamplingParams()
 
 
 class _Strict(BaseModel):
@@ -32,12 +37,12 @@ class _Common(_Strict):
     model: str | None = None  # any name is accepted; responses carry the served model's name
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # not OpenAI's; vLLM and others take it too (0 = off)
+    temperature: float = Field(_DEFAULTS.temperature, ge=0, le=2)
+    top_p: float = Field(_DEFAULTS.top_p, gt=0, le=1)
+    top_k: int = Field(_DEFAULTS.top_k, ge=0)  # not OpenAI's; vLLM and others take it too (0 = off)
     max_tokens: int | None = Field(None, ge=1)
     stop: list[str] = []
-    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch.Generator.manual_seed takes
+    seed: int | None = Field(_DEFAULTS.seed, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     n: int = 1
 
     @field_validator("stop", mode="before")

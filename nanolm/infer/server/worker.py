@@ -20,7 +20,8 @@ import time
 from concurrent.futures import Executor, Future
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from nanolm.infer.engine import Engine, SamplingParams
+from nanolm.config import SamplingParams
+from nanolm.infer.engine import Engine
 from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
 
