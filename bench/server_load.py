@@ -101,11 +101,11 @@ class ServerProcess:
 
     def __init__(self, checkpoint: Path, *, max_queue: int = 64, max_body_bytes: int | None = None,
                  threads: int = 1) -> None:
-        args = f"{str(checkpoint)!r}, port=0, device='cpu', max_queue={max_queue}"
-        if max_body_bytes is not None:
-            args += f", max_body_bytes={max_body_bytes}"
+        limits = f"port=0, max_queue={max_queue}" + (f", max_body_bytes={max_body_bytes}" if max_body_bytes is not None else "")
+        code = (f"from nanolm.config import ServeConfig; from nanolm.infer.server import serve; "
+                f"serve({str(checkpoint)!r}, ServeConfig({limits}), device='cpu')")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", f"from nanolm.infer.server import serve; serve({args})"],
+        self.proc = subprocess.Popen([sys.executable, "-c", code],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.log: list[str] = []
         lines: queue.Queue = queue.Queue()

@@ -96,7 +96,7 @@ def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
     g = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
         kind = next(t for t in (*typing.get_args(types[f.name]), types[f.name]) if t is not type(None))
-        default = "none" if f.default is None else f.default
+        default = "none" if f.default is None else '""' if f.default == "" else f.default
         g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
                        default=f.default, metavar=kind.__name__.upper(),
                        help=f"{f.metadata.get('help', f.name)} (default {default})")
@@ -184,12 +184,11 @@ def _cmd_import(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from nanolm.config import SamplingParams
+    from nanolm.config import SamplingParams, ServeConfig
     from nanolm.infer.server import serve
-    serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NANOLM_API_KEY"),
-          adapter=args.adapter, which="last" if args.last else "best", device=args.device,
-          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-          sampling=_from_fields(args, SamplingParams))
+    args.api_key = args.api_key or os.environ.get("NANOLM_API_KEY") or None  # "" is no key, as unset
+    serve(args.checkpoint, _from_fields(args, ServeConfig), sampling=_from_fields(args, SamplingParams),
+          adapter=args.adapter, which="last" if args.last else "best", device=args.device)
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
@@ -212,6 +211,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nanolm.config import ServeConfig
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
                                 "from raw text to chat.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -329,15 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve a checkpoint over an OpenAI-compatible HTTP API. The sampling options "
                                        "are the defaults for the fields a request leaves out; a completion without "
                                        "max_tokens gets 16 tokens, as OpenAI's does.")
-    sv.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set NANOLM_API_KEY)")
-    sv.add_argument("--max-queue", type=int, default=64,
-                    help="requests admitted at once (running or waiting); more get 429 (default 64)")
-    sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                    help="largest request body; a larger one gets 413 unread (default 1 MiB)")
-    sv.add_argument("--body-timeout", type=float, default=30.0,
-                    help="seconds a request body may take to arrive after its headers; then 408 (default 30)")
+    _add_fields(sv, ServeConfig, "server")
 
     pl = sub.add_parser("plot", help="loss, lr, tokens/s and grad-norm of one or more runs, as a PNG")
     pl.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl)")

@@ -464,6 +464,45 @@ class SamplingParams:
                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
 
+@dataclass
+class ServeConfig:
+    """`nanolm serve`'s settings: where it listens, who may use it, its name, and what one request may cost.
+
+    It listens on loopback unless `host` says otherwise. At most `max_queue` requests are admitted at once
+    (the next gets 429), a body over `max_body_bytes` gets 413 unread, and one that does not arrive within
+    `body_timeout_s` of its headers gets 408. The `nanolm serve` options are generated from these fields.
+    """
+
+    host: str = field(default="127.0.0.1", metadata={"help": "listen address; 0.0.0.0 for every interface"})
+    port: int = field(default=8000, metadata={"help": "0 picks a free port"})
+    api_key: str | None = field(default=None, repr=False,
+                                metadata={"help": "require `Authorization: Bearer KEY` (or set NANOLM_API_KEY)"})
+    model_name: str = field(default="", metadata={"help": "the name clients see; \"\" = the run directory's name"})
+    max_queue: int = field(default=64,
+                           metadata={"help": "requests admitted at once (running or waiting); more get 429"})
+    # A whole context of text, JSON-escaped, is far less than 1 MiB for nanolm's models.
+    max_body_bytes: int = field(default=1 << 20,
+                                metadata={"help": "largest request body; a larger one gets 413 unread"})
+    # A client that stops sending gets 408 instead of holding its connection open for good.
+    body_timeout_s: float = field(default=30.0, metadata={
+        "flag": "--body-timeout", "help": "seconds a request body may take to arrive after its headers; then 408"})
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.host, str) and bool(self.host.strip()),
+               f"host={self.host!r}: must be a host name or address, such as 127.0.0.1 (loopback only)")
+        _check(_is_int(self.port) and 0 <= self.port <= 65535,
+               f"--port {self.port!r}: must be an integer from 0 to 65535 (0 picks a free port)")
+        _check(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
+               "api_key: must be a non-empty string, or None for a server without a key")
+        _check(isinstance(self.model_name, str), f"model_name={self.model_name!r}: must be a string")
+        _check(_is_int(self.max_queue) and self.max_queue >= 1,
+               f"max_queue={self.max_queue!r}: must be an integer >= 1 (requests admitted at once)")
+        _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
+               f"max_body_bytes={self.max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
+        _check(_is_number(self.body_timeout_s) and self.body_timeout_s > 0,
+               f"body_timeout_s={self.body_timeout_s!r}: must be a number of seconds > 0")
+
+
 # ----------------------------------------------------------------------------- presets
 
 def _preset_tiny() -> Config:

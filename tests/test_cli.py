@@ -149,3 +149,29 @@ def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
     assert capsys.readouterr().err == "error: generate: temperature must be >= 0, got -1.0\n"
     assert main(["chat", str(tmp_path / "nowhere"), "--top-p", "1.5"]) == 2
     assert capsys.readouterr().err == "error: chat: top_p must be in (0, 1], got 1.5\n"
+
+
+def test_serve_options_are_generated_from_its_settings(monkeypatch, capsys):
+    """nanolm serve's --host/--port/--api-key/--model-name/--max-queue/--max-body-bytes/--body-timeout come from
+    ServeConfig, with its defaults (loopback); the API key may come from NANOLM_API_KEY."""
+    import nanolm.infer.server
+    from nanolm.cli import build_parser, main
+    from nanolm.config import SamplingParams, ServeConfig
+
+    calls = []
+    monkeypatch.setattr(nanolm.infer.server, "serve", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.delenv("NANOLM_API_KEY", raising=False)
+    assert main(["serve", "run"]) == 0
+    (checkpoint, config), kw = calls[-1]
+    assert (checkpoint, config, kw["sampling"]) == ("run", ServeConfig(), SamplingParams())
+    monkeypatch.setenv("NANOLM_API_KEY", "from-env")
+    assert main(["serve", "run", "--host", "0.0.0.0", "--port", "0", "--model-name", "m", "--max-queue", "2",
+                 "--max-body-bytes", "300", "--body-timeout", "1.5", "--temperature", "0", "--last"]) == 0
+    (_, config), kw = calls[-1]
+    assert config == ServeConfig(host="0.0.0.0", port=0, api_key="from-env", model_name="m", max_queue=2,
+                                 max_body_bytes=300, body_timeout_s=1.5)
+    assert kw["sampling"] == SamplingParams(temperature=0) and kw["which"] == "last"
+    assert main(["serve", "run", "--api-key", "flag"]) == 0 and calls[-1][0][1].api_key == "flag"
+    assert main(["serve", "run", "--max-queue", "0"]) == 2
+    assert capsys.readouterr().err == "error: serve: max_queue=0: must be an integer >= 1 (requests admitted at once)\n"
+    assert build_parser().parse_args(["serve", "run"]).body_timeout_s == 30.0

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from nanolm.config import ModelConfig, SamplingParams
+from nanolm.config import ModelConfig, SamplingParams, ServeConfig
 from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
@@ -111,7 +111,7 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def base(engine, tok):
-    with running(create_app(engine, tok, model_name="tiny")) as url:
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
         yield url
 
 
@@ -216,7 +216,7 @@ SENTENCE = "To be, or not to be, that is the question."
 @pytest.fixture(scope="module")
 def scripted(tok):
     eng = ScriptedEngine(tok.encode(SENTENCE))
-    with running(create_app(eng, tok, model_name="scripted")) as url:
+    with running(create_app(eng, tok, ServeConfig(model_name="scripted"))) as url:
         yield url, eng.script
 
 
@@ -324,7 +324,7 @@ def test_fields_a_request_leaves_out_take_the_sampling_defaults(base, engine, to
     assert r.choices[0].message.content == tok.decode(engine.generate_all(ids, SamplingParams(max_new_tokens=12,
                                                                                              seed=11), STOPS))
     defaults = SamplingParams(max_new_tokens=5, temperature=0.9, top_k=7, top_p=0.8, seed=3)
-    with running(create_app(engine, tok, model_name="tiny", sampling=defaults)) as url:
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny"), defaults)) as url:
         c = client(url)
         want = engine.generate_all(ids, defaults, STOPS)
         r = c.chat.completions.create(model="tiny", messages=OK_MSG)
@@ -352,7 +352,7 @@ def test_prompt_longer_than_the_context_is_refused(base, tok):
 
 
 def test_api_key_is_enforced(engine, tok):
-    with running(create_app(engine, tok, model_name="tiny", api_key="s3cret")) as url:
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny", api_key="s3cret"))) as url:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = httpx.post(url + CHAT, content="{", headers=headers, timeout=30)  # refused before parsing
             assert r.status_code == 401, headers
@@ -401,7 +401,7 @@ def test_full_queue_gets_429_and_the_server_keeps_answering(engine, tok):
     eng.gate.clear()  # generation holds at its first token until the test opens the gate
     want = reference(engine, tok, chat_ids(tok, "hi"), 5)[0]
     body = {"messages": OK_MSG, "max_tokens": 5, "temperature": 0, "stream": True}
-    with running(create_app(eng, tok, model_name="tiny", max_queue=1)) as url:
+    with running(create_app(eng, tok, ServeConfig(model_name="tiny", max_queue=1))) as url:
         try:
             with httpx.stream("POST", url + CHAT, json=body, timeout=30) as first:
                 lines = (json.loads(x[6:]) for x in first.iter_lines() if x.startswith("data: {"))
@@ -432,7 +432,7 @@ def post_until_admitted(url: str, body: dict) -> "httpx.Response":
 
 def test_client_leaving_mid_stream_stops_its_generation(tok):
     eng = SlowEngine(delay=0.03)  # 80 tokens would take 2.4 s
-    with running(create_app(eng, tok, model_name="tiny", max_queue=1)) as url:
+    with running(create_app(eng, tok, ServeConfig(model_name="tiny", max_queue=1))) as url:
         body = {"prompt": "To be", "max_tokens": 80, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + COMPLETE, json=body, timeout=30) as r:
             for line in r.iter_lines():
@@ -457,7 +457,7 @@ def test_client_leaving_mid_stream_stops_its_generation(tok):
 def test_missing_serve_extra_is_a_user_error(engine, tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install 'nanolm\[serve\]'"):
-        create_app(engine, tok, model_name="tiny")
+        create_app(engine, tok, ServeConfig(model_name="tiny"))
     with pytest.raises(UserError, match=r"pip install 'nanolm\[serve\]'"):
         server_mod.serve("no-such-run")
 
@@ -468,7 +468,7 @@ def test_busy_port_is_a_user_error_before_loading(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(UserError, match=f"--port {port}: cannot listen there"):
-            server_mod.serve(tmp_path / "no-such-run", port=port)
+            server_mod.serve(tmp_path / "no-such-run", ServeConfig(port=port))
 
 
 def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
@@ -482,7 +482,8 @@ def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
     model, _ = load_model(run, "best")
     want = reference(Engine(model), tok, chat_ids(tok, "你好"), 8)[0]
 
-    code = f"from nanolm.infer.server import serve; serve({str(run)!r}, port=0, api_key='k', device='cpu')"
+    code = (f"from nanolm.config import ServeConfig; from nanolm.infer.server import serve; "
+            f"serve({str(run)!r}, ServeConfig(port=0, api_key='k'), device='cpu')")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines: queue.Queue = queue.Queue()
@@ -520,7 +521,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_start(tok):
     small = Engine(tiny_model(vocab_size=tok.vocab_size - 1))
     with pytest.raises(UserError, match=rf"the tokenizer has {tok.vocab_size} tokens but the model only "
                                         rf"{tok.vocab_size - 1}"):
-        create_app(small, tok, model_name="tiny")
+        create_app(small, tok, ServeConfig(model_name="tiny"))
 
 
 def test_text_that_is_not_utf8_is_a_400(base):
@@ -533,7 +534,7 @@ def test_text_that_is_not_utf8_is_a_400(base):
 
 def test_a_body_that_stops_arriving_gets_408_and_the_server_goes_on(engine, tok):
     import socket
-    with running(create_app(engine, tok, model_name="tiny", body_timeout_s=0.5)) as url:
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny", body_timeout_s=0.5))) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

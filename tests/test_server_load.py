@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import signal
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from test_server import running, tiny_model  # skips this module, as that one, without httpx, openai or uvicorn
 
 import nanolm.infer.server as server_mod
+from nanolm.config import ServeConfig
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.tokenizer import Tokenizer
@@ -124,7 +126,7 @@ def error(r) -> dict:
 
 
 def test_body_over_the_limit_gets_413_unread(tok):
-    with running(server_mod.create_app(Engine(tiny_model()), tok, model_name="tiny", max_body_bytes=200)) as url:
+    with running(server_mod.create_app(Engine(tiny_model()), tok, ServeConfig(model_name="tiny", max_body_bytes=200))) as url:
         fits = json.dumps({"model": "m" * 150, "prompt": "To be", "max_tokens": 1}).encode()
         assert len(fits) <= 200
         r = httpx.post(url + COMPLETE, content=fits, headers={"content-type": "application/json"}, timeout=30)
@@ -156,7 +158,7 @@ def test_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tok, monkeypa
     calls = []
     real = tok.encode
     monkeypatch.setattr(tok, "encode", lambda text: calls.append(len(text)) or real(text))
-    with running(server_mod.create_app(engine, tok, model_name="tiny")) as url:
+    with running(server_mod.create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
         r = httpx.post(url + COMPLETE, json={"prompt": "a" * (limit + 1)}, timeout=30)
         assert r.status_code == 400
         e = error(r)
@@ -173,7 +175,7 @@ def test_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tok, monkeypa
 
 
 def test_stop_strings_are_capped(tok):
-    with running(server_mod.create_app(Engine(tiny_model()), tok, model_name="tiny")) as url:
+    with running(server_mod.create_app(Engine(tiny_model()), tok, ServeConfig(model_name="tiny"))) as url:
         ok = {"prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(MAX_STOPS)]}
         assert httpx.post(url + COMPLETE, json=ok, timeout=30).status_code == 200
         r = httpx.post(url + COMPLETE, json={**ok, "stop": ok["stop"] + ["one more"]}, timeout=30)
@@ -184,8 +186,8 @@ def test_stop_strings_are_capped(tok):
 
 
 def test_health_needs_no_key_and_counts_admitted_requests(tok):
-    with running(server_mod.create_app(Engine(tiny_model()), tok, model_name="tiny", api_key="k",
-                                       max_queue=3)) as url:
+    with running(server_mod.create_app(Engine(tiny_model()), tok,
+                                       ServeConfig(model_name="tiny", api_key="k", max_queue=3))) as url:
         r = httpx.get(url + "/health", timeout=30)
         assert r.status_code == 200 and r.json() == {"status": "ok", "model": "tiny", "admitted": 0, "max_queue": 3}
         assert httpx.get(url + "/v1/models", timeout=30).status_code == 401
@@ -194,4 +196,30 @@ def test_health_needs_no_key_and_counts_admitted_requests(tok):
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
 def test_max_body_bytes_must_be_a_positive_integer(tok, bad):
     with pytest.raises(UserError, match=r"max_body_bytes=.*: must be an integer >= 1"):
-        server_mod.create_app(Engine(tiny_model()), tok, model_name="tiny", max_body_bytes=bad)
+        server_mod.create_app(Engine(tiny_model()), tok, ServeConfig(model_name="tiny", max_body_bytes=bad))
+
+
+@pytest.mark.parametrize("field, bad, says", [
+    ("max_queue", 0, "max_queue=0: must be an integer >= 1"),
+    ("max_queue", 2.0, "max_queue=2.0: must be an integer >= 1"),
+    ("body_timeout_s", 0, "body_timeout_s=0: must be a number of seconds > 0"),
+    ("body_timeout_s", True, "body_timeout_s=True: must be a number of seconds > 0"),
+    ("body_timeout_s", float("inf"), "body_timeout_s=inf: must be a number of seconds > 0"),
+    ("port", 65536, "--port 65536: must be an integer from 0 to 65535 (0 picks a free port)"),
+    ("port", "80", "--port '80': must be an integer from 0 to 65535"),
+    ("host", "", "host='': must be a host name or address"),
+    ("api_key", "", "api_key: must be a non-empty string, or None"),
+    ("model_name", None, "model_name=None: must be a string"),
+])
+def test_server_settings_are_checked_when_made(field, bad, says):
+    with pytest.raises(UserError, match=re.escape(says)):
+        ServeConfig(**{field: bad})
+
+
+def test_server_settings_defaults_and_the_unnamed_model(tok):
+    c = ServeConfig()
+    assert (c.host, c.port, c.api_key, c.model_name, c.max_queue, c.max_body_bytes, c.body_timeout_s) == \
+        ("127.0.0.1", 8000, None, "", 64, 1 << 20, 30.0)  # loopback unless told otherwise
+    assert "s3cret" not in repr(ServeConfig(api_key="s3cret"))
+    with pytest.raises(UserError, match="model_name is empty"):
+        server_mod.create_app(Engine(tiny_model()), tok, ServeConfig())

@@ -24,25 +24,19 @@ server is built (`create_app`, `serve`).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanolm.config import SamplingParams
+from nanolm.config import SamplingParams, ServeConfig
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-# The default request size limit: a whole context of text, JSON-escaped, is far less for nanolm's models.
-MAX_BODY_BYTES = 1 << 20
-# A request body must arrive within this many seconds of its headers; a client that stops sending gets 408
-# instead of holding its connection open for good.
-BODY_TIMEOUT_S = 30.0
-
 
 def _require_extra(*modules: str) -> None:
     for name in modules:
@@ -53,21 +47,15 @@ def _require_extra(*modules: str) -> None:
                             "pip install 'nanolm[serve]'") from None
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
-               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
+def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig,
                sampling: SamplingParams | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer <key>`.
-
-    At most `max_queue` requests are admitted at once (the next gets 429), a request body over
-    `max_body_bytes` gets 413, and one that takes longer than `body_timeout_s` to arrive gets 408.
-    `sampling` (default: SamplingParams()) gives the sampling fields a request leaves out.
-    """
+    """The FastAPI app serving `engine` as `config.model_name`, within `config`'s limits; with `config.api_key`,
+    /v1 needs `Authorization: Bearer <key>`. `sampling` (default: SamplingParams()) fills the sampling fields
+    a request leaves out. (`config.host` and `config.port` are `serve`'s business.)"""
     _require_extra("fastapi")
     from nanolm.infer.server.routes import ServerState, build_app
 
-    state = ServerState(engine, tokenizer, model_name=model_name, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                        body_timeout_s=body_timeout_s, sampling=sampling if sampling is not None else SamplingParams())
-    return build_app(state, api_key)
+    return build_app(ServerState(engine, tokenizer, config, sampling if sampling is not None else SamplingParams()))
 
 
 # --- `nanolm serve` ----------------------------------------------------------------------------------
@@ -79,8 +67,6 @@ def default_model_name(ckpt_dir: Path) -> str:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise UserError(f"--port {port!r}: must be an integer from 0 to 65535 (0 picks a free port)")
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -92,35 +78,35 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(checkpoint: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          adapter: str | Path | None = None, which: str = "best", device: str = "auto",
-          model_name: str | None = None, max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
-          body_timeout_s: float = BODY_TIMEOUT_S, sampling: SamplingParams | None = None) -> None:
-    """Load a checkpoint and serve it until interrupted. Listens on loopback unless `host` says otherwise."""
+def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling: SamplingParams | None = None,
+          adapter: str | Path | None = None, which: str = "best", device: str = "auto") -> None:
+    """Load a checkpoint and serve it until interrupted, with `config`'s settings (default: ServeConfig(), which
+    listens on loopback only) and `sampling`'s defaults for what a request leaves out."""
     _require_extra("fastapi", "uvicorn")
     import uvicorn
 
     from nanolm.runtime import resolve_device
     from nanolm.checkpoint import load_model
 
-    sock = _bind(host, port)  # first, so a busy port fails before the model loads
+    config = config if config is not None else ServeConfig()
+    sock = _bind(config.host, config.port)  # first, so a busy port fails before the model loads
     try:
         dev = resolve_device(device)
         model, src = load_model(checkpoint, which, dev, adapter=adapter)
-        name = model_name or default_model_name(Path(adapter) if adapter is not None else src)
-        app = create_app(Engine(model, dev), Tokenizer.load(src), model_name=name, api_key=api_key,
-                         max_queue=max_queue, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
-                         sampling=sampling)
+        if not config.model_name:
+            config = dataclasses.replace(config, model_name=default_model_name(Path(adapter) if adapter is not None
+                                                                                else src))
+        app = create_app(Engine(model, dev), Tokenizer.load(src), config, sampling)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}]", file=sys.stderr)
-        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"warning: serving on {host} without an API key: anyone who can reach this port can use the "
-                  "model; pass --api-key", file=sys.stderr)
-        print(f"serving {name!r} at http://{shown}:{bound_port}/v1 (OpenAI-compatible; Ctrl+C stops)",
+        if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: serving on {config.host} without an API key: anyone who can reach this port can use "
+                  "the model; pass --api-key", file=sys.stderr)
+        print(f"serving {config.model_name!r} at http://{shown}:{bound_port}/v1 (OpenAI-compatible; Ctrl+C stops)",
               file=sys.stderr, flush=True)
         # A short graceful shutdown: streams still open after it are cancelled, which stops their generation.
-        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3)
+        uvicorn.Server(server).run(sockets=[sock])
     finally:
         sock.close()

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from nanolm.config import SamplingParams
+from nanolm.config import SamplingParams, ServeConfig
 from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
@@ -59,59 +59,53 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
 
 
 class ServerState:
-    """What the routes share: the engine and tokenizer, the generation worker, the limits, the model's name,
+    """What the routes share: the engine and tokenizer, the generation worker, the server's settings and limits,
     and the sampling defaults for what a request leaves out."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int,
-                 max_body_bytes: int, body_timeout_s: float, sampling: SamplingParams) -> None:
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise UserError(f"max_queue={max_queue!r}: must be an integer >= 1 (requests admitted at once)")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-            raise UserError(f"max_body_bytes={max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
-        if not (isinstance(body_timeout_s, (int, float)) and body_timeout_s > 0):
-            raise UserError(f"body_timeout_s={body_timeout_s!r}: must be a number of seconds > 0")
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServeConfig, sampling: SamplingParams) -> None:
+        if not config.model_name:
+            raise UserError("model_name is empty: name the model the server serves (serve() names it after the run)")
         # Refused at start, not as a failure inside the first request.
         check_vocab(tokenizer, engine.model.config.vocab_size)
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.config = config
         self.sampling = sampling
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
         # A text of n UTF-8 bytes is at least n / max_token_bytes tokens long. Tokenizing is linear but not
         # cheap (1 MiB of text took 1.1 s of the event loop and 230 MiB that stayed resident), so a prompt
         # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
         # whose normalizer shrinks text (NFKC maps a 4-byte letter to 1 byte); nanolm's have none.
         self.max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
-        self.worker = Worker(max_queue)
+        self.worker = Worker(config.max_queue)
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanolm"}
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "nanolm"}
 
     def _too_large(self, size: int | None) -> ApiError:
         what = f"is {size} bytes, over" if size is not None else "passes"
-        return ApiError(413, f"the request body {what} this server's limit of {self.max_body_bytes} bytes; "
+        return ApiError(413, f"the request body {what} this server's limit of {self.config.max_body_bytes} bytes; "
                              "shorten the prompt or the conversation", None, "request_too_large")
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused as soon as it is known to pass max_body_bytes: by its declared length, before
         reading any of it, else while it arrives. uvicorn discards the unread rest after the response."""
+        limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
         declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise self._too_large(int(declared))
         body = bytearray()
 
         async def receive() -> None:
             async for part in request.stream():
                 body.extend(part)
-                if len(body) > self.max_body_bytes:
+                if len(body) > limit:
                     raise self._too_large(None)
 
         try:
-            await asyncio.wait_for(receive(), self.body_timeout_s)
+            await asyncio.wait_for(receive(), timeout)
         except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s of its headers "
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s of its headers "
                                 f"({len(body)} bytes came); send the whole request at once", None,
                            "request_timeout") from None
         return bytes(body)
@@ -228,7 +222,7 @@ async def health(request: Request) -> dict[str, Any]:
     # Outside /v1, so no API key: for load balancers and monitors. `admitted` counts requests
     # generating or waiting for the worker; it returns to 0 when the server is idle.
     state = _state(request)
-    return {"status": "ok", "model": state.model_name, "admitted": state.worker.admitted,
+    return {"status": "ok", "model": state.config.model_name, "admitted": state.worker.admitted,
             "max_queue": state.worker.max_queue}
 
 
@@ -238,8 +232,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 async def get_model(request: Request, model: str) -> dict[str, Any]:
     state = _state(request)
-    if model != state.model_name:
-        raise ApiError(404, f"model {model!r} not found; this server serves {state.model_name!r}", "model",
+    if model != state.config.model_name:
+        raise ApiError(404, f"model {model!r} not found; this server serves {state.config.model_name!r}", "model",
                        "model_not_found")
     return state.model_card()
 
@@ -251,7 +245,7 @@ async def chat_completions(request: Request) -> Response:
     prompt_ids = state.encode_prompt(render_chat(messages, add_generation_prompt=True), "messages")
     usage = Usage(len(prompt_ids))
     job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages")
-    rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
 
     def chunk(content: str | None, finish: str | None, delta: dict | None = None) -> dict[str, Any]:
         delta = delta if delta is not None else ({} if content is None else {"content": content})
@@ -276,7 +270,7 @@ async def completions(request: Request) -> Response:
     usage = Usage(len(prompt_ids))
     job = state.start(prompt_ids, req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
                       "prompt")
-    rid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    rid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": now, "model": name,
@@ -355,12 +349,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.nanolm.worker.close()
 
 
-def build_app(state: ServerState, api_key: str | None) -> FastAPI:
-    """The FastAPI app over `state`; with `api_key`, /v1 needs `Authorization: Bearer <key>`."""
-    app = FastAPI(title="nanolm", summary=f"OpenAI-compatible API serving {state.model_name}", lifespan=_lifespan)
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over `state`; with an API key in its config, /v1 needs `Authorization: Bearer <key>`."""
+    summary = f"OpenAI-compatible API serving {state.config.model_name}"
+    app = FastAPI(title="nanolm", summary=summary, lifespan=_lifespan)
     app.state.nanolm = state
-    if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key)
+    if state.config.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=state.config.api_key)
     for exc_type, handler in ERROR_HANDLERS:
         app.add_exception_handler(exc_type, handler)
     for method, path, route in ROUTES:
