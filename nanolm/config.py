@@ -6,6 +6,11 @@ before: a preset (a plain function below), a TOML or JSON file, then
 command-line overrides such as `--model.n_layer 4` whose names and types are
 generated from the dataclass fields. Every dataclass validates itself in
 `__post_init__` and names the field and what is allowed when a value is wrong.
+
+Generation and serving have one dataclass each: `SamplingParams` (what
+generate, chat, the server and the quickstart sample with) and `ServeConfig`
+(where `nanolm serve` listens and what one request may cost); their
+command-line options are generated from their fields too (nanolm/cli.py).
 """
 
 from __future__ import annotations

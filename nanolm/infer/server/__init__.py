@@ -38,6 +38,7 @@ from nanolm.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+
 def _require_extra(*modules: str) -> None:
     for name in modules:
         try:
