@@ -472,9 +472,9 @@ def data_files(snap: dict[str, bytes]) -> dict[str, bytes]:
 
 
 def temp_bytes(out: Path) -> int | None:
-    """Bytes in prepare's temporary directory (None when there is none yet), read while it runs."""
+    """Bytes in prepare's new directory, written beside `out` (None when there is none yet), read while it runs."""
     try:
-        tmp = [p for p in out.iterdir() if p.name.startswith(".prepare-")]
+        tmp = [p for p in out.parent.iterdir() if p.name.startswith(f".tmp-{out.name}-")]
         return sum(f.stat().st_size for d in tmp for f in d.iterdir()) if tmp else None
     except FileNotFoundError:  # it finished meanwhile
         return None
@@ -486,18 +486,15 @@ def prepare_cmd(src: Path, tok: Path, out: Path) -> list[str]:
 
 
 # `nanolm prepare` that kills itself (SIGKILL) after moving `n` shard files into place: mid-install.
-KILL_MID_INSTALL = r'''
+KILL_MID_SWAP = r'''
 import os, signal, sys
-import nanolm.data.prepare as prep
-real, moved = os.replace, []
+out = os.path.abspath(sys.argv[1])
+real = os.replace
 def replace(src, dst):
     real(src, dst)
-    tmp = lambda p: os.path.basename(os.path.dirname(str(p))).startswith(".prepare-")  # noqa: E731
-    if tmp(src) and not tmp(dst):
-        moved.append(dst)
-        if len(moved) == int(sys.argv[1]):
-            os.kill(os.getpid(), signal.SIGKILL)
-prep.os.replace = replace
+    if os.path.abspath(str(src)) == out:  # the old data moved aside, the new data not yet in its place
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
 from nanolm.cli import main
 sys.exit(main(sys.argv[2:]))
 '''
@@ -530,22 +527,28 @@ def test_prepare_killed_midway_keeps_the_old_data_and_reruns_to_the_same_shards(
         landings.append(f"{frac * took:.2f}s: " + ("start-up, no temp dir yet" if written is None else
                                                    "workers starting, no shard bytes yet" if written == 0 else
                                                    f"tokenizing, {written} bytes of shards written"))
-        now = snapshot(out)
+        now = snapshot(out) if out.exists() else {}
         if "manifest.json" in now:  # the old data whole, or (if the run got that far) the new data
             assert now == old or data_files(now) == want
-    # Killed after moving 2 of the 4 shard files: the old manifest is gone first, so no data is listed.
-    proc = subprocess.run([sys.executable, "-c", KILL_MID_INSTALL, "2", *prepare_cmd(src, tokenizer_dir, out)[3:]],
+    # Killed between the two renames that swap the directories: the old data was moved aside whole, so no data
+    # is listed under `out`, and the next run puts the old data back before it writes the new.
+    prepare([old_src], tokenizer_dir, out, workers=0, quiet=True, val_fraction=0.05)  # (a kill may have come late)
+    old = snapshot(out)
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_SWAP, str(out), *prepare_cmd(src, tokenizer_dir, out)[3:]],
                           env=ENV, capture_output=True, text=True)
     assert proc.returncode == KILLED, proc.stderr
-    landings.append("installing, after 2 of 4 shard files")
-    assert not (out / "manifest.json").exists()
+    landings.append("swapping, the old data moved aside and the new not yet in place")
+    assert not out.exists()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".old-out-")]
+    assert len(aside) == 1 and snapshot(aside[0]) == old
     t0 = time.monotonic()
     proc = subprocess.run(prepare_cmd(src, tokenizer_dir, out), env=ENV, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     print(f"\nprepare: reference {took:.1f}s, re-run {time.monotonic() - t0:.1f}s; kills: " + "; ".join(landings))
     assert data_files(snapshot(out)) == want
-    # The killed runs' temporary directories are gone.
+    # The killed runs' directories are gone.
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 # --- metrics.jsonl after a kill before the first checkpoint --------------------------------------------

@@ -329,6 +329,7 @@ def test_prepare_succeeds_or_leaves_the_output_as_it_was(kind, tmp_path, tokeniz
                                           skip_bad=skip_bad, quiet=True))
         if not ok:
             assert snapshot(out) == (before or ({} if out.exists() else None)), got
+            assert not [p for p in d.iterdir() if p.name.startswith(".")]  # the new directory is removed
             return
         n = sum(split["n_docs"] for split in got["splits"].values())
         stats = ReadStats()
@@ -336,6 +337,7 @@ def test_prepare_succeeds_or_leaves_the_output_as_it_was(kind, tmp_path, tokeniz
         assert got["skipped"]["bad_lines"] == stats.bad_lines
         assert PackedData(out, "train").n_docs == n
         assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary directory left
+        assert not [p for p in d.iterdir() if p.name.startswith(".")]  # nor one beside it
 
     check()
 

@@ -254,7 +254,7 @@ def test_interrupted_first_run_leaves_nothing(tmp_path, tok_path, monkeypatch):
     _fail_on_second_append(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         prepare([write_jsonl(tmp_path / "a.jsonl", DOCS)], tok_path, out, workers=0, quiet=True)
-    assert list(out.iterdir()) == []
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_bad_line_fails_without_output_or_is_skipped_and_recorded(tmp_path, tok_path, capsys):
@@ -264,7 +264,7 @@ def test_bad_line_fails_without_output_or_is_skipped_and_recorded(tmp_path, tok_
     with pytest.raises(UserError, match=r'a\.jsonl:2: "text" must be a string, got a number; fix the line or pass '
                                         r"--skip-bad to skip such lines"):
         prepare([src], tok_path, out, workers=0, quiet=True)
-    assert list(out.iterdir()) == []
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     m = prepare([src], tok_path, out, workers=0, skip_bad=True, val_fraction=0)
     assert decode_all(tok_path, out, m) == ["good one", "good two"]
     assert m["skipped"] == {"bad_lines": 2, "empty_docs": 0, "examples": [
@@ -302,3 +302,22 @@ def test_worker_processes_write_the_same_bytes(tmp_path, tok_path, monkeypatch):
     assert len(results[0]) > 4
     assert results[0] == results[1] == results[2]
     assert decode_all(tok_path, tmp_path / "out2", m) == docs
+
+
+def test_out_is_written_whole_and_may_hold_nothing_else(corpus, tokenizer_dir, tmp_path):
+    """prepare replaces its output directory whole (a new one beside it, renamed into place), so a file it did
+    not write in there is refused, named, before any work, and stays as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "raw.txt").write_text("my only copy")
+    with pytest.raises(UserError) as e:
+        prepare([corpus], tokenizer_dir, out, workers=0, quiet=True)
+    assert str(e.value) == (f"{out}: holds raw.txt, which nanolm prepare did not write, and prepared data replaces "
+                            f"the whole directory; move it out of {out}, or choose another --out")
+    assert [p.name for p in out.iterdir()] == ["raw.txt"] and (out / "raw.txt").read_text() == "my only copy"
+    (out / "raw.txt").unlink()
+    prepare([corpus], tokenizer_dir, out, workers=0, quiet=True)
+    first = {p.name for p in out.iterdir()}
+    assert "manifest.json" in first and [p.name for p in tmp_path.iterdir()] == ["out"]
+    prepare([corpus], tokenizer_dir, out, workers=0, quiet=True, val_fraction=0.2)  # prepared data: replaced
+    assert {p.name for p in out.iterdir()} == first and [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -38,15 +38,17 @@ both cut by `fit_pair` (the same old turns dropped from both); a pair is
 skipped when either would keep no target. The manifest gives
 `options.format = "dpo"` and a "dpo" section with the number of pairs.
 
-Everything, manifest included, is written into a temporary directory inside
-out_dir (`.prepare-<pid>-*`) and moved into place at the end by renames only,
-old manifest removed first and new manifest last, so an interrupted run leaves
-either the previous data untouched or no manifest, never a manifest that points
-at partial shards, and a failed write (a full disk) leaves out_dir as it was
-and says how much space the data needs. The temporary directories of killed
-runs are removed by the next run. Running again with the same
-inputs (path, size, mtime and sha256 of every source), tokenizer and options
-does nothing and says so.
+The whole directory, manifest included, is written anew beside out_dir
+(`nanolm.io.atomic_directory`: `.tmp-<name>-<pid>`) and takes out_dir's place
+in one rename at the end, so an interrupted run leaves the previous data
+untouched, or the new data whole, never a manifest that points at partial
+shards; a failed write (a full disk) leaves out_dir as it was and says how
+much space the data needs. What a killed run left is cleared by the next one
+(a run killed between moving the old data aside and the new into place puts
+the old data back). Since out_dir is replaced whole, it may hold nothing but
+prepared data: another file in it is refused, named, before any work. Running
+again with the same inputs (path, size, mtime and sha256 of every source),
+tokenizer and options does nothing and says so.
 """
 
 from __future__ import annotations
@@ -57,10 +59,8 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -79,7 +79,7 @@ from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, it
 from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
                                 write_splits)
 from nanolm.errors import UserError
-from nanolm.io import fsync_dir, pid_alive, space_note, write_failure, write_json_atomic
+from nanolm.io import atomic_directory, remove_leftovers, space_note, write_failure, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import EOT_ID, Tokenizer
 
@@ -89,6 +89,9 @@ DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
 BATCH_PIECES = 4096  # ... or this many pieces, whichever comes first
 INFLIGHT_PER_WORKER = 2  # batches queued per worker: keeps workers busy, memory bounded
+# Where nanolm 0.1 wrote inside out_dir before its data was written whole beside it; a leftover of one goes with
+# the directory it is in.
+_OLD_TEMP = re.compile(r"^\.prepare-\d+-")
 
 
 def val_every(val_fraction: float) -> int:
@@ -359,30 +362,14 @@ class _WriteError(Exception):
         self.part, self.err = part, err
 
 
-def _remove_leftovers(out_dir: Path) -> None:
-    """Remove the temporary directories of killed runs (.prepare-<pid>-*, their process gone)."""
-    for p in out_dir.iterdir():
-        m = re.match(r"\.prepare-(\d+)-", p.name)
-        if m and p.is_dir() and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _install(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Move the new shards and manifest from tmp into out_dir, replacing the old ones, manifest last.
-
-    Renames only (all written and fsynced already), so a full disk cannot stop it part-way.
-    """
-    names = {s[key] for split in manifest["splits"].values() for s in split["shards"]
-             for key in ("bin", "idx", "mask") if key in s}
-    # Without a manifest the directory is not prepared data, whatever shards it holds.
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for p in out_dir.iterdir():
-        if SHARD_FILE.match(p.name) and p.name not in names:
-            p.unlink()
-    for name in sorted(names):
-        os.replace(tmp / name, out_dir / name)
-    os.replace(tmp / MANIFEST, out_dir / MANIFEST)
-    fsync_dir(out_dir)
+def _check_replaceable(out_dir: Path) -> None:
+    """UserError when out_dir holds anything but prepared data: the new data replaces the whole directory."""
+    if not out_dir.is_dir():
+        return
+    for p in sorted(out_dir.iterdir()):
+        if not (p.name == MANIFEST or SHARD_FILE.match(p.name) or _OLD_TEMP.match(p.name)):
+            raise UserError(f"{out_dir}: holds {p.name}, which nanolm prepare did not write, and prepared data "
+                            f"replaces the whole directory; move it out of {out_dir}, or choose another --out")
 
 
 def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume: Callable[..., None],
@@ -473,12 +460,13 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         options = {"format": format, "max_tokens": max_tokens, **options}
     before = [_stat(f) for f in files]
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if out_dir.is_dir():
-        _remove_leftovers(out_dir)
+    if out_dir.parent.is_dir():
+        remove_leftovers(out_dir.parent, out_dir.name)  # a killed run's new directory, or its old one put back
 
     if _up_to_date(_read_manifest(out_dir), out_dir, tok.fingerprint, options, before):
         log(f"{out_dir}: up to date (same sources, tokenizer and options); nothing to do")
         return _read_manifest(out_dir)  # type: ignore[return-value]
+    _check_replaceable(out_dir)
 
     sizes = [s["size"] for s in before]
     total = sum(sizes)
@@ -486,14 +474,11 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         f"preference pairs, max {max_tokens} tokens per conversation, " if dpo else ""
     log(f"prepare: {len(files)} file(s), {fmt_bytes(total)}, {what}tokenizer vocab {tok.vocab_size} ({dtype.name}), "
         f"{workers} worker(s) -> {out_dir}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-", dir=out_dir))
     # Hash the sources on a thread while tokenizing (hashlib and file reads release the GIL).
     hasher, stop_hashing = ThreadPoolExecutor(1), threading.Event()
     stats = ReadStats()
     fitting = {"truncated": 0, "too_long": 0}
-    writers = {split: SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat or dpo, group=1 + dpo)
-               for split in SPLITS}
+    writers: dict[str, SplitWriter] = {}  # per split, writing into the new directory (below)
 
     def consume_text(batch: _Batch, tokens: np.ndarray, lens: np.ndarray) -> None:
         write_splits(writers, np.array(batch.is_val, dtype=bool), tokens, lens, np.array(batch.lasts, dtype=bool))
@@ -530,96 +515,98 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         return run
 
     try:
-        hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
-        start = time.perf_counter()
-        with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
-            if chat:
-                _tokenize(_batches(files, sizes, k, _chat_records(skip_bad, stats)),
-                          lambda b: (_encode_chats, (b.items, max_tokens)), writing(consume_chat), tok.path, dtype,
-                          workers)
-            elif dpo:
-                _tokenize(_batches(files, sizes, k, _pair_records(skip_bad, stats)),
-                          lambda b: (_encode_pairs, (b.items, max_tokens)), writing(consume_pairs), tok.path, dtype,
-                          workers)
-            else:
-                _tokenize(_batches(files, sizes, k, _text_records(skip_bad, stats)),
-                          lambda b: (_encode_pieces, (b.items, b.lasts)), writing(consume_text), tok.path, dtype,
-                          workers)
-        seconds = time.perf_counter() - start
-        try:
-            splits = {split: w.finish() for split, w in writers.items()}
-        except OSError as e:
-            raise _WriteError("the token shards", e) from e
-        hashes = hashes_future.result()
-        for f, b in zip(files, before):
-            if _stat(f) != b:
-                raise UserError(f"{f}: changed while prepare was reading it; run `nanolm prepare` again "
-                                "once nothing writes to it")
-        n_tokens = sum(s["n_tokens"] for s in splits.values())
-        n_docs = sum(s["n_docs"] for s in splits.values())
-        if dpo:
-            for split in splits.values():
-                split["n_pairs"] = split["n_docs"] // 2
-        if n_docs == 0:
+        # The whole directory is written anew beside out_dir and takes its place in one rename at the end.
+        with atomic_directory(out_dir, replace=True) as tmp:
+            writers.update({split: SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat or dpo,
+                                               group=1 + dpo) for split in SPLITS})
+            hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
+            start = time.perf_counter()
+            with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
+                if chat:
+                    _tokenize(_batches(files, sizes, k, _chat_records(skip_bad, stats)),
+                              lambda b: (_encode_chats, (b.items, max_tokens)), writing(consume_chat), tok.path,
+                              dtype, workers)
+                elif dpo:
+                    _tokenize(_batches(files, sizes, k, _pair_records(skip_bad, stats)),
+                              lambda b: (_encode_pairs, (b.items, max_tokens)), writing(consume_pairs), tok.path,
+                              dtype, workers)
+                else:
+                    _tokenize(_batches(files, sizes, k, _text_records(skip_bad, stats)),
+                              lambda b: (_encode_pieces, (b.items, b.lasts)), writing(consume_text), tok.path,
+                              dtype, workers)
+            seconds = time.perf_counter() - start
+            try:
+                splits = {split: w.finish() for split, w in writers.items()}
+            except OSError as e:
+                raise _WriteError("the token shards", e) from e
+            hashes = hashes_future.result()
+            for f, b in zip(files, before):
+                if _stat(f) != b:
+                    raise UserError(f"{f}: changed while prepare was reading it; run `nanolm prepare` again "
+                                    "once nothing writes to it")
+            n_tokens = sum(s["n_tokens"] for s in splits.values())
+            n_docs = sum(s["n_docs"] for s in splits.values())
             if dpo:
-                raise UserError(f"no preference pairs in {', '.join(map(str, files))} ({stats.bad_lines} bad line(s) "
-                                f"skipped, {fitting['too_long']} with a conversation longer than max_tokens="
-                                f"{max_tokens}); check the files, or raise --max-tokens")
+                for split in splits.values():
+                    split["n_pairs"] = split["n_docs"] // 2
+            if n_docs == 0:
+                if dpo:
+                    raise UserError(f"no preference pairs in {', '.join(map(str, files))} ({stats.bad_lines} bad "
+                                    f"line(s) skipped, {fitting['too_long']} with a conversation longer than "
+                                    f"max_tokens={max_tokens}); check the files, or raise --max-tokens")
+                if chat:
+                    raise UserError(f"no conversations in {', '.join(map(str, files))} ({stats.bad_lines} bad line(s) "
+                                    f"skipped, {fitting['too_long']} longer than max_tokens={max_tokens}); check the "
+                                    "files, or raise --max-tokens")
+                raise UserError(f"no documents in {', '.join(map(str, files))} (all empty or skipped); "
+                                "check that the files hold text")
+            manifest: dict[str, Any] = {
+                "format": "nanolm-tokens",
+                "version": FORMAT_VERSION,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+                              "eot_id": EOT_ID},
+                "dtype": dtype.name,
+                "splits": splits,
+                "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
+                "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
+                "options": options,
+                "split_policy": {"val_every": k,
+                                 "rule": f"{'pair' if dpo else 'document'} i goes to val when val_every > 0 and "
+                                         "i % val_every == 1"},
+                "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
+                "throughput": {"seconds": round(seconds, 3), "workers": workers,
+                               "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
+                               "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None},
+            }
             if chat:
-                raise UserError(f"no conversations in {', '.join(map(str, files))} ({stats.bad_lines} bad line(s) "
-                                f"skipped, {fitting['too_long']} longer than max_tokens={max_tokens}); check the "
-                                "files, or raise --max-tokens")
-            raise UserError(f"no documents in {', '.join(map(str, files))} (all empty or skipped); "
-                            "check that the files hold text")
-        manifest: dict[str, Any] = {
-            "format": "nanolm-tokens",
-            "version": FORMAT_VERSION,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                          "eot_id": EOT_ID},
-            "dtype": dtype.name,
-            "splits": splits,
-            "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
-            "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
-            "options": options,
-            "split_policy": {"val_every": k,
-                             "rule": f"{'pair' if dpo else 'document'} i goes to val when val_every > 0 and "
-                                     "i % val_every == 1"},
-            "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
-            "throughput": {"seconds": round(seconds, 3), "workers": workers,
-                           "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
-                           "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None},
-        }
-        if chat:
-            n_trainable = sum(s["n_trainable"] for s in splits.values())
-            manifest["chat"] = {"template": "chatml", "mask": True, "max_tokens": max_tokens,
-                                "n_trainable": n_trainable, "truncated": fitting["truncated"],
-                                "skipped_too_long": fitting["too_long"]}
-        if dpo:
-            n_trainable = sum(s["n_trainable"] for s in splits.values())
-            manifest["dpo"] = {"template": "chatml", "mask": "final reply", "max_tokens": max_tokens,
-                               "n_pairs": n_docs // 2, "n_trainable": n_trainable,
-                               "truncated": fitting["truncated"], "skipped_too_long": fitting["too_long"]}
-        try:
-            write_json_atomic(tmp / MANIFEST, manifest)
-        except OSError as e:
-            raise _WriteError(MANIFEST, e) from e
-        _install(tmp, out_dir, manifest)
+                n_trainable = sum(s["n_trainable"] for s in splits.values())
+                manifest["chat"] = {"template": "chatml", "mask": True, "max_tokens": max_tokens,
+                                    "n_trainable": n_trainable, "truncated": fitting["truncated"],
+                                    "skipped_too_long": fitting["too_long"]}
+            if dpo:
+                n_trainable = sum(s["n_trainable"] for s in splits.values())
+                manifest["dpo"] = {"template": "chatml", "mask": "final reply", "max_tokens": max_tokens,
+                                   "n_pairs": n_docs // 2, "n_trainable": n_trainable,
+                                   "truncated": fitting["truncated"], "skipped_too_long": fitting["too_long"]}
+            try:
+                write_json_atomic(tmp / MANIFEST, manifest)
+            except OSError as e:
+                raise _WriteError(MANIFEST, e) from e
     except _WriteError as e:
         for w in writers.values():
-            w.discard()
-        shutil.rmtree(tmp, ignore_errors=True)  # before measuring the free space
+            w.discard()  # (the new directory is already removed, before the free space is measured)
         # The shards' size, extrapolated from what was written for the input consumed so far; plus the manifest.
         written = sum(w.written for w in writers.values())
         needed = (written * total // consumed[0] if consumed[0] else written) + (1 << 16)
-        raise UserError(f"{out_dir}: could not write {e.part} ({write_failure(e.err)}); {space_note(out_dir, needed)}; "
-                        f"{out_dir} is left as it was; free some space and run `nanolm prepare` again") from None
+        raise UserError(f"{out_dir}: could not write {e.part} ({write_failure(e.err)}); "
+                        f"{space_note(out_dir.parent, needed)}; {out_dir} is left as it was; free some space and run "
+                        "`nanolm prepare` again") from None
     finally:
         stop_hashing.set()
         hasher.shutdown(wait=True)
         for w in writers.values():
             w.discard()
-        shutil.rmtree(tmp, ignore_errors=True)
 
     tr, va = splits["train"], splits["val"]
     docs = "conversations" if chat else "preference pairs" if dpo else "documents"
