@@ -66,7 +66,7 @@ from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_bytes
 from nanolm.runtime import DTYPES, autocast, resolve_device
 from nanolm.train.metrics import peak_flops
-from nanolm.train.objectives import lm_loss
+from nanolm.train.losses import lm_loss
 from nanolm.train.optim import build_optimizer
 
 _T0 = time.perf_counter()

@@ -36,7 +36,7 @@ from nanolm.infer.generate import check_vocab
 from nanolm.progress import Progress, fmt_count
 from nanolm.runtime import autocast, resolve_device, resolve_dtype
 from nanolm.tokenizer import EOT_ID, Tokenizer
-from nanolm.train.stages import lm_scores
+from nanolm.train.objectives import lm_scores
 
 ENCODE_CHARS = 1 << 20  # characters of documents tokenized per encode_batch call
 

@@ -56,7 +56,7 @@ def _truncated_copies(files: Sequence[Path], dest: Path, max_chars: int) -> list
 def _calibrate_steps_per_second(cfg, seconds: float = 3.0) -> float:
     """Time a few optimizer-step-shaped forward/backward passes of the configured model."""
     from nanolm.model.transformer import Transformer
-    from nanolm.train.objectives import lm_loss
+    from nanolm.train.losses import lm_loss
     model = Transformer(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len))

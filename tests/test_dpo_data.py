@@ -25,7 +25,7 @@ from nanolm.data.shards import PackedData
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
-from nanolm.train.objectives import dpo_loss, sequence_logps, split_pairs
+from nanolm.train.losses import dpo_loss, sequence_logps, split_pairs
 
 from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl, write_masked_data
 

@@ -110,7 +110,7 @@ def test_packed_block_loss_equals_per_conversation_loss(chat_dir, tokenizer_dir)
     from nanolm.data.shards import PackedData
     from nanolm.model.transformer import Transformer
     from nanolm.tokenizer import Tokenizer
-    from nanolm.train.objectives import lm_loss
+    from nanolm.train.losses import lm_loss
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=400, d_model=32, n_layer=2, n_head=4, n_kv_head=2,
                                     max_seq_len=128)).eval()

@@ -13,7 +13,7 @@ from nanolm import checkpoint as ckpt
 from nanolm.train import trainer
 from nanolm.train.trainer import train
 from nanolm.train.numerics import locate_nonfinite, weights_are_finite
-from nanolm.train.stages import LMObjective, Loss
+from nanolm.train.objectives import LMObjective, Loss
 from test_train import read_metrics, tiny_cfg
 
 OVER = {"train.max_steps": 8, "train.save_interval": 2, "train.keep_last": 10, "train.eval_interval": 0}

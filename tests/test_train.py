@@ -256,7 +256,7 @@ def micro_batch_gradients(cfg, weights: list[torch.Tensor], n_batches: int, aux:
     from nanolm.data.shards import PackedData
     from nanolm.model.moe import collect_aux_loss
     from nanolm.model.transformer import Transformer
-    from nanolm.train.objectives import lm_loss
+    from nanolm.train.losses import lm_loss
     from nanolm.train.optim import param_groups
     model = Transformer(cfg.model)
     params = [p for group in param_groups(model, cfg.optim.weight_decay) for p in group["params"]]
@@ -331,7 +331,7 @@ def test_pretraining_steps_are_unchanged_bit_for_bit(data_dir, tmp_path):
     from nanolm.data.loader import Loader
     from nanolm.data.shards import PackedData
     from nanolm.model.transformer import Transformer
-    from nanolm.train.objectives import lm_loss
+    from nanolm.train.losses import lm_loss
     from nanolm.train.optim import param_groups
     cfg = tiny_cfg(data_dir, tmp_path / "run", **{**ONE_STEP, "train.seq_len": 32, "train.batch_size": 2})
     with StepGradients() as rec:
@@ -381,7 +381,7 @@ def test_a_step_called_alone_applies_the_exact_update(data_dir, tmp_path):
     from nanolm.data.loader import Loader
     from nanolm.data.shards import PackedData
     from nanolm.model.transformer import Transformer
-    from nanolm.train.objectives import lm_loss
+    from nanolm.train.losses import lm_loss
     from nanolm.train.optim import build_optimizer
     from nanolm.train.schedule import lr_at
     from nanolm.train.trainer import Trainer

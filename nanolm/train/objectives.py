@@ -1,115 +1,199 @@
-"""Batch -> loss functions: each training stage is one of these plus a rule for what trains."""
+"""Training stages as objectives: batch -> loss summed over its units, plus how each evaluates.
+
+The loop is the same for every stage; what differs is here. Pretraining, SFT
+and LoRA minimise next-token cross-entropy on the batch's targets (SFT data
+masks all but the assistant replies), plus the MoE load-balancing loss when
+the model has experts. DPO compares the policy's and a frozen reference's
+log-probabilities of chosen and rejected replies. Distillation matches a
+frozen teacher's token distributions, mixed with cross-entropy.
+
+Each objective counts its units in a batch (`units`: target tokens, or for DPO
+preference pairs) and returns its loss summed over them (`Loss.total`), so
+that the loop can weigh every unit of an optimizer step alike, however the
+step's batch is cut into micro-batches and ranks (`losses.step_share`).
+The MoE balance loss is the exception: a mean of its own per micro-batch.
+"""
 
 from __future__ import annotations
 
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
 
-from nanolm.data.shards import IGNORE_INDEX
+from nanolm.data.shards import IGNORE_INDEX, Batch
+from nanolm.model.moe import collect_aux_loss, moe_layers
+from nanolm.train.losses import distill_loss, dpo_loss, lm_loss, sequence_logps, step_share
+
+Metrics = dict[str, torch.Tensor]
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy. logits (B, T, V) any dtype, targets (B, T) int64.
+@dataclass
+class Loss:
+    """One micro-batch's loss, as the loop weighs it into its step.
 
-    Computed in float32 whatever the autocast dtype, since a bf16 log-softmax
-    over thousands of classes loses visible precision.
+    total: the objective summed over the batch's units (differentiable).
+    sums: detached metrics summed over the same units ("loss" is total's value).
+    per_batch: a term that is a mean of its own per micro-batch (the MoE balance loss times its
+    coefficient), or None. means: detached metrics of that kind ("aux_loss").
     """
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+    total: torch.Tensor
+    sums: Metrics
+    per_batch: torch.Tensor | None = None
+    means: Metrics = field(default_factory=dict)
+
+    def weighted(self, units: int, step_units: int, world_size: int, micro_batches: int) -> torch.Tensor:
+        """What this micro-batch adds to its step's loss: its share of the step's units (`step_share`), plus
+        its per-batch term over the rank's micro-batches per step (DDP averages that over the ranks)."""
+        loss = step_share(self.total, units, step_units, world_size)
+        return loss if self.per_batch is None else loss + self.per_batch / micro_batches
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the log-probabilities of each row's targets: logits (R, T, V), targets (R, T) -> (R,) float32.
+def target_tokens(batch: Batch) -> int:
+    """The batch's targets (positions whose target is not IGNORE_INDEX)."""
+    return int((batch.y != IGNORE_INDEX).sum())
 
-    Positions whose target is IGNORE_INDEX add nothing. Computed in float32 as
-    lm_loss is, through the fused cross-entropy (no (R, T, V) log-softmax copy).
+
+def _forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(batch.x, pos=batch.pos, seg=batch.seg)
+
+
+@torch.no_grad()
+def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+              token_bytes: torch.Tensor | None, on_batch: Callable[[int], None] | None = None
+              ) -> tuple[float, int, float]:
+    """(summed cross-entropy in nats, target tokens, UTF-8 bytes those targets stand for) over the batches.
+
+    Only targets != IGNORE_INDEX count (chat data: the assistant replies). token_bytes maps a token id to its
+    byte length (None: bytes are not counted). on_batch(n_targets) is called after each batch.
     """
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                          reduction="none")  # (R*T,), 0 where ignored
-    return -nll.view(targets.shape).sum(dim=1)
+    loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
+    for batch in batches:
+        with autocast():
+            logits = _forward(model, batch)
+        loss_sum += lm_loss(logits, batch.y, reduction="sum").item()
+        targets = batch.y[batch.y != IGNORE_INDEX].cpu()
+        n_tokens += targets.numel()
+        if token_bytes is not None:
+            n_bytes += token_bytes[targets].sum().item()
+        if on_batch is not None:
+            on_batch(targets.numel())
+    return loss_sum, n_tokens, n_bytes
 
 
-def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) of per-row values of a preference batch, whose rows 2i, 2i + 1 are pair i's."""
-    return values[0::2], values[1::2]
+class LMObjective:
+    """Next-token cross-entropy summed over the targets (+ aux_loss_coef x the MoE balance loss, per micro-batch).
+    The logged `loss` is the cross-entropy."""
+
+    units = staticmethod(target_tokens)
+
+    def __init__(self, model: nn.Module, aux_loss_coef: float) -> None:
+        self.moe = bool(moe_layers(model))
+        self.aux_loss_coef = aux_loss_coef
+
+    def balance(self, model: nn.Module, loss: Loss) -> Loss:
+        """`loss` with the MoE balance loss of the forward just run, if the model has experts."""
+        if self.moe:
+            aux = collect_aux_loss(model)
+            loss.per_batch, loss.means["aux_loss"] = self.aux_loss_coef * aux, aux.detach()
+        return loss
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
+        ce = lm_loss(_forward(model, batch), batch.y, reduction="sum")
+        return self.balance(model, Loss(ce, {"loss": ce.detach()}))
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        """Validation loss per target token, and bits per byte of the target text."""
+        loss_sum, n_tokens, n_bytes = lm_scores(model, batches, autocast, token_bytes)
+        if n_tokens == 0:
+            return {}
+        out = {"val_loss": loss_sum / n_tokens}
+        if n_bytes > 0:
+            out["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
+        return out
 
 
-def _reduction(name: str):
-    """torch.mean or torch.sum, by name: how a loss over several items is reduced."""
-    if name not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {name!r}")
-    return torch.mean if name == "mean" else torch.sum
+class DPOObjective:
+    """Direct preference optimisation on batches of (chosen, rejected) row pairs.
 
-
-def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
-             ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor,
-             beta: float, reduction: str = "mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sigmoid DPO loss (Rafailov et al. 2023) over pairs; each argument (P,) sequence log-probs.
-
-    loss = -log sigmoid(beta * ((pc - rc) - (pr - rr))): pc, pr the policy's
-    log-probabilities of the chosen and rejected replies, rc, rr the frozen
-    reference model's. The implicit rewards are beta * (policy - reference).
-    Metrics, detached, reduced over the pairs as the loss is (reduction "mean"
-    or "sum"): chosen_rewards, rejected_rewards, reward_margin (chosen minus
-    rejected) and reward_accuracy (the fraction, or with "sum" the number, of
-    pairs whose chosen reward is the higher).
+    The reference is either a frozen model (the initial weights) or, for a
+    LoRA policy, the same model with its adapters disabled: no second copy.
     """
-    reduce = _reduction(reduction)
-    chosen_rewards = beta * (policy_chosen_logps.float() - ref_chosen_logps.float())  # (P,)
-    rejected_rewards = beta * (policy_rejected_logps.float() - ref_rejected_logps.float())
-    margin = chosen_rewards - rejected_rewards
-    loss = reduce(-F.logsigmoid(margin))  # logsigmoid: no overflow for large margins of either sign
-    margin = margin.detach()
-    metrics = {"chosen_rewards": reduce(chosen_rewards.detach()), "rejected_rewards": reduce(rejected_rewards.detach()),
-               "reward_margin": reduce(margin), "reward_accuracy": reduce((margin > 0).float())}
-    return loss, metrics
+
+    def __init__(self, beta: float, reference: nn.Module | None,
+                 disable_adapters: Callable[[nn.Module], AbstractContextManager] | None = None) -> None:
+        """Units are pairs: each weighs the same in a step, whatever micro-batch or rank it falls in."""
+        if (reference is None) == (disable_adapters is None):
+            raise ValueError("DPO needs exactly one of a reference model or an adapter switch")
+        self.beta = beta
+        self.reference = reference
+        self.disable_adapters = disable_adapters
+
+    def _logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = sequence_logps(_forward(model, batch), batch.y)  # (2P,): chosen, rejected, chosen, ...
+        return logps[0::2], logps[1::2]
+
+    def _ref_logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._logps(self.reference, batch)
+            with self.disable_adapters(model):
+                return self._logps(model, batch)
+
+    @staticmethod
+    def units(batch: Batch) -> int:
+        return batch.x.shape[0] // 2  # rows 2i, 2i + 1 are pair i
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
+        rc, rr = self._ref_logps(model, batch)
+        pc, pr = self._logps(model, batch)
+        loss, m = dpo_loss(pc, pr, rc, rr, self.beta, reduction="sum")
+        return Loss(loss, {"loss": loss.detach(), **m})
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        """Mean DPO loss, reward margin and accuracy over the validation pairs."""
+        sums: dict[str, float] = {}
+        n = 0
+        for batch in batches:
+            with autocast():
+                loss = self(model, batch)
+            for k, v in loss.sums.items():
+                sums[k] = sums.get(k, 0.0) + v.item()
+            n += self.units(batch)
+        return {f"val_{k}": v / n for k, v in sums.items()} if n else {}
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
-                 temperature: float, alpha: float,
-                 reduction: str = "mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Knowledge distillation (Hinton et al. 2015): logits (B, T, V) of both models, targets (B, T).
+class DistillObjective:
+    """KL to a frozen teacher's temperature-softened distributions, mixed with cross-entropy by alpha."""
 
-    loss = alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(student, targets),
-    both averaged (reduction "mean") or summed ("sum") over the positions whose
-    target is not IGNORE_INDEX; p_T = softmax(logits / T). The T^2 keeps the
-    soft term's gradient scale independent of T. The teacher gets no gradient;
-    both must share one vocabulary (the same V). A batch without targets gives a
-    loss of 0. Metrics (detached, reduced alike): kl (at temperature T, before
-    the T^2) and ce.
-    """
-    _reduction(reduction)
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ; distillation needs one tokenizer and vocabulary")
-    keep = targets != IGNORE_INDEX  # (B, T)
-    n = keep.sum().clamp(min=1) if reduction == "mean" else 1
-    student = student_logits[keep].float()  # (N, V): only the positions that carry a loss
-    teacher = teacher_logits[keep].detach().float()
-    log_s = F.log_softmax(student / temperature, dim=-1)
-    log_t = F.log_softmax(teacher / temperature, dim=-1)
-    p_t = log_t.exp()
-    # A teacher probability of 0 adds 0 (the limit of p log p), not 0 * -inf.
-    kl = torch.where(p_t > 0, p_t * (log_t - log_s), 0.0).sum() / n
-    ce = F.cross_entropy(student, targets[keep], reduction="sum") / n
-    loss = alpha * temperature ** 2 * kl + (1 - alpha) * ce
-    return loss, {"kl": kl.detach(), "ce": ce.detach()}
+    def __init__(self, teacher: nn.Module, temperature: float, alpha: float, vocab_size: int,
+                 lm: LMObjective) -> None:
+        self.teacher = teacher
+        self.temperature = temperature
+        self.alpha = alpha
+        self.vocab_size = vocab_size  # the tokenizer's; models may pad their vocabularies differently
+        self.lm = lm
+
+    units = staticmethod(target_tokens)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
+        with torch.no_grad():
+            teacher_logits = _forward(self.teacher, batch)[..., : self.vocab_size]
+        student_logits = _forward(model, batch)[..., : self.vocab_size]
+        loss, m = distill_loss(student_logits, teacher_logits, batch.y, self.temperature, self.alpha, reduction="sum")
+        return self.lm.balance(model, Loss(loss, {"loss": loss.detach(), **m}))
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        # The student's own cross-entropy: comparable with any other run on the same data.
+        return self.lm.evaluate(model, batches, autocast, token_bytes)
 
 
-def step_share(total: torch.Tensor, units: int, step_units: int, world_size: int) -> torch.Tensor:
-    """A micro-batch's share of its optimizer step's loss.
-
-    total: the micro-batch's loss summed over its `units` (target tokens, or
-    preference pairs); step_units: the units of every micro-batch of the step
-    on every rank. Each unit weighs 1 / step_units, whatever the micro-batch it
-    falls in, so the step's gradient is that of one batch holding all of them.
-    The factor world_size undoes DDP's and FSDP's averaging over the ranks.
-
-    Written as (total / units) / (step_units / (units * world_size)): where all
-    micro-batches hold the same number of units (pretraining windows, DPO pairs)
-    that is each micro-batch's mean divided by its rank's micro-batches per step,
-    bit for bit. A micro-batch without units adds nothing (its total is 0).
-    """
-    if units == 0:
-        return total
-    return total / units / (step_units / (units * world_size))
+Objective = LMObjective | DPOObjective | DistillObjective

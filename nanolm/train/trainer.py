@@ -54,7 +54,7 @@ from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at
-from nanolm.train.stages import DistillObjective, DPOObjective, LMObjective, Objective
+from nanolm.train.objectives import DistillObjective, DPOObjective, LMObjective, Objective
 
 
 @dataclass
@@ -383,7 +383,7 @@ class Trainer:
     def _micro_batches(self, model: torch.nn.Module, batches: list[Batch], units: list[int], step_units: int,
                        sync: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
         """Forward and backward of each micro-batch, each weighed by its share of the step's units (see
-        objectives.step_share). Returns this rank's metric sums, its per-micro-batch sums and the weighted
+        losses.step_share). Returns this rank's metric sums, its per-micro-batch sums and the weighted
         losses. With `sync`, gradients are reduced over the ranks in the last micro-batch's backward only;
         without, the passes run on the bare model as they are (the replay of a non-finite step)."""
         sums: dict[str, torch.Tensor] = {}

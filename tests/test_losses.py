@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nanolm.train.objectives import distill_loss, dpo_loss, lm_loss, sequence_logps, split_pairs
+from nanolm.train.losses import distill_loss, dpo_loss, lm_loss, sequence_logps, split_pairs
 
 # Rows of probabilities over a vocabulary of 4; their logs are logits whose log-softmax is the log itself.
 PROBS = [[[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]],
