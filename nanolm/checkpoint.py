@@ -113,6 +113,13 @@ def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
     return steps[-1]
 
 
+def run_name(ckpt: Path) -> str:
+    """A model's name: its run directory's for a checkpoint inside `<run>/checkpoints/`, else the directory's own
+    (what the server calls the model and GGUF's general.name)."""
+    ckpt = Path(ckpt).resolve()
+    return ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
+
+
 def is_adapter(ckpt: Path) -> bool:
     return (Path(ckpt) / ADAPTER_WEIGHTS).is_file()
 

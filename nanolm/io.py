@@ -1,9 +1,9 @@
 """Atomic files and directories: a reader sees the old one or the new one, never half of either.
 
 Every file nanolm writes in place of another (manifests, tokenizers, cached
-corpora, best.json) goes through `write_bytes_atomic`: write to a unique
-temporary name in the same directory, fsync, then `os.replace`, which is
-atomic on POSIX and Windows.
+corpora, best.json, a GGUF export) goes through `atomic_file`: write to a
+unique temporary name in the same directory, fsync, then `os.replace`, which
+is atomic on POSIX and Windows.
 
 Every directory nanolm writes (a training checkpoint, a merged LoRA model, an
 HF export or import, prepared data) goes through `atomic_directory`: its files
@@ -31,19 +31,26 @@ from typing import Any, Iterator
 from nanolm.errors import UserError
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Write the file `path` whole or not at all: yields a unique temporary path beside it for the block to
+    write; when the block ends the file is fsynced and renamed into place, when it raises it is removed."""
     path = Path(path)
-    # A unique name opened with "xb" (not mkstemp, whose files are 0600), so the file gets the usual permissions.
+    # A unique name, not mkstemp's (whose files are 0600), so the file gets the usual permissions.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    with atomic_file(path) as tmp, open(tmp, "xb") as f:
+        f.write(data)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

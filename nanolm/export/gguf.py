@@ -39,8 +39,6 @@ long is written as F16 instead.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +50,7 @@ import torch.nn as nn
 
 from nanolm.config import ModelConfig
 from nanolm.errors import UserError
-from nanolm.io import fsync_dir
+from nanolm.io import atomic_file, fsync_dir
 from nanolm.progress import Progress, fmt_bytes
 
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -218,12 +216,6 @@ def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
 
 # ----------------------------------------------------------------------------- writing
 
-def _run_name(ckpt_dir: Path) -> str:
-    """The run directory's name for checkpoints inside a run (run/checkpoints/step-N), else the directory's."""
-    ckpt_dir = ckpt_dir.resolve()
-    return ckpt_dir.parent.parent.name if ckpt_dir.parent.name == "checkpoints" else ckpt_dir.name
-
-
 def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, outtype: str) -> None:
     import gguf
 
@@ -287,7 +279,7 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
         import gguf
     except ImportError:
         raise UserError("GGUF export needs the gguf package: pip install 'nanolm[gguf]'") from None
-    from nanolm.checkpoint import load_model
+    from nanolm.checkpoint import load_model, run_name
     from nanolm.model.lora import merge_lora
 
     if outtype not in OUTTYPES:
@@ -312,34 +304,29 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
         plan.append((name, t, qtype, nbytes))
 
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     writer = gguf.GGUFWriter(None, arch)
     try:
-        _write_metadata(writer, cfg, vocab, _run_name(ckpt_dir), outtype)
-        for name, t, qtype, nbytes in plan:
-            # The logical (out, in) shape and the byte count; raw_dtype tells the writer the ggml type.
-            writer.add_tensor_info(name, tuple(t.shape), np.dtype(np.float32), nbytes, raw_dtype=qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        total = sum(p[3] for p in plan)
-        # Converted one tensor at a time, so only one quantised copy is in memory at once.
-        with Progress(total, f"gguf {outtype}", "B", scale_bytes=True, enabled=not quiet) as bar:
-            for name, t, qtype, nbytes in plan:
-                writer.write_tensor_data(gguf.quants.quantize(t.numpy(), qtype))
-                bar.update(nbytes)
-        writer.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out_file)
-    except BaseException as e:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise UserError(f"{out_file}: could not write the GGUF file ({e.strerror or e}); "
-                            f"{fmt_bytes(shutil.disk_usage(out_file.parent).free)} free there; free some space "
-                            "or choose another path") from None
-        raise
+        with atomic_file(out_file) as tmp:
+            try:
+                _write_metadata(writer, cfg, vocab, run_name(ckpt_dir), outtype)
+                for name, t, qtype, nbytes in plan:
+                    # The logical (out, in) shape and the byte count; raw_dtype tells the writer the ggml type.
+                    writer.add_tensor_info(name, tuple(t.shape), np.dtype(np.float32), nbytes, raw_dtype=qtype)
+                writer.write_header_to_file(tmp)
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
+                total = sum(p[3] for p in plan)
+                # Converted one tensor at a time, so only one quantised copy is in memory at once.
+                with Progress(total, f"gguf {outtype}", "B", scale_bytes=True, enabled=not quiet) as bar:
+                    for name, t, qtype, nbytes in plan:
+                        writer.write_tensor_data(gguf.quants.quantize(t.numpy(), qtype))
+                        bar.update(nbytes)
+            finally:
+                writer.close()
+    except OSError as e:
+        raise UserError(f"{out_file}: could not write the GGUF file ({e.strerror or e}); "
+                        f"{fmt_bytes(shutil.disk_usage(out_file.parent).free)} free there; free some space "
+                        "or choose another path") from None
     fsync_dir(out_file.parent)
     if not quiet:
         print(f"wrote {out_file} ({arch}, {outtype}, {len(plan)} tensors, {fmt_bytes(out_file.stat().st_size)})")

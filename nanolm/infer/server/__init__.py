@@ -61,11 +61,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig,
 
 # --- `nanolm serve` ----------------------------------------------------------------------------------
 
-def default_model_name(ckpt_dir: Path) -> str:
-    """The run's directory name for a checkpoint inside `<run>/checkpoints/`, else the directory's own name."""
-    ckpt_dir = Path(ckpt_dir).resolve()
-    return ckpt_dir.parent.parent.name if ckpt_dir.parent.name == "checkpoints" else ckpt_dir.name
-
 
 def _bind(host: str, port: int) -> socket.socket:
     try:
@@ -87,7 +82,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
     import uvicorn
 
     from nanolm.runtime import resolve_device
-    from nanolm.checkpoint import load_model
+    from nanolm.checkpoint import load_model, run_name
 
     config = config if config is not None else ServeConfig()
     sock = _bind(config.host, config.port)  # first, so a busy port fails before the model loads
@@ -95,8 +90,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         dev = resolve_device(device)
         model, src = load_model(checkpoint, which, dev, adapter=adapter)
         if not config.model_name:
-            config = dataclasses.replace(config, model_name=default_model_name(Path(adapter) if adapter is not None
-                                                                                else src))
+            config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
         app = create_app(Engine(model, dev), Tokenizer.load(src), config, sampling)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
