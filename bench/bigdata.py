@@ -72,6 +72,7 @@ from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SPLITS, PackedData, Spl
 from nanolm.io import write_json_atomic
 from nanolm.progress import fmt_bytes
 from nanolm.tokenizer import EOT_ID
+from procfs import status_kib  # bench/procfs.py, beside this script
 
 _T0 = time.perf_counter()
 LINUX = sys.platform.startswith("linux")
@@ -178,17 +179,6 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def _status_kib(pid: int | str, key: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _process_tree(root: int) -> list[int]:
     """root and its descendants, from the parent ids in /proc/*/stat."""
     children: dict[int, list[int]] = {}
@@ -223,7 +213,7 @@ def run_child(cmd: list[str], log: Path, threads: int) -> ChildRun:
 
     def sample() -> None:
         while not done.wait(0.05):
-            rss = [_status_kib(pid, "VmRSS") for pid in _process_tree(launcher.pid)[1:]]  # not the launcher
+            rss = [status_kib("VmRSS", pid) for pid in _process_tree(launcher.pid)[1:]]  # not the launcher
             tree_peak[0] = max(tree_peak[0], sum(r for r in rss if r) * 1024)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -283,7 +273,7 @@ def _read_ahead_kib(path: Path) -> int | None:
 
 
 def _rss_file() -> int | None:
-    kib = _status_kib("self", "RssFile") if LINUX else None
+    kib = status_kib("RssFile") if LINUX else None
     return None if kib is None else kib * 1024
 
 

@@ -68,6 +68,7 @@ from nanolm.runtime import DTYPES, autocast, resolve_device
 from nanolm.train.metrics import peak_flops
 from nanolm.train.losses import lm_loss
 from nanolm.train.optim import build_optimizer
+from procfs import status_kib  # bench/procfs.py, beside this script
 
 _T0 = time.perf_counter()
 
@@ -89,17 +90,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- memory
-
-def _proc_status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
 
 def _ru_maxrss_bytes() -> int:
     # Linux reports KiB, macOS bytes.
@@ -149,7 +139,7 @@ class PeakMemory:
             # "5" resets only the peak-RSS counter (VmHWM, which ru_maxrss reads), nothing else.
             with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
                 f.write("5")
-            rss_kib = _proc_status_kib("VmRSS")
+            rss_kib = status_kib("VmRSS")
             self.base = rss_kib * 1024 if rss_kib is not None else _ru_maxrss_bytes()
             self.method = "ru_maxrss growth over phase-start RSS (peak reset per phase)"
         except OSError:

@@ -37,13 +37,17 @@ def corpus(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory, corpus) -> Path:
+def train_corpus_tokenizer(out: Path, corpus: Path, vocab_size: int, **kw) -> Path:
+    """A tokenizer trained on `corpus` into `out`, as `nanolm tokenizer train` makes one; returns `out`."""
     from nanolm.data.formats import iter_documents
     from nanolm.tokenizer import train_tokenizer
-    out = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer(iter_documents(corpus), out, vocab_size=400, quiet=True)
+    train_tokenizer(iter_documents(corpus), out, vocab_size=vocab_size, quiet=True, **kw)
     return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, corpus) -> Path:
+    return train_corpus_tokenizer(tmp_path_factory.mktemp("tokenizer"), corpus, 400)
 
 
 @pytest.fixture(scope="session")

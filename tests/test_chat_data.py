@@ -20,7 +20,8 @@ from nanolm.data.shards import PackedData
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
-from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl, write_masked_data
+from chat_helpers import (END, HINT, a, assert_two_ranks_continue, read_masked_docs, s, u, write_jsonl,
+                          write_masked_data)
 
 
 CONVS = [
@@ -142,15 +143,7 @@ def tok(tokenizer_dir) -> Tokenizer:
 
 def read_docs(out: Path, m: dict, split: str = "train") -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, mask) of each conversation of a split, checking the file layout."""
-    docs = []
-    for sh in m["splits"][split]["shards"]:
-        ids = np.fromfile(out / sh["bin"], dtype=m["dtype"]).astype(np.int64)
-        mask = np.fromfile(out / sh["mask"], dtype=np.uint8)
-        offsets = np.fromfile(out / sh["idx"], dtype=np.uint64).astype(np.int64)
-        assert len(mask) == len(ids) == sh["n_tokens"] and int(mask.sum()) == sh["n_trainable"]
-        assert set(np.unique(mask).tolist()) <= {0, 1}
-        docs += [(ids[x:y], mask[x:y]) for x, y in zip(offsets[:-1], offsets[1:])]
-    return docs
+    return [doc for shard in read_masked_docs(out, m, split) for doc in shard]
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

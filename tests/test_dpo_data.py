@@ -27,7 +27,8 @@ from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 from nanolm.train.losses import dpo_loss, sequence_logps, split_pairs
 
-from chat_helpers import END, HINT, a, assert_two_ranks_continue, s, u, write_jsonl, write_masked_data
+from chat_helpers import (END, HINT, a, assert_two_ranks_continue, read_masked_docs, s, u, write_jsonl,
+                          write_masked_data)
 
 
 # (chosen, rejected): one turn, with a system prompt, several turns (the earlier reply is context).
@@ -143,18 +144,6 @@ def tok(tokenizer_dir) -> Tokenizer:
     return Tokenizer.load(tokenizer_dir)
 
 
-def read_docs(out: Path, m: dict, split: str = "train") -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """(ids, mask) of each document of a split, shard by shard, checking the file layout."""
-    shards = []
-    for sh in m["splits"][split]["shards"]:
-        ids = np.fromfile(out / sh["bin"], dtype=m["dtype"]).astype(np.int64)
-        mask = np.fromfile(out / sh["mask"], dtype=np.uint8)
-        offsets = np.fromfile(out / sh["idx"], dtype=np.uint64).astype(np.int64)
-        assert len(mask) == len(ids) == sh["n_tokens"] and int(mask.sum()) == sh["n_trainable"]
-        shards.append([(ids[x:y], mask[x:y]) for x, y in zip(offsets[:-1], offsets[1:])])
-    return shards
-
-
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) of each run of ones."""
     edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
@@ -165,7 +154,7 @@ def test_each_pair_is_two_documents_masked_on_the_final_reply_only(tmp_path, tok
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in PAIRS])
     out = tmp_path / "out"
     m = prepare([src], tokenizer_dir, out, format="dpo", val_fraction=0, workers=0, quiet=True)
-    (docs,) = read_docs(out, m)
+    (docs,) = read_masked_docs(out, m)
     assert len(docs) == 2 * len(PAIRS)
     for i, (chosen, rejected) in enumerate(PAIRS):
         for conv, (ids, mask) in ((chosen, docs[2 * i]), (rejected, docs[2 * i + 1])):
@@ -193,7 +182,7 @@ def test_val_split_and_shards_keep_pairs_together(tmp_path, tok, tokenizer_dir, 
     assert "prepared 12 preference pairs" in err and "trainable (final reply) tokens" in err
     assert m["split_policy"]["rule"] == "pair i goes to val when val_every > 0 and i % val_every == 1"
     for split, want in (("train", [0, 2, 3, 4, 6, 7, 8, 10, 11]), ("val", [1, 5, 9])):
-        shards = read_docs(out, m, split)
+        shards = read_masked_docs(out, m, split)
         assert [len(docs) for docs in shards] == [2] * len(want)  # one pair per shard, never split
         assert m["splits"][split]["n_pairs"] == len(want)
         for docs, i in zip(shards, want):
@@ -218,7 +207,7 @@ def test_prepare_truncates_both_conversations_alike_and_counts(tmp_path, tok, to
     m = prepare([src], tokenizer_dir, tmp_path / "out", format="dpo", max_tokens=max_tokens, val_fraction=0,
                 workers=0, quiet=True)
     assert (m["dpo"]["truncated"], m["dpo"]["skipped_too_long"], m["dpo"]["n_pairs"]) == (2, 1, 3)
-    (docs,) = read_docs(tmp_path / "out", m)
+    (docs,) = read_masked_docs(tmp_path / "out", m)
     assert len(docs) == 6 and all(len(ids) - 1 <= max_tokens for ids, _ in docs)
     # Pair 1: the rejected reply is long, so both drop all the history (the chosen one would have fit with
     # part of it) and keep one prompt; the long reply is cut at the end, without <|im_end|>.

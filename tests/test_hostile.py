@@ -764,18 +764,15 @@ def test_resume_from_damaged_training_state(tmp_path, run, data_dir):
 @pytest.fixture(scope="module")
 def other_tokenizer(tmp_path_factory, corpus) -> Path:
     """A tokenizer of the same corpus with one token fewer: another fingerprint, ids that mean other text."""
-    from nanolm.tokenizer import train_tokenizer
-    out = tmp_path_factory.mktemp("tok399")
-    train_tokenizer(iter_documents(corpus), out, vocab_size=399, quiet=True)
-    return out
+    from conftest import train_corpus_tokenizer
+    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok399"), corpus, 399)
 
 
 @pytest.fixture(scope="module")
 def big_tokenizer(tmp_path_factory, corpus) -> Path:
-    from nanolm.tokenizer import train_tokenizer
-    out = tmp_path_factory.mktemp("tok600")
-    tok = train_tokenizer(iter_documents(corpus), out, vocab_size=600, min_frequency=1, quiet=True)
-    assert tok.vocab_size > 400
+    from conftest import train_corpus_tokenizer
+    out = train_corpus_tokenizer(tmp_path_factory.mktemp("tok600"), corpus, 600, min_frequency=1)
+    assert Tokenizer.load(out).vocab_size > 400
     return out
 
 
