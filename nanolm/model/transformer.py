@@ -80,6 +80,12 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE: project (q/k/v heads, rotated) -> attention -> o_proj.
+
+    `project` is a method of its own so that a module applied from outside (the fused products for
+    decoding) can override the projections alone.
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -95,21 +101,26 @@ class Attention(nn.Module):
         self.qkv = _Fused.of(self.q_proj, self.k_proj, self.v_proj)
         return self.qkv is not None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: optional (B, 1, T, T) boolean, True where a query may attend a key (packed sequences)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with RoPE applied to q and k."""
         B, T, _ = x.shape
         if self.qkv is not None and self.qkv.usable(self.q_proj, self.k_proj, self.v_proj):
             # One product for q, k and v, and one RoPE for q and k together.
             qkv = F.linear(x, self.qkv.weight).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
             qk = apply_rope(qkv[:, :self.n_head + self.n_kv_head], cos, sin)
             q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
-            v = qkv[:, self.n_head + self.n_kv_head:]
-        else:
-            q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-            k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-            v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return q, k, qkv[:, self.n_head + self.n_kv_head:]
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: optional (B, 1, T, T) boolean, True where a query may attend a key (packed sequences)."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
 
         start = 0
         if cache is not None:
@@ -138,8 +149,17 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation silu(gate) * up, elementwise."""
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), as hidden (the gated units) -> down.
+
+    `hidden` is a method of its own so that a module applied from outside (the fused products for
+    decoding) can override how gate and up are computed alone.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -153,11 +173,15 @@ class MLP(nn.Module):
         self.gate_up = _Fused.of(self.gate_proj, self.up_proj)
         return self.gate_up is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) -> silu(gate(x)) * up(x), (B, T, n_hidden)."""
         if self.gate_up is not None and self.gate_up.usable(self.gate_proj, self.up_proj):
             gate, up = F.linear(x, self.gate_up.weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return swiglu(gate, up)
+        return swiglu(self.gate_proj(x), self.up_proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.hidden(x))
 
 
 # ----------------------------------------------------------------------------- fused projections (inference)
