@@ -166,12 +166,76 @@ def test_bf16_on_cpu_decodes_through_a_float32_cache_like_float32():
     model = _model()
     ref = copy.deepcopy(model)
     engine = Engine(model, dtype=torch.bfloat16)
-    assert engine.cache_dtype == torch.float32 and model.lm_head.weight.dtype == torch.bfloat16
+    assert engine.cache_dtype == torch.float32 and engine.model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float32  # the caller's model keeps its dtype
     ids = torch.tensor([[3, 14, 15, 9, 26, 5, 8, 9, 7, 9, 3, 2]])
     cache = KVCache.empty(model.config, 1, 16, "cpu", engine.cache_dtype)
+    prepared = engine.model
     with torch.inference_mode():
-        got = [model(ids[:, :6], cache)[0, -1]] + [model(ids[:, i:i + 1], cache)[0, -1] for i in range(6, 12)]
+        got = [prepared(ids[:, :6], cache)[0, -1]] + [prepared(ids[:, i:i + 1], cache)[0, -1] for i in range(6, 12)]
         want = ref(ids)[0, 5:12]
     assert cache.k[0].dtype == torch.float32 and got[0].dtype == torch.bfloat16
     torch.testing.assert_close(torch.stack(got).float(), want, atol=0.03, rtol=0.03)  # bf16 weights' rounding
     assert len(engine.generate_all([3, 14, 15], SamplingParams(max_new_tokens=10, temperature=0))) == 10
+
+
+# ----------------------------------------------------------------------------- the engine's own copy
+
+def _state(model):
+    return {n: (p, p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_leaves_the_callers_model_unchanged(dtype):
+    model = _model()
+    model.train()
+    params, modules, buffers = _state(model), list(model.named_modules()), dict(model.named_buffers())
+    engine = Engine(model, dtype=dtype)
+    engine.generate_all([3, 14, 15], SamplingParams(max_new_tokens=10, temperature=0))
+    assert model.training and not engine.model.training
+    assert [(n, id(m)) for n, m in model.named_modules()] == [(n, id(m)) for n, m in modules]
+    assert [n for n, _ in model.named_parameters()] == list(params)
+    for name, p in model.named_parameters():
+        same, value, requires_grad = params[name]
+        assert p is same and p.dtype == torch.float32 and p.requires_grad == requires_grad and p.grad is None
+        assert torch.equal(p, value), name
+    assert all(b is buffers[n] and b.dtype == torch.float32 for n, b in model.named_buffers())
+    assert model.lm_head.weight is model.embed_tokens.weight  # still tied
+    # The copy shares no storage with the caller's tensors (a float32 engine too: nothing is aliased).
+    ours = {t.untyped_storage().data_ptr() for t in [*engine.model.parameters(), *engine.model.buffers()]}
+    theirs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert not ours & theirs
+    assert engine.model.lm_head.weight is engine.model.embed_tokens.weight  # tied in the copy as well
+    assert all(not p.requires_grad for p in engine.model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_weights_takes_a_trained_models_current_weights(dtype):
+    model = _model()
+    engine = Engine(model, dtype=dtype)
+    x = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(3))
+
+    def logits(m):
+        with torch.inference_mode():
+            return m(x).float()
+
+    before = logits(engine.model)
+    storage = [p.untyped_storage().data_ptr() for p in engine.model.parameters()]
+    with torch.no_grad():  # the caller's model trains on: here, its weights become another model's
+        for p, q in zip(model.parameters(), _model(seed=1).parameters()):
+            p.copy_(q)
+    assert torch.equal(logits(engine.model), before)  # the copy does not follow by itself
+    engine.load_weights(model)
+    fresh = Engine(model, dtype=dtype)
+    assert not torch.equal(logits(engine.model), before)
+    assert torch.equal(logits(engine.model), logits(fresh.model))
+    for (name, p), q in zip(engine.model.named_parameters(), fresh.model.parameters()):
+        assert torch.equal(p, q), name
+    if dtype == torch.float32:
+        prompt = [3, 14, 15, 9, 26, 5]
+        got = engine.generate_all(prompt, SamplingParams(max_new_tokens=30, temperature=0))
+        assert got == greedy_by_recompute(model, prompt, 30)
+    assert [p.untyped_storage().data_ptr() for p in engine.model.parameters()] == storage  # loaded in place
+    other = Transformer(ModelConfig(vocab_size=61, d_model=32, n_layer=3, n_head=4, n_kv_head=2, max_seq_len=64))
+    with pytest.raises(RuntimeError, match="layers.2"):
+        engine.load_weights(other)
