@@ -10,7 +10,8 @@ import torch
 from nanolm.config import ModelConfig, SamplingParams
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, sample_next, top_k_filter, top_p_filter
-from nanolm.model.transformer import KVCache, Transformer, fuse_projections
+from nanolm.infer.fuse import FusedAttention, FusedMLP, fuse_projections
+from nanolm.model.transformer import Attention, KVCache, Transformer
 
 
 def _model(seed=0):
@@ -101,65 +102,93 @@ def test_one_set_of_sampling_defaults():
 def test_fused_projections_give_the_separate_products_without_a_copy():
     model = _model()
     plain = copy.deepcopy(model)
+    o_proj, down_proj = model.layers[0].self_attn.o_proj, model.layers[0].mlp.down_proj
     assert fuse_projections(model) == 2 * 2  # each layer's attention and MLP
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    # The weights are blocks of the fused matrix: one storage, nothing held twice.
-    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
-    assert mlp.gate_proj.weight.untyped_storage().nbytes() == 2 * mlp.up_proj.weight.numel() * 4
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert type(attn) is FusedAttention and type(mlp) is FusedMLP
+    ref_attn, ref_mlp = plain.layers[0].self_attn, plain.layers[0].mlp
+    assert torch.equal(attn.qkv_weight, torch.cat([ref_attn.q_proj.weight, ref_attn.k_proj.weight,
+                                                   ref_attn.v_proj.weight]))
+    assert torch.equal(mlp.gate_up_weight, torch.cat([ref_mlp.gate_proj.weight, ref_mlp.up_proj.weight]))
+    # The fused matrices are the only copy of those weights: the separate ones are gone, nothing is held twice.
+    assert not any(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    assert not any(hasattr(mlp, n) for n in ("gate_proj", "up_proj"))
+    assert mlp.gate_up_weight.untyped_storage().nbytes() == 2 * ref_mlp.up_proj.weight.numel() * 4
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
+    assert attn.o_proj is o_proj and mlp.down_proj is down_proj and not attn.training
     x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert attn.qkv.usable(attn.q_proj, attn.k_proj, attn.v_proj)
         torch.testing.assert_close(model(x), plain(x), rtol=1e-6, atol=1e-6)
     prompt = [3, 14, 15, 9, 26, 5]
-    assert (Engine(model).generate_all(prompt, SamplingParams(max_new_tokens=30, temperature=0))
+    engine = Engine(plain)
+    assert sum(type(m) in (FusedAttention, FusedMLP) for m in engine.model.modules()) == 2 * 2
+    assert (engine.generate_all(prompt, SamplingParams(max_new_tokens=30, temperature=0))
             == greedy_by_recompute(plain, prompt, 30))
 
 
-def test_a_fused_model_still_trains_saves_and_converts(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from nanolm.checkpoint import model_state
-
-    model = _model()
-    plain = _model()
+def test_fused_modules_load_the_models_layout_and_convert_like_any_module():
+    model, plain = _model(), _model(seed=1)
     fuse_projections(model)
+    fused_storage = model.layers[1].self_attn.qkv_weight.untyped_storage().data_ptr()
+    # The model's own state_dict loads strictly into the fused matrices, in place.
+    model.load_state_dict(plain.state_dict())
+    assert model.layers[1].self_attn.qkv_weight.untyped_storage().data_ptr() == fused_storage
+    assert torch.equal(model.layers[1].self_attn.qkv_weight[-8:], plain.layers[1].self_attn.v_proj.weight[-8:])
     x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
-    # With autograd on, the separate products run, so every projection gets its gradient.
-    model(x).sum().backward()
-    plain(x).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
-    # Saving: safetensors refuses tensors that share storage, so the blocks are written alone.
-    save_file(model_state(model), str(tmp_path / "w.safetensors"))
-    loaded = load_file(str(tmp_path / "w.safetensors"))
-    assert torch.equal(loaded["layers.1.self_attn.k_proj.weight"], plain.layers[1].self_attn.k_proj.weight)
-    # A dtype change gives the weights their own storage: the fused matrix is stale and is not used.
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-6, atol=1e-6)
+    # A layout without one of the stacked weights is refused, naming the fused matrix it would fill.
+    partial = {k: v for k, v in plain.state_dict().items() if k != "layers.0.mlp.up_proj.weight"}
+    with pytest.raises(RuntimeError, match="layers.0.mlp.gate_up_weight"):
+        model.load_state_dict(partial)
+    # A dtype change converts the fused matrices with the rest: nothing goes stale.
     model.double()
     plain.double()
-    attn = model.layers[0].self_attn
+    assert model.layers[0].mlp.gate_up_weight.dtype == torch.float64
     with torch.no_grad():
-        assert not attn.qkv.usable(attn.q_proj, attn.k_proj, attn.v_proj)
-        assert torch.equal(model(x), plain(x))
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-12, atol=1e-12)
 
 
-def test_lora_after_fusing_is_not_bypassed():
+def _lora_model(targets):
     from nanolm.model.lora import apply_lora
 
-    model, plain = _model(), _model()
-    fuse_projections(model)
-    for m in (model, plain):
-        apply_lora(m, rank=2, alpha=4.0, dropout=0.0, targets=("q_proj", "up_proj"))
-        with torch.no_grad():
-            for mod in m.modules():
-                if hasattr(mod, "lora_B"):  # the same non-zero adapter in both
-                    mod.lora_A.copy_(torch.full_like(mod.lora_A, 0.3))
-                    mod.lora_B.copy_(torch.full_like(mod.lora_B, 0.5))
-    x = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(4))
+    model = _model()
+    apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=targets)
     with torch.no_grad():
-        assert torch.equal(model(x), plain(x))
-        assert not torch.equal(model(x), _model()(x))  # the adapters count
-    assert fuse_projections(plain) == 0  # a LoRA-wrapped projection keeps its separate product
+        for mod in model.modules():
+            if hasattr(mod, "lora_B"):  # a non-zero adapter
+                mod.lora_A.copy_(torch.full_like(mod.lora_A, 0.3))
+                mod.lora_B.copy_(torch.full_like(mod.lora_B, 0.5))
+    return model
+
+
+def test_lora_layers_are_not_fused_nor_bypassed():
+    from nanolm.model.lora import LoRALinear, apply_lora
+
+    x = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(4))
+    # Every attention and MLP has a LoRA projection: nothing is fused, and the engine computes W x + s B A x.
+    model = _lora_model(("q_proj", "up_proj"))
+    engine = Engine(model)
+    prepared = engine.model
+    assert fuse_projections(copy.deepcopy(model)) == 0
+    assert not any(type(m) in (FusedAttention, FusedMLP) for m in prepared.modules())
+    assert type(prepared.layers[0].self_attn.q_proj) is LoRALinear
+    with torch.no_grad():
+        assert torch.equal(prepared(x), model(x))
+        assert not torch.equal(prepared(x), _model()(x))  # the adapters count
+    # LoRA on q_proj only: the MLPs fuse, the attentions keep their adapted separate products.
+    model = _lora_model(("q_proj",))
+    prepared = Engine(model).model
+    assert [type(b.self_attn) for b in prepared.layers] == [Attention] * 2
+    assert [type(b.mlp) for b in prepared.layers] == [FusedMLP] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(x), model(x), rtol=1e-6, atol=1e-6)
+        assert not torch.equal(prepared(x), _model()(x))
+    # A fused module has no separate projection left to wrap, so a LoRA added after fusing cannot be bypassed.
+    fused = _model()
+    fuse_projections(fused)
+    with pytest.raises(UserError, match="'q_proj' names no linear layer"):
+        apply_lora(fused, rank=2, alpha=4.0, dropout=0.0, targets=("q_proj",))
 
 
 def test_bf16_on_cpu_decodes_through_a_float32_cache_like_float32():

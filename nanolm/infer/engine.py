@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from nanolm.config import SamplingParams
-from nanolm.model.transformer import KVCache, fuse_projections
+from nanolm.infer.fuse import fuse_projections
+from nanolm.model.transformer import KVCache
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -74,19 +75,21 @@ class Engine:
 
     Memory: the copy holds every weight once more, in the engine's dtype (minimind-26m: 103 MB in float32,
     52 MB in bfloat16), beside the caller's model, which stays as it was (its dtype, device, mode and
-    tensors). A caller that needs its model no longer drops it, and only the copy remains. Preparing the
-    copy converts one tensor at a time, so it never holds a float32 copy of a bf16 engine's weights.
+    tensors); a caller that has no further use for its model drops it, and only the copy remains. On the
+    way, each tensor is converted straight into the engine's dtype (no float32 copy of a bf16 engine's
+    weights is made), and fusing, like `load_weights`, stacks one module's q/k/v or gate/up at a time, so
+    beyond the two models at most one module's projections are held once more.
     """
 
     def __init__(self, model: nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
         """Prepare the copy: weights in `dtype` on `device` (decoding reads every weight once per token, so
         bf16 weights halve the bytes, and nothing is re-cast under autocast), eval mode, and the q/k/v and
-        gate/up weights fused (`fuse_projections`): the same weights, fewer products."""
+        gate/up products fused (`infer/fuse.py`): the same weights, fewer products."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = inference_copy(model, self.device, dtype)
-        fuse_projections(self.model)  # fewer, larger products per token; weights are not copied
+        fuse_projections(self.model)  # fewer, larger products per token
         # PyTorch's CPU kernels attend one query in bf16/fp16 several times slower than in float32 (138 vs
         # 36 us for 300 cached tokens on 2 cores), and less exactly. A float32 cache is attended as it is,
         # where a bf16 one would be cast whole at every layer of every token.
@@ -95,7 +98,8 @@ class Engine:
 
     def load_weights(self, model: nn.Module) -> None:
         """Take `model`'s current weights again (a model that keeps training, for one): each is copied into
-        the engine's copy in place, converted to its dtype and device; nothing is reallocated.
+        the engine's copy in place, converted to its dtype and device (the copy's tensors are kept; a fused
+        module's weights are stacked, one module at a time, on the way in).
 
         `model` must have the modules and shapes of the model the engine was built from (torch's
         load_state_dict error names what differs). Not to be called while `generate` runs.

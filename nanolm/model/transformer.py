@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -82,8 +81,8 @@ class KVCache:
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE: project (q/k/v heads, rotated) -> attention -> o_proj.
 
-    `project` is a method of its own so that a module applied from outside (the fused products for
-    decoding) can override the projections alone.
+    `project` is a method of its own so that a module applied from outside (the fused products of
+    infer/fuse.py) overrides only the projections.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -94,23 +93,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
-        self.qkv: _Fused | None = None  # set by fuse_projections (inference)
-
-    def fuse(self) -> bool:
-        """Inference: q/k/v weights become row blocks of one matrix (see fuse_projections)."""
-        self.qkv = _Fused.of(self.q_proj, self.k_proj, self.v_proj)
-        return self.qkv is not None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with RoPE applied to q and k."""
         B, T, _ = x.shape
-        if self.qkv is not None and self.qkv.usable(self.q_proj, self.k_proj, self.v_proj):
-            # One product for q, k and v, and one RoPE for q and k together.
-            qkv = F.linear(x, self.qkv.weight).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
-            qk = apply_rope(qkv[:, :self.n_head + self.n_kv_head], cos, sin)
-            q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
-            return q, k, qkv[:, self.n_head + self.n_kv_head:]
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
@@ -157,8 +144,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), as hidden (the gated units) -> down.
 
-    `hidden` is a method of its own so that a module applied from outside (the fused products for
-    decoding) can override how gate and up are computed alone.
+    `hidden` is a method of its own so that a module applied from outside (infer/fuse.py) overrides
+    only how gate and up are computed.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -166,69 +153,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.d_model, cfg.n_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.n_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.n_hidden, cfg.d_model, bias=False)
-        self.gate_up: _Fused | None = None  # set by fuse_projections (inference)
-
-    def fuse(self) -> bool:
-        """Inference: gate/up weights become row blocks of one matrix (see fuse_projections)."""
-        self.gate_up = _Fused.of(self.gate_proj, self.up_proj)
-        return self.gate_up is not None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C) -> silu(gate(x)) * up(x), (B, T, n_hidden)."""
-        if self.gate_up is not None and self.gate_up.usable(self.gate_proj, self.up_proj):
-            gate, up = F.linear(x, self.gate_up.weight).chunk(2, dim=-1)
-            return swiglu(gate, up)
         return swiglu(self.gate_proj(x), self.up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.hidden(x))
-
-
-# ----------------------------------------------------------------------------- fused projections (inference)
-
-class _Fused(NamedTuple):
-    """One matrix whose row blocks are the weights of several bias-free nn.Linear modules."""
-
-    weight: torch.Tensor
-    modules: tuple[nn.Module, ...]
-    ptrs: tuple[int, ...]
-
-    @classmethod
-    def of(cls, *linears: nn.Module) -> "_Fused | None":
-        """Concatenate the weights by rows and re-point each weight at its block.
-
-        The weights stay parameters of their own modules (names, state_dict and in-place loads work
-        as before) but share one storage, so nothing is held twice. None where a module is not a
-        plain bias-free nn.Linear (a LoRA adapter, for one): that layer keeps its separate products.
-        """
-        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
-            return None
-        fused = torch.cat([m.weight.detach() for m in linears])
-        start = 0
-        for m in linears:
-            rows = m.weight.shape[0]
-            m.weight.data = fused[start:start + rows]
-            start += rows
-        return cls(fused, linears, tuple(m.weight.data_ptr() for m in linears))
-
-    def usable(self, *linears: nn.Module) -> bool:
-        """Only without autograd (the fused matrix has no gradient path to the parameters), and only
-        while the modules are the fused ones and their weights still its blocks: `.to(dtype)`,
-        `.to(device)`, a new weight or a LoRA wrapper each end that, and the separate products,
-        which are then the correct ones, run instead."""
-        return (not torch.is_grad_enabled() and all(a is b for a, b in zip(linears, self.modules))
-                and all(m.weight.data_ptr() == p for m, p in zip(linears, self.ptrs)))
-
-
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse each attention's q/k/v and each SwiGLU MLP's gate/up into one matrix product, for decoding.
-
-    A decoded token multiplies one activation row by every weight matrix, and on a CPU each product
-    has a fixed cost besides its weight traffic (~10 us per bf16 product on 2 cores): one product
-    where there were three (two) makes a minimind-26m token ~10% faster in bf16. Training keeps the
-    separate products (their gradients, LoRA). Returns the number of modules fused.
-    """
-    return sum(m.fuse() for m in model.modules() if isinstance(m, (Attention, MLP)))
 
 
 class Block(nn.Module):
