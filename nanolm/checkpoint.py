@@ -162,8 +162,6 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if t.data_ptr() in seen and t.numel() > 0:
             continue  # e.g. lm_head.weight tied to embed_tokens.weight
         seen[t.data_ptr()] = name
-        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-            t = t.clone()  # a block of a larger matrix (fuse_projections): safetensors wants it alone
         out[name] = t.detach().contiguous().cpu()
     return out
 
