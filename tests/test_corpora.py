@@ -740,3 +740,11 @@ def test_real_chat_corpora(real_cache, monkeypatch):
     assert "```\ndef quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n" in quicksort[1]["content"]
     assert max(len(c) for c in bot) == 26
     assert not (real_cache / "corpora" / "chatterbot" / "LICENSE").exists()
+
+
+def test_asking_for_pip_leaves_setuptools_importable():
+    """Whether pip is there is asked without the import system: `find_spec("pip")` would make setuptools'
+    distutils shim step aside, and every later `import setuptools` (torch.compile builds C++ with it) fail."""
+    code = "from nanolm.corpora import download; assert download._have_pip(); import setuptools; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

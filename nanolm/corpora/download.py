@@ -34,7 +34,7 @@ from __future__ import annotations
 import ast
 import base64
 import html.parser
-import importlib.util
+import importlib.metadata
 import os
 import posixpath
 import re
@@ -57,7 +57,14 @@ DEFAULT_INDEX = "https://pypi.org/simple/"
 
 
 def _have_pip() -> bool:
-    return importlib.util.find_spec("pip") is not None
+    """Whether this interpreter has pip, asked of the installed distributions rather than the import system:
+    on Python 3.11 `importlib.util.find_spec("pip")` makes setuptools' distutils shim step aside, after which
+    `import setuptools` fails for the rest of the process (torch.compile's C++ builds import it)."""
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def download_archive(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
