@@ -532,6 +532,24 @@ def test_text_that_is_not_utf8_is_a_400(base):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def read_http_response(conn) -> str:
+    """One whole HTTP/1.1 response from a raw socket: the server may send the headers and the body in separate
+    packets, so read until the headers end and then until Content-Length bytes of body have come."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"the connection closed before the headers ended: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        assert chunk, f"the connection closed after {len(body)} of {length} body bytes"
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()
+
+
 def test_a_body_that_stops_arriving_gets_408_and_the_server_goes_on(engine, tok):
     import socket
     with running(create_app(engine, tok, ServeConfig(model_name="tiny", body_timeout_s=0.5))) as url:
@@ -539,7 +557,7 @@ def test_a_body_that_stops_arriving_gets_408_and_the_server_goes_on(engine, tok)
         with socket.create_connection((host, int(port)), timeout=10) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\", ")  # then nothing more
-            reply = conn.recv(65536).decode()
+            reply = read_http_response(conn)
         status, _, rest = reply.partition("\r\n")
         assert status == "HTTP/1.1 408 Request Timeout"
         body = json.loads(rest.split("\r\n\r\n", 1)[1])
