@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP API over the generation engine: `nanolm serve`.
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages rendered
-with the tokenizer's ChatML template) and `POST /v1/completions` (a prompt
+in ChatML, nanolm/data/chatml.py) and `POST /v1/completions` (a prompt
 continued), each streaming (server-sent events in OpenAI's chunk shapes) or
 not, so the official `openai` client and tools built on it work unchanged.
 
