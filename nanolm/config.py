@@ -457,6 +457,12 @@ class SamplingParams:
     top_k: int = field(default=50, metadata={"help": "keep the k most likely tokens; 0 = off"})
     top_p: float = field(default=0.95, metadata={"help": "keep the most likely tokens up to this mass; 1 = off"})
     seed: int | None = field(default=None, metadata={"help": "makes sampling reproducible"})
+    repetition_penalty: float = field(default=1.0, metadata={
+        "help": "> 1 makes tokens already in the prompt or reply less likely (logit / p, or x p if negative); 1 = off"})
+    presence_penalty: float = field(default=0.0, metadata={
+        "help": "subtracted from the logit of every token the reply already holds (OpenAI's, -2 to 2); 0 = off"})
+    frequency_penalty: float = field(default=0.0, metadata={
+        "help": "subtracted, times its count in the reply so far, from each token's logit (-2 to 2); 0 = off"})
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
@@ -467,6 +473,11 @@ class SamplingParams:
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+               f"repetition_penalty must be in (0, 10] (1 = off, 1.1-1.3 is usual), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value!r}")
 
 
 @dataclass

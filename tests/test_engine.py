@@ -9,7 +9,9 @@ import torch
 
 from nanolm.config import ModelConfig, SamplingParams
 from nanolm.errors import UserError
-from nanolm.infer.engine import Engine, sample_next, top_k_filter, top_p_filter
+from nanolm.infer.engine import Engine
+from nanolm.infer.sampling import (Penalties, presence_frequency_penalty, repetition_penalty, sample_next,
+                                   top_k_filter, top_p_filter)
 from nanolm.infer.fuse import FusedAttention, FusedMLP, fuse_projections
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
@@ -82,7 +84,10 @@ def test_sampling_respects_filters():
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=-1),
                                 dict(temperature=float("nan")), dict(top_p=1.5), dict(top_k=2.5), dict(top_k=True),
-                                dict(max_new_tokens="5"), dict(seed=2**64), dict(seed=-2**63 - 1), dict(seed=1.0)])
+                                dict(max_new_tokens="5"), dict(seed=2**64), dict(seed=-2**63 - 1), dict(seed=1.0),
+                                dict(repetition_penalty=0), dict(repetition_penalty=11.0),
+                                dict(presence_penalty=2.5), dict(frequency_penalty=-2.01),
+                                dict(frequency_penalty=float("inf"))])
 def test_bad_sampling_params(kw):
     (field, value), = kw.items()
     with pytest.raises(UserError, match=rf"^{field} must be .*, got {re.escape(repr(value))}$"):
@@ -93,8 +98,193 @@ def test_one_set_of_sampling_defaults():
     """The defaults generate, chat, the server and the quickstart all take (tuned for small models)."""
     p = SamplingParams()
     assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (256, 0.8, 50, 0.95, None)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)  # off
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(temperature=1, top_p=1).top_p == 1  # integers are numbers too
+
+
+# ----------------------------------------------------------------------------- penalties
+
+def test_repetition_penalty_exact():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 4.0]])
+    seen = torch.tensor([[True, True, False, False, True]])
+    got = repetition_penalty(logits, seen, 2.0)
+    assert got.tolist() == [[1.0, -2.0, 0.5, -3.0, 2.0]]  # positive / 2, negative x 2, unseen unchanged
+    assert repetition_penalty(logits, seen, 0.5).tolist() == [[4.0, -0.5, 0.5, -3.0, 8.0]]  # < 1 favours them
+    assert repetition_penalty(logits, seen, 1.0) is logits
+
+
+def test_presence_and_frequency_penalties_exact():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    counts = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
+    got = presence_frequency_penalty(logits, counts, 0.5, 0.25)
+    assert got.tolist() == [[1.0, 1.0 - 0.5 - 0.25, 1.0 - 0.5 - 0.75, 1.0]]
+    assert presence_frequency_penalty(logits, counts, -1.0, 0.0).tolist() == [[1.0, 2.0, 2.0, 1.0]]
+    assert presence_frequency_penalty(logits, counts, 0.0, 0.0) is logits
+
+
+def test_penalties_count_the_prompt_for_repetition_and_only_the_reply_for_openai():
+    p = SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.5)
+    pen = Penalties(p, [0, 0, 2], vocab_size=4, device=torch.device("cpu"))
+    logits = torch.tensor([[4.0, 4.0, 4.0, 4.0]])
+    assert pen.apply(logits).tolist() == [[2.0, 4.0, 2.0, 4.0]]  # prompt tokens 0 and 2: repetition only
+    pen.add(1)
+    pen.add(1)
+    assert pen.apply(logits).tolist() == [[2.0, 2.0 - 1.0 - 1.0, 2.0, 4.0]]  # token 1: seen, twice in the reply
+    assert not Penalties(SamplingParams(), [0], 4, torch.device("cpu")).active
+
+
+def test_greedy_decoding_takes_the_argmax_of_the_penalised_logits():
+    """Each token the engine picks is the argmax of the model's logits (recomputed without a cache) after the
+    penalties computed from the history by hand."""
+    model = _varied_model()
+    prompt = [3, 14, 15, 9]
+    params = SamplingParams(max_new_tokens=25, temperature=0, repetition_penalty=1.3, presence_penalty=0.4,
+                            frequency_penalty=0.3)
+    got = Engine(model).generate_all(prompt, params)
+    plain = Engine(model).generate_all(prompt, SamplingParams(max_new_tokens=25, temperature=0))
+    assert got != plain  # the penalties change this reply
+    ids = list(prompt)
+    with torch.no_grad():
+        for tid in got:
+            logits = model(torch.tensor([ids]))[0, -1]
+            reply = ids[len(prompt):]
+            for t in set(ids):
+                logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+            for t in set(reply):
+                logits[t] -= 0.4 + 0.3 * reply.count(t)
+            assert tid == int(logits.argmax())
+            ids.append(tid)
+
+
+# ----------------------------------------------------------------------------- many rows at once
+
+def _varied_model(seed=0):
+    """Weights large enough that greedy replies wander instead of repeating the prompt's last token."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=64, init_std=0.3)
+    return Transformer(cfg).eval()
+
+
+def _prompts():
+    return [[3, 14, 15], list(range(5, 30)), [7], list(range(40, 52)), [9, 9, 9, 9, 9, 2]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_decoded_together_equal_each_alone(dtype, temperature):
+    """Prompts of different lengths, each row with its own params and seed, some ending early on a stop id or a
+    smaller budget: every row's tokens are the tokens it gets alone."""
+    engine = Engine(_varied_model(), dtype=dtype)
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=12 + 5 * i, temperature=temperature, top_k=20 if i % 2 else 0,
+                             top_p=0.9 if i == 3 else 1.0, seed=100 + i,
+                             repetition_penalty=1.2 if i == 4 else 1.0) for i in range(len(prompts))]
+    alone = [engine.generate_all(p, sp) for p, sp in zip(prompts, params)]
+    cut = next(i for i in range(3, len(alone[1])) if alone[1][i] not in alone[1][:i])
+    stop = alone[1][cut]  # row 1 ends early on a stop id
+    alone[1] = engine.generate_all(prompts[1], params[1], stop_ids=[stop])
+    assert len(alone[1]) == cut
+    batch = engine.batch()
+    rows = [batch.add(p, sp, stop_ids=[stop] if i == 1 else ())[0] for i, (p, sp) in enumerate(zip(prompts, params))]
+    got = {r: [] for r in rows}
+    finish = {}
+    while batch:
+        for out in batch.step():
+            if out.token is not None:
+                got[out.row].append(out.token)
+            if out.finish is not None:
+                finish[out.row] = out.finish
+    assert [got[r] for r in rows] == alone
+    assert finish == {r: "stop" if i == 1 else "length" for i, r in enumerate(rows)}
+
+
+def test_rows_join_and_leave_between_steps():
+    """Rows added while others decode, and rows cancelled mid-way, leave every other row's tokens as they are
+    alone; a cancelled row makes no more tokens and its cache rows are freed."""
+    engine = Engine(_varied_model())
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5)
+    alone = [engine.generate_all(p, params) for p in prompts]
+    batch = engine.batch()
+    got: dict[int, list[int]] = {}
+    ids = {}
+    ids[0] = batch.add(prompts[0], params)[0]
+    for step in range(40):
+        if step == 3:
+            ids[1] = batch.add(prompts[1], params)[0]
+            ids[2] = batch.add(prompts[2], params)[0]
+        if step == 7:
+            ids[3] = batch.add(prompts[3], params)[0]
+        if step == 9:
+            batch.cancel(ids[2])
+        if step == 12:
+            ids[4] = batch.add(prompts[4], params)[0]
+        for out in batch.step():
+            assert out.row != ids.get(2) or step < 9
+            if out.token is not None:
+                got.setdefault(out.row, []).append(out.token)
+        if step == 10:
+            assert batch._cache.k[0].shape[0] == len(batch) == 3  # rows 0, 1 and 3: row 2 is gone
+    assert not batch
+    assert [got[ids[i]] for i in (0, 1, 3, 4)] == [alone[i] for i in (0, 1, 3, 4)]
+    assert got[ids[2]] == alone[2][:len(got[ids[2]])] and len(got[ids[2]]) == 6  # steps 3..8 drew 6 tokens
+
+
+def test_n_samples_share_one_prefill():
+    """n samples of one prompt cost one prefill; sample 0 draws as the seed alone, sample i as seed + i."""
+    engine = Engine(_varied_model())
+    prompt = list(range(10, 30))
+    prefills = []
+    hook = engine.model.register_forward_pre_hook(lambda _m, args: prefills.append(args[0].shape[1] > 1))
+    try:
+        replies = engine.generate_many([prompt], SamplingParams(max_new_tokens=15, temperature=1.0, seed=11), n=4)
+    finally:
+        hook.remove()
+    assert sum(prefills) == 1 and len(prefills) == 15  # one prefill, then one forward per step for all 4
+    assert len({tuple(r) for r in replies}) == 4
+    for i, reply in enumerate(replies):
+        assert reply == engine.generate_all(prompt, SamplingParams(max_new_tokens=15, temperature=1.0, seed=11 + i))
+
+
+def test_a_row_at_the_end_of_the_context_ends_alone():
+    engine = Engine(_varied_model())  # context 64
+    batch = engine.batch()
+    short = batch.add(list(range(60)), SamplingParams(max_new_tokens=50, temperature=0))[0]
+    other = batch.add([1, 2], SamplingParams(max_new_tokens=10, temperature=0))[0]
+    got = {short: [], other: []}
+    finishes = {}
+    while batch:
+        for out in batch.step():
+            got[out.row] += [out.token] if out.token is not None else []
+            if out.finish:
+                finishes[out.row] = out.finish
+    assert len(got[short]) == 4 and len(got[other]) == 10 and finishes == {short: "length", other: "length"}
+    assert got[other] == engine.generate_all([1, 2], SamplingParams(max_new_tokens=10, temperature=0))
+
+
+def test_logprobs_are_the_models_own_distribution():
+    """A row's log-probabilities, decoded beside another row, equal log_softmax of the model's logits recomputed
+    without a cache (before the penalties and the temperature), and the top list is sorted and holds the token."""
+    model = _varied_model()
+    engine = Engine(model)
+    prompt = [4, 8, 15, 16, 23]
+    batch = engine.batch()
+    row = batch.add(prompt, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1, repetition_penalty=1.5),
+                    logprobs=3)[0]
+    batch.add(list(range(30)), SamplingParams(max_new_tokens=8, temperature=0))
+    ids = list(prompt)
+    while batch:
+        for out in batch.step():
+            if out.row != row or out.token is None:
+                continue
+            with torch.no_grad():
+                want = torch.log_softmax(model(torch.tensor([ids]))[0, -1], dim=-1)
+            assert out.logprob == pytest.approx(float(want[out.token]), abs=1e-5)
+            assert [t for t, _ in out.top_logprobs] == want.topk(3).indices.tolist()
+            assert [lp for _, lp in out.top_logprobs] == pytest.approx(want.topk(3).values.tolist(), abs=1e-5)
+            ids.append(out.token)
+    assert len(ids) == len(prompt) + 8
 
 
 # ----------------------------------------------------------------------------- fused projections

@@ -1,56 +1,34 @@
-"""The one generation engine: KV-cached decoding with sampling, streaming token ids.
+"""The one generation engine: KV-cached decoding of many sequences at once, streaming token ids.
 
 The engine knows token ids and a model, nothing about text: the CLI, the chat
 terminal and the HTTP server turn text into ids and back around it. It decodes
 from its own prepared copy of the model, so the caller's model (one that keeps
-training, say) is never changed by it. Sampling filters are small pure
-functions over a logits vector.
+training, say) is never changed by it.
+
+Decoding a small model reads every weight once per step whatever the number of
+rows, so rows decoded together cost little more than one. A `DecodeBatch` holds the
+rows being decoded: `add` prefills a prompt (once for its `n` samples) and the
+row joins at the next `step`; each step decodes one token for every row, each
+row at its own position with its own sampling parameters, penalties and random
+generator, so a row's tokens do not depend on which other rows run beside it;
+a row leaves on its stop ids, its budget or `cancel`. `Engine.generate` is one
+row of a batch. Penalties, filters and the draw are pure functions
+(`infer/sampling.py`).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
-from nanolm.config import SamplingParams
+from nanolm.config import SEED_RANGE, SamplingParams
 from nanolm.infer.fuse import fuse_projections
+from nanolm.infer.sampling import Penalties, sample_next
 from nanolm.model.transformer import KVCache
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits (ties at the boundary kept), set the rest to -inf. logits: (..., V)."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter: keep the smallest set of tokens whose probability mass reaches p.
-
-    The most likely token is always kept.
-    """
-    if p >= 1.0:
-        return logits
-    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each one
-    drop_sorted = mass_before >= p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row from logits (B, V) -> (B,)."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    logits = top_p_filter(top_k_filter(logits, params.top_k), params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def inference_copy(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -107,32 +85,223 @@ class Engine:
         with torch.no_grad():
             self.model.load_state_dict(model.state_dict())
 
-    @torch.inference_mode()
-    def generate(self, prompt: Sequence[int], params: SamplingParams,
-                 stop_ids: Sequence[int] = ()) -> Iterator[int]:
-        """Yield new token ids one at a time; stops at a stop id (not yielded), max_new_tokens or the context end."""
+    def batch(self) -> "DecodeBatch":
+        """A new, empty set of rows to decode together (see `DecodeBatch`)."""
+        return DecodeBatch(self)
+
+    def check_prompt(self, prompt: Sequence[int]) -> None:
         if len(prompt) == 0:
             raise ValueError("the prompt must hold at least one token")
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_seq_len}")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        budget = min(params.max_new_tokens, self.max_seq_len - len(prompt))
-        if budget <= 0:
-            return
-        cache = KVCache.empty(self.model.config, 1, len(prompt) + budget, self.device, self.cache_dtype)
-        stops = set(stop_ids)
-        x = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)  # (1, T) prefill
-        for i in range(budget):
-            logits = self.model(x, cache)[:, -1, :]  # (1, V)
-            token = sample_next(logits, params, generator)  # (1,)
-            tid = int(token.item())
-            if tid in stops:
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams,
+                 stop_ids: Sequence[int] = ()) -> Iterator[int]:
+        """Yield new token ids one at a time; stops at a stop id (not yielded), max_new_tokens or the context end."""
+        batch = self.batch()
+        batch.add(prompt, params, stop_ids)
+        while True:
+            (out,) = batch.step()
+            if out.token is not None:
+                yield out.token
+            if out.finish is not None:
                 return
-            yield tid
-            if i + 1 < budget:
-                x = token.view(1, 1)
 
     def generate_all(self, prompt: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = ()) -> list[int]:
         return list(self.generate(prompt, params, stop_ids))
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                      stop_ids: Sequence[int] = (), n: int = 1) -> list[list[int]]:
+        """Every prompt's reply (n replies each, in order: prompt 0's n, then prompt 1's ...), decoded together."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        batch = self.batch()
+        rows = [row for prompt, p in zip(prompts, per_prompt) for row in batch.add(prompt, p, stop_ids, n=n)]
+        replies: dict[int, list[int]] = {row: [] for row in rows}
+        while batch:
+            for out in batch.step():
+                if out.token is not None:
+                    replies[out.row].append(out.token)
+        return [replies[row] for row in rows]
+
+
+@dataclass
+class Token:
+    """What one step made of one row: its new token, whether the row ended, and optionally log-probabilities.
+
+    token: the new id, or None when the row ended on a stop id (which is not part of the reply).
+    finish: None while the row goes on; "stop" (a stop id) or "length" (its max_new_tokens or the context).
+    logprob / top_logprobs: when asked for, the model's log-probability of the token and the most likely
+    ids with theirs, from the model's own distribution (before penalties, temperature and filters).
+    """
+
+    row: int
+    token: int | None
+    finish: str | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class _Row:
+    """One sequence being decoded: its settings and where it stands."""
+
+    def __init__(self, row_id: int, prompt_len: int, budget: int, params: SamplingParams, stops: frozenset[int],
+                 generator: torch.Generator | None, penalties: Penalties, logprobs: int | None) -> None:
+        self.id, self.prompt_len, self.budget = row_id, prompt_len, budget
+        self.params, self.stops, self.generator, self.penalties = params, stops, generator, penalties
+        self.logprobs = logprobs
+        self.produced = 0
+        self.last = -1  # the latest token, to be decoded at the next step
+        self.logits: torch.Tensor | None = None  # (1, V): the next token's, once computed
+        self.prefill: KVCache | None = None  # its own cache from prefill, until it joins the batch's
+
+
+def _seeded(seed: int | None, i: int, device: torch.device) -> torch.Generator | None:
+    """The i-th sample's generator of a request seeded `seed` (sample 0 draws exactly as the seed alone)."""
+    if seed is None:
+        return None
+    lo, hi = SEED_RANGE
+    return torch.Generator(device=device).manual_seed((seed + i - lo) % (hi - lo) + lo)
+
+
+class DecodeBatch:
+    """Rows decoded together, one token per row per `step`; rows join (`add`) and leave between steps.
+
+    Rows being decoded share one KV cache, a row per sequence, each filled to its own length
+    (`KVCache.lengths`); a row joining is copied in once and a row leaving is dropped once (its cache rows
+    freed), so a step costs one forward of the rows there are. Not thread-safe: one thread adds, steps
+    and cancels (the server's worker thread).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._next_id = 0
+        self._running: list[_Row] = []  # rows in the shared cache, in its row order
+        self._joining: list[_Row] = []  # rows added since the last step
+        self._cache: KVCache | None = None
+        self._cancelled: set[int] = set()
+
+    def __len__(self) -> int:
+        """Rows not yet ended (running, joining, or about to end)."""
+        return len(self._running) + len(self._joining)
+
+    @torch.inference_mode()
+    def add(self, prompt: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = (), n: int = 1,
+            logprobs: int | None = None) -> list[int]:
+        """Prefill `prompt` once and add `n` rows sampling from it; returns their row ids.
+
+        Sample i of a seeded request draws with seed + i, so a request of n = 1 draws as its seed alone.
+        logprobs: None, or how many of the most likely ids each Token lists (0: only the token's own).
+        """
+        engine = self.engine
+        engine.check_prompt(prompt)
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        budget = min(params.max_new_tokens, engine.max_seq_len - len(prompt))
+        vocab = engine.model.config.vocab_size
+        rows = [_Row(self._next_id + i, len(prompt), budget, params, frozenset(stop_ids),
+                     _seeded(params.seed, i, engine.device), Penalties(params, list(prompt), vocab, engine.device),
+                     logprobs) for i in range(n)]
+        self._next_id += n
+        if budget > 0:
+            capacity = max(len(prompt) + budget, self._cache.max_len if self._cache is not None else 0)
+            cache = KVCache.empty(engine.model.config, 1, capacity, engine.device, engine.cache_dtype)
+            x = torch.tensor([list(prompt)], dtype=torch.long, device=engine.device)  # (1, T)
+            logits = engine.model(x, cache)[:, -1, :]  # (1, V): the one prefill of all n samples
+            for row in rows:
+                row.logits, row.prefill = logits, cache
+        self._joining += rows
+        return [row.id for row in rows]
+
+    def cancel(self, row_id: int) -> None:
+        """End a row now: it makes no more tokens and leaves at the next step (its cache freed)."""
+        self._cancelled.add(row_id)
+
+    @torch.inference_mode()
+    def step(self) -> list[Token]:
+        """One token for every row: the running rows decode their latest token together, then every row draws
+        its next one. Rows that end (stop id, budget, context) leave; rows added since the last step join."""
+        if self._cancelled:
+            self._leave({r.id for r in self._running if r.id in self._cancelled})
+            self._joining = [r for r in self._joining if r.id not in self._cancelled]
+            self._cancelled.clear()
+        if self._running:
+            x = torch.tensor([[r.last] for r in self._running], dtype=torch.long, device=self.engine.device)
+            cache = self._cache
+            if len(self._running) == 1:  # one row: the plain cache path (no mask, no scattered writes)
+                lengths, cache.lengths, cache.pos = cache.lengths, None, int(cache.lengths[0])
+                logits = self.engine.model(x, cache)[:, -1, :]  # (1, V)
+                cache.lengths = lengths + 1
+            else:
+                logits = self.engine.model(x, cache)[:, -1, :]  # (B, V)
+            for i, row in enumerate(self._running):
+                row.logits = logits[i:i + 1]
+        out = [self._draw(row) for row in self._running + self._joining]
+        ended = {t.row for t in out if t.finish is not None}
+        self._leave({r.id for r in self._running if r.id in ended})
+        self._join([r for r in self._joining if r.id not in ended])
+        self._joining = []
+        return out
+
+    def _draw(self, row: _Row) -> Token:
+        if row.budget <= 0:  # no room for a token: ends at once
+            return Token(row.id, None, "length")
+        raw, row.logits = row.logits, None
+        logits = row.penalties.apply(raw) if row.penalties.active else raw
+        tid = int(sample_next(logits, row.params, row.generator))
+        logprob = top = None
+        if row.logprobs is not None:
+            logp = torch.log_softmax(raw[0].float(), dim=-1)
+            logprob = float(logp[tid])
+            if row.logprobs > 0:
+                values, ids = torch.topk(logp, min(row.logprobs, logp.numel()))
+                top = list(zip(ids.tolist(), values.tolist()))
+        if tid in row.stops:
+            return Token(row.id, None, "stop", logprob, top)
+        row.produced += 1
+        row.last = tid
+        if row.penalties.active:
+            row.penalties.add(tid)
+        return Token(row.id, tid, "length" if row.produced >= row.budget else None, logprob, top)
+
+    def _leave(self, ids: set[int]) -> None:
+        if not ids:
+            return
+        keep = [i for i, r in enumerate(self._running) if r.id not in ids]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache = None
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        c = self._cache
+        self._cache = KVCache([k.index_select(0, index) for k in c.k], [v.index_select(0, index) for v in c.v],
+                              lengths=c.lengths.index_select(0, index))
+
+    def _join(self, rows: list[_Row]) -> None:
+        if not rows:
+            return
+        caches = ([self._cache] if self._cache is not None else []) + [r.prefill for r in rows]
+        lengths = [self._cache.lengths] if self._cache is not None else []
+        lengths.append(torch.tensor([r.prompt_len + r.produced - 1 for r in rows], dtype=torch.long,
+                                    device=self.engine.device))
+        if len(caches) == 1:  # one row and no batch yet: its prefill cache becomes the batch's, uncopied
+            self._cache = KVCache(caches[0].k, caches[0].v, lengths=lengths[0])
+        else:
+            capacity = max(c.max_len for c in caches)
+
+            def stacked(layers: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+                return [torch.cat([_padded(t, capacity) for t in per_layer]) for per_layer in zip(*layers)]
+
+            self._cache = KVCache(stacked([c.k for c in caches]), stacked([c.v for c in caches]),
+                                  lengths=torch.cat(lengths))
+        for r in rows:
+            r.prefill = None
+        self._running += rows
+
+
+def _padded(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """t (B, nkv, L, hs) with zeros up to `capacity` positions."""
+    if t.shape[2] >= capacity:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[2]))

@@ -58,6 +58,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache:
     """Preallocated keys/values for every layer; `pos` is how many positions are filled.
 
+    Rows of different lengths (batched decoding: prompts of different lengths, rows that joined at
+    different steps) set `lengths` (B,), each row's filled positions; `pos` is then unused, one token
+    per row is decoded at a time, written at its row's own position and rotated by it, and each row
+    attends to its own filled positions only (never to another row's padding).
+
     Its dtype may differ from the weights': attention then runs in the cache's dtype and its output
     is cast back (the Engine keeps a float32 cache for bf16/fp16 weights on a CPU).
     """
@@ -65,6 +70,7 @@ class KVCache:
     k: list[torch.Tensor]  # n_layer x (B, nkv, max_len, hs)
     v: list[torch.Tensor]
     pos: int = 0
+    lengths: torch.Tensor | None = None  # (B,) int64, rows filled to different lengths
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
@@ -105,12 +111,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: optional (B, 1, T, T) boolean, True where a query may attend a key (packed sequences)."""
+        """mask: optional (B, 1, T, S) boolean, True where a query may attend a key (packed sequences; rows of
+        different lengths in the cache)."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
 
         start = 0
-        if cache is not None:
+        if cache is not None and cache.lengths is not None:
+            # One new token per row, at the row's own position; `mask` (B, 1, 1, S) covers the longest row.
+            rows = torch.arange(B, device=x.device)
+            cache.k[layer][rows, :, cache.lengths] = k[:, :, 0].to(cache.k[layer].dtype)
+            cache.v[layer][rows, :, cache.lengths] = v[:, :, 0].to(cache.v[layer].dtype)
+            k = cache.k[layer][:, :, :mask.shape[-1]]  # (B, nkv, S, hs)
+            v = cache.v[layer][:, :, :mask.shape[-1]]
+            q = q.to(k.dtype)
+        elif cache is not None:
             start = cache.pos
             cache.k[layer][:, :, start:start + T] = k
             cache.v[layer][:, :, start:start + T] = v
@@ -220,6 +235,8 @@ class Transformer(nn.Module):
         segment; `pos` (B, T) gives each token's position within its segment.
         """
         B, T = idx.shape
+        if cache is not None and cache.lengths is not None:
+            return self._decode_rows(idx, cache)
         start = cache.pos if cache is not None else 0
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
@@ -239,6 +256,26 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.pos += T
         return self.lm_head(self.norm(x))  # (B, T, V)
+
+    def _decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per row after rows of different lengths (cache.lengths): idx (B, 1) -> logits (B, 1, V)."""
+        B, T = idx.shape
+        lengths = cache.lengths
+        if T != 1 or lengths.shape != (B,):
+            raise ValueError(f"rows of different lengths decode one token each: idx is {tuple(idx.shape)}, "
+                             f"the cache holds {tuple(lengths.shape)} rows")
+        span = int(lengths.max()) + 1  # the longest row, with its new token
+        if span > min(self.config.max_seq_len, cache.max_len):
+            raise ValueError(f"sequence of {span} tokens exceeds model.max_seq_len={self.config.max_seq_len} "
+                             f"or the cache's {cache.max_len} positions")
+        cos = self.rope_cos[lengths].view(B, 1, 1, -1)  # (B, 1, 1, hs): each row rotated by its own position
+        sin = self.rope_sin[lengths].view(B, 1, 1, -1)
+        mask = (torch.arange(span, device=idx.device) <= lengths[:, None]).view(B, 1, 1, span)
+        x = self.dropout(self.embed_tokens(idx))  # (B, 1, C)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+        cache.lengths += 1
+        return self.lm_head(self.norm(x))  # (B, 1, V)
 
 
 # ----------------------------------------------------------------------------- reports
