@@ -276,7 +276,7 @@ def bad_templates(max_body_bytes: int) -> list[Req]:
         ("temperature-a-string", COMPLETE, _body({"prompt": "x", "temperature": "hot"}), 400),
         ("max-tokens-huge-float", CHAT, _body({"messages": msg, "max_tokens": 1e30}), 400),
         ("stream-a-string", CHAT, _body({"messages": msg, "stream": "yes"}), 400),
-        ("n-two", CHAT, _body({"messages": msg, "n": 2}), 400),
+        ("n-zero", CHAT, _body({"messages": msg, "n": 0}), 400),
         ("prompt-a-list", COMPLETE, _body({"prompt": ["a", "b"]}), 400),
         ("prompt-past-the-context", CHAT, _body({"messages": [{"role": "user", "content": long_prompt}],
                                                  "stream": True}), 400),

@@ -485,8 +485,8 @@ class ServeConfig:
     """`nanolm serve`'s settings: where it listens, who may use it, its name, and what one request may cost.
 
     It listens on loopback unless `host` says otherwise. At most `max_queue` requests are admitted at once
-    (the next gets 429), a body over `max_body_bytes` gets 413 unread, and one that does not arrive within
-    `body_timeout_s` of its headers gets 408. The `nanolm serve` options are generated from these fields.
+    (the next gets 429) and at most `max_batch` rows of them decode together; a body over `max_body_bytes`
+    gets 413 unread, and one that does not arrive within `body_timeout_s` of its headers gets 408. The `nanolm serve` options are generated from these fields.
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "listen address; 0.0.0.0 for every interface"})
@@ -496,6 +496,10 @@ class ServeConfig:
     model_name: str = field(default="", metadata={"help": "the name clients see; \"\" = the run directory's name"})
     max_queue: int = field(default=64,
                            metadata={"help": "requests admitted at once (running or waiting); more get 429"})
+    # Decoding reads every weight once per step whatever the rows, so rows decoded together cost little more
+    # than one, up to where the products become bound by arithmetic: about 16 rows of a small model on a CPU.
+    max_batch: int | None = field(default=None, metadata={
+        "help": "rows (choices of requests) decoded together; the rest wait; default 16 on a CPU, 64 on a GPU"})
     # A whole context of text, JSON-escaped, is far less than 1 MiB for nanolm's models.
     max_body_bytes: int = field(default=1 << 20,
                                 metadata={"help": "largest request body; a larger one gets 413 unread"})
@@ -513,6 +517,8 @@ class ServeConfig:
         _check(isinstance(self.model_name, str), f"model_name={self.model_name!r}: must be a string")
         _check(_is_int(self.max_queue) and self.max_queue >= 1,
                f"max_queue={self.max_queue!r}: must be an integer >= 1 (requests admitted at once)")
+        _check(self.max_batch is None or (_is_int(self.max_batch) and self.max_batch >= 1),
+               f"max_batch={self.max_batch!r}: must be an integer >= 1 (rows decoded together), or unset")
         _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
                f"max_body_bytes={self.max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
         _check(_is_number(self.body_timeout_s) and self.body_timeout_s > 0,

@@ -25,6 +25,8 @@ from nanolm.infer.engine import Engine
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
 
+from engine_doubles import ScriptBatch, Signals, SlowBatch
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -43,36 +45,37 @@ def tiny_model(vocab_size: int = 400) -> Transformer:
 
 
 class ScriptedEngine(Engine):
-    """Replays fixed token ids, then ends as the real engine does on a stop token."""
+    """Every row replays fixed token ids, then ends as the real engine does on a stop token."""
 
     def __init__(self, script: list[int]) -> None:
         super().__init__(tiny_model())
         self.script = script
+        self.signals = Signals()
 
-    def generate(self, prompt, params, stop_ids=()):
-        yield from self.script[:params.max_new_tokens]
+    def batch(self):
+        return ScriptBatch(self.script, self.signals)
 
 
 class SlowEngine(Engine):
-    """The real engine, pausing `delay` s and waiting for `gate` before each token; records when it is closed."""
+    """The real engine, pausing `delay` s and waiting for `gate` before each step; `closed` is set when its batch
+    empties, `tokens` counts what it made."""
 
     def __init__(self, delay: float = 0.0) -> None:
         super().__init__(tiny_model())
         self.delay = delay
-        self.gate = threading.Event()
-        self.gate.set()
-        self.closed = threading.Event()
-        self.tokens = 0
+        self.signals = Signals()
+        self.gate, self.closed = self.signals.gate, self.signals.closed
 
-    def generate(self, prompt, params, stop_ids=()):
-        try:
-            for tid in super().generate(prompt, params, stop_ids):
-                self.gate.wait()
-                time.sleep(self.delay)
-                self.tokens += 1
-                yield tid
-        finally:
-            self.closed.set()
+    @property
+    def tokens(self) -> int:
+        return self.signals.tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.signals.tokens = value
+
+    def batch(self):
+        return SlowBatch(self, self.signals, self.delay)
 
 
 @contextmanager
@@ -284,7 +287,15 @@ OK_MSG = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": OK_MSG, "top_p": 1.5}, "top_p"),
     (CHAT, {"messages": OK_MSG, "max_tokens": 0}, "max_tokens"),
     (CHAT, {"messages": OK_MSG, "max_tokens": "5"}, "max_tokens"),
-    (CHAT, {"messages": OK_MSG, "n": 2}, "n"),
+    (CHAT, {"messages": OK_MSG, "n": 0}, "n"),
+    (CHAT, {"messages": OK_MSG, "n": 65}, "n"),
+    (CHAT, {"messages": OK_MSG, "n": 17}, "n"),  # more than this server's max_batch (16 on a CPU)
+    (CHAT, {"messages": OK_MSG, "presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"messages": OK_MSG, "frequency_penalty": -3}, "frequency_penalty"),
+    (CHAT, {"messages": OK_MSG, "repetition_penalty": 0}, "repetition_penalty"),
+    (CHAT, {"messages": OK_MSG, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": OK_MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (COMPLETE, {"prompt": "a", "logprobs": 6}, "logprobs"),
     (CHAT, {"messages": OK_MSG, "stream": "yes"}, "stream"),
     (CHAT, {"messages": OK_MSG, "stop": 5}, "stop"),
     (CHAT, {"messages": OK_MSG, "stop": [""]}, "stop"),
@@ -311,8 +322,8 @@ def test_other_client_errors_have_the_error_body_too(base):
     r = httpx.get(base + "/v1/models/other", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(base + "/v1/models/tiny", timeout=30).json()["id"] == "tiny"
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client(base).chat.completions.create(model="tiny", messages=OK_MSG, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n: 17 choices asked for, and this server decodes at most 16 rows"):
+        client(base).chat.completions.create(model="tiny", messages=OK_MSG, n=17)
 
 
 def test_fields_a_request_leaves_out_take_the_sampling_defaults(base, engine, tok):
@@ -394,6 +405,120 @@ def test_concurrent_clients_each_get_their_solo_output(base, engine, tok):
     for i, job in enumerate(jobs):
         text, finish, _ = job[-1]
         assert results[i] == (text, finish), job[:5]
+
+
+class CountingBatch(SlowBatch):
+    """The real batch, slowed so that requests overlap; records the most rows a step decoded."""
+
+    most = 0
+
+    def step(self):
+        CountingBatch.most = max(CountingBatch.most, len(self))
+        return super().step()
+
+
+class CountingEngine(SlowEngine):
+    def batch(self):
+        return CountingBatch(self, self.signals, self.delay)
+
+
+def test_twenty_concurrent_clients_are_decoded_together_and_each_gets_its_solo_answer(engine, tok):
+    """20 clients at once, each request different (chat or completion, streaming or not, greedy or seeded, with
+    or without penalties): the server decodes them in one batch, and every answer equals the request sent alone
+    (the engine generating it by itself)."""
+    prompts = ["To be", "你好", "The quality of mercy", "滚滚长江", "All the world", "话说天下", "We hold",
+               "一壶浊酒", "Now is the winter", "白发渔樵"]
+    jobs = []
+    for i in range(20):
+        kind, streaming, p = ("chat", "completion")[i % 2], bool(i // 2 % 2), prompts[i % 10]
+        temperature, seed = (0.0, None) if i % 3 else (0.9, 300 + i)
+        penalties = {"frequency_penalty": 0.5, "repetition_penalty": 1.3} if i % 4 == 1 else {}
+        ids = chat_ids(tok, p) if kind == "chat" else tok.encode(p)
+        params = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=0.9, seed=seed, **penalties)
+        out = engine.generate_all(ids, params, STOPS)
+        jobs.append((kind, streaming, p, temperature, seed, penalties,
+                     (tok.decode(out), "length" if len(out) == 16 else "stop")))
+    CountingBatch.most = 0
+    eng = CountingEngine(delay=0.02)  # steps slow enough that all 20 arrive while the first still decode
+    results: dict[int, tuple] = {}
+    barrier = threading.Barrier(20)
+    with running(create_app(eng, tok, ServeConfig(model_name="tiny"))) as url:
+        def run(i: int) -> None:
+            kind, streaming, p, temperature, seed, penalties, _ = jobs[i]
+            c = client(url)
+            barrier.wait()
+            results[i] = ask(c, kind, streaming, p, model="tiny", temperature=temperature, top_p=0.9, seed=seed,
+                             max_tokens=16, extra_body=penalties)[:2]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert len(results) == 20
+    for i, job in enumerate(jobs):
+        assert results[i] == job[-1], job[:6]
+    assert CountingBatch.most >= 10  # decoded together (16 at most on a CPU), not one after another
+
+
+def test_n_choices_share_the_prompt_and_each_is_its_seed_alone(base, engine, tok):
+    """n = 3 seeded: choice i is the request alone with seed + i, streaming or not; usage counts every choice."""
+    ids = chat_ids(tok, "滚滚长江")
+    alone = [engine.generate_all(ids, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=42 + i),
+                                 STOPS) for i in range(3)]
+    want = [tok.decode(reply) for reply in alone]
+    assert len(set(want)) == 3
+    c = client(base)
+    messages = [{"role": "user", "content": "滚滚长江"}]
+    r = c.chat.completions.create(model="tiny", messages=messages, n=3, seed=42, temperature=1.0, top_p=1.0,
+                                  max_tokens=10)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and [ch.message.content for ch in r.choices] == want
+    assert r.usage.completion_tokens == sum(len(reply) for reply in alone)
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, n=3, seed=42, temperature=1.0,
+                                            top_p=1.0, max_tokens=10, stream=True))
+    streamed = ["".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == want
+    assert sorted(ch.choices[0].index for ch in chunks if ch.choices[0].finish_reason) == [0, 1, 2]
+    r = c.completions.create(model="tiny", prompt="To be", n=2, seed=7, temperature=1.0, top_p=1.0, max_tokens=8)
+    assert [ch.text for ch in r.choices] == [
+        tok.decode(engine.generate_all(tok.encode("To be"), SamplingParams(max_new_tokens=8, temperature=1.0,
+                                                                            top_p=1.0, seed=7 + i), STOPS))
+        for i in range(2)]
+
+
+def test_logprobs_in_both_apis_are_the_models(base, engine, tok):
+    """Chat's logprobs.content and completions' logprobs: one entry per reply token, the model's log-probability
+    (recomputed here without a cache) and the most likely alternatives, sorted."""
+    model = engine.model
+    prompt = "All the world"
+    ids = chat_ids(tok, prompt)
+    c = client(base)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0,
+                                  max_tokens=6, logprobs=True, top_logprobs=3)
+    reply = engine.generate_all(ids, SamplingParams(max_new_tokens=6, temperature=0), STOPS)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == len(reply) > 0
+    context = list(ids)
+    table = tok.token_bytes()
+    for tid, e in zip(reply, entries):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([context]))[0, -1].float(), -1)
+        assert e.bytes == list(table[tid]) and e.logprob == pytest.approx(float(logp[tid]), abs=1e-4)
+        top = logp.topk(3)
+        assert [t.bytes for t in e.top_logprobs] == [list(table[i]) for i in top.indices.tolist()]
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)  # greedy took the top one
+        context.append(tid)
+    r = c.completions.create(model="tiny", prompt="To be", temperature=0, max_tokens=5, logprobs=2)
+    lp = r.choices[0].logprobs
+    reply = engine.generate_all(tok.encode("To be"), SamplingParams(max_new_tokens=5, temperature=0), STOPS)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(reply)
+    assert all(len(alt) <= 2 for alt in lp.top_logprobs)
+    texts = [table[t].decode("utf-8", errors="replace") for t in reply]
+    assert lp.tokens == texts and lp.text_offset == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    assert r.choices[0].logprobs is not None and c.completions.create(
+        model="tiny", prompt="To be", max_tokens=2).choices[0].logprobs is None
 
 
 def test_full_queue_gets_429_and_the_server_keeps_answering(engine, tok):

@@ -92,7 +92,7 @@ def test_200_requests_from_20_clients_every_answer_right_and_memory_flat(tmp_pat
                        timeout=30, trust_env=False)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         health = httpx.get(server.url + "/health", timeout=30, trust_env=False).json()
-        assert health == {"status": "ok", "model": "run", "admitted": 0, "max_queue": max_queue}
+        assert health == {"status": "ok", "model": "run", "admitted": 0, "max_queue": max_queue, "max_batch": 16}
         assert server.alive()
 
         # Memory: the warm-up round adds little (a 256 KiB prompt used to leave ~60 MiB resident after its
@@ -189,7 +189,8 @@ def test_health_needs_no_key_and_counts_admitted_requests(tok):
     with running(server_mod.create_app(Engine(tiny_model()), tok,
                                        ServeConfig(model_name="tiny", api_key="k", max_queue=3))) as url:
         r = httpx.get(url + "/health", timeout=30)
-        assert r.status_code == 200 and r.json() == {"status": "ok", "model": "tiny", "admitted": 0, "max_queue": 3}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "model": "tiny", "admitted": 0, "max_queue": 3,
+                                                     "max_batch": 16}
         assert httpx.get(url + "/v1/models", timeout=30).status_code == 401
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
-
 import pytest
 
 from nanolm.config import SamplingParams
@@ -14,40 +12,24 @@ from nanolm.infer.server import worker as worker_mod
 from nanolm.infer.server.worker import Job, Worker, events
 from nanolm.tokenizer import Tokenizer
 
+from engine_doubles import ScriptBatch, Signals
+
 
 class ScriptEngine:
-    """Replays fixed ids (at most max_new_tokens), each once its `gate` is open; records when it is closed."""
+    """An engine whose batches replay fixed ids (at most max_new_tokens per row), each step once its `gate` is
+    open; `closed` is set when a row leaves, `tokens` counts what it made."""
 
-    def __init__(self, script: list[int], vocab_size: int, max_seq_len: int = 64) -> None:
+    def __init__(self, script: list[int]) -> None:
         self.script = script
-        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
-        self.max_seq_len = max_seq_len
-        self.gate = threading.Event()
-        self.gate.set()
-        self.closed = threading.Event()
-        self.tokens = 0
+        self.signals = Signals()
+        self.gate, self.closed = self.signals.gate, self.signals.closed
 
-    def generate(self, prompt, params, stop_ids=()) -> "Replay":
-        return Replay(self, self.script[:params.max_new_tokens])
+    @property
+    def tokens(self) -> int:
+        return self.signals.tokens
 
-
-class Replay:
-    """What ScriptEngine.generate returns: an iterator of ids with the generator's close()."""
-
-    def __init__(self, engine: ScriptEngine, ids: list[int]) -> None:
-        self.engine, self.ids = engine, iter(ids)
-
-    def __iter__(self) -> "Replay":
-        return self
-
-    def __next__(self) -> int:
-        tid = next(self.ids)
-        self.engine.gate.wait(10)
-        self.engine.tokens += 1
-        return tid
-
-    def close(self) -> None:
-        self.engine.closed.set()
+    def batch(self) -> ScriptBatch:
+        return ScriptBatch(self.script, self.signals)
 
 
 class Client:
@@ -65,43 +47,46 @@ def tok(tokenizer_dir) -> Tokenizer:
     return Tokenizer.load(tokenizer_dir)
 
 
-async def run_job(engine, tok, max_new_tokens: int, stops=(), client=None) -> list[tuple]:
-    worker = Worker(max_queue=1)
-    job = Job(engine, tok, [0], SamplingParams(max_new_tokens=max_new_tokens), stops)
+async def run_job(engine, tok, max_new_tokens: int, stops=(), client=None, n=1) -> list[tuple]:
+    worker = Worker(engine, max_queue=1, max_batch=4)
+    job = Job(tok, [0], SamplingParams(max_new_tokens=max_new_tokens), stops, n=n)
     assert worker.submit(job)
     out = [e async for e in events(client or Client(), job)]
     worker.close()
     return out
 
 
-def texts(evs: list[tuple]) -> str:
-    return "".join(e[1] for e in evs if e[0] == "text")
+def texts(evs: list[tuple], choice: int = 0) -> str:
+    return "".join(e[2] for e in evs if e[0] == "text" and e[1] == choice)
 
 
 def test_a_job_posts_its_text_then_how_it_ended(tok):
     script = tok.encode("To be, or not to be")
-    evs = asyncio.run(run_job(ScriptEngine(script, tok.vocab_size), tok, 50))
-    assert texts(evs) == "To be, or not to be" and evs[-1] == ("end", "stop", len(script))  # the model ended
-    evs = asyncio.run(run_job(ScriptEngine(script, tok.vocab_size), tok, 3))
-    assert texts(evs) == tok.decode(script[:3]) and evs[-1] == ("end", "length", 3)
-    engine = ScriptEngine(script, tok.vocab_size)
+    evs = asyncio.run(run_job(ScriptEngine(script), tok, 50))
+    assert texts(evs) == "To be, or not to be" and evs[-1] == ("end", 0, "stop", len(script), [])  # the model ended
+    evs = asyncio.run(run_job(ScriptEngine(script), tok, 3))
+    assert texts(evs) == tok.decode(script[:3]) and evs[-1] == ("end", 0, "length", 3, [])
+    engine = ScriptEngine(script)
     evs = asyncio.run(run_job(engine, tok, 50, stops=["not"]))
-    assert texts(evs) == "To be, or " and evs[-1][:2] == ("end", "stop") and engine.closed.is_set()
+    assert texts(evs) == "To be, or " and evs[-1][:3] == ("end", 0, "stop") and engine.closed.wait(10)
     assert engine.tokens < len(script)  # the stop string ended the generation
+    evs = asyncio.run(run_job(ScriptEngine(script), tok, 4, n=3))  # three choices, each its own events
+    assert [texts(evs, i) for i in range(3)] == [tok.decode(script[:4])] * 3
+    assert sorted(e[1:4] for e in evs if e[0] == "end") == [(i, "length", 4) for i in range(3)]
 
 
 def test_the_queue_admits_at_most_max_queue_and_frees_the_slot(tok):
     async def scenario() -> None:
-        engine = ScriptEngine(tok.encode("To be"), tok.vocab_size)
+        engine = ScriptEngine(tok.encode("To be"))
         engine.gate.clear()
-        worker = Worker(max_queue=2)
-        jobs = [Job(engine, tok, [0], SamplingParams(max_new_tokens=5), ()) for _ in range(3)]
+        worker = Worker(engine, max_queue=2, max_batch=4)
+        jobs = [Job(tok, [0], SamplingParams(max_new_tokens=5), ()) for _ in range(3)]
         assert worker.submit(jobs[0]) and worker.submit(jobs[1])
         assert not worker.submit(jobs[2]) and worker.admitted == 2
         engine.gate.set()
         for job in jobs[:2]:
             assert [e async for e in events(Client(), job)][-1][0] == "end"
-        for _ in range(100):  # released by the executor's done callback, just after the end
+        for _ in range(100):  # released by the job's done callback, just after the end
             if worker.admitted == 0:
                 break
             await asyncio.sleep(0.01)
@@ -115,10 +100,10 @@ def test_a_client_that_goes_away_cancels_its_generation(tok, monkeypatch):
     monkeypatch.setattr(worker_mod, "DISCONNECT_POLL_S", 0.01)
 
     async def scenario() -> None:
-        engine = ScriptEngine(tok.encode("To be, or not to be, that is the question.") * 20, tok.vocab_size, 10**6)
+        engine = ScriptEngine(tok.encode("To be, or not to be, that is the question.") * 20)
         engine.gate.clear()  # the job holds before its first token
-        worker = Worker(max_queue=1)
-        job = Job(engine, tok, [0], SamplingParams(max_new_tokens=10**6), ())
+        worker = Worker(engine, max_queue=1, max_batch=4)
+        job = Job(tok, [0], SamplingParams(max_new_tokens=10**6), ())
         assert worker.submit(job)
         client = Client()
         client.gone = True

@@ -5,10 +5,12 @@ in ChatML, nanolm/data/chatml.py) and `POST /v1/completions` (a prompt
 continued), each streaming (server-sent events in OpenAI's chunk shapes) or
 not, so the official `openai` client and tools built on it work unchanged.
 
-In parts: `worker` runs the generations one at a time on a single thread
-and admits at most `max_queue` requests at once (the next gets 429); a client
+In parts: `worker` decodes every admitted request together on one thread
+(continuous batching: requests join and leave the engine's batch between
+decode steps, at most `max_batch` rows at once, the others waiting) and
+admits at most `max_queue` requests at once (the next gets 429); a client
 that goes away, mid-stream or while waiting, cancels its request, which frees
-its place after at most one token. `schemas` is the wire format: the request
+its rows at the next step. `schemas` is the wire format: the request
 models and OpenAI's error body `{"error": {"message", "type", "param",
 "code"}}`, which every failure a client causes gets with a 4xx, never a 500.
 `routes` is the FastAPI app: the routes are plain functions over one shared

@@ -32,8 +32,8 @@ from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_vocab
-from nanolm.infer.server.schemas import (ChatRequest, CompletionRequest, Usage, error_body, sse,
-                                         validation_error)
+from nanolm.infer.server.schemas import (ChatRequest, CompletionLogprobs, CompletionRequest, Usage, chat_logprobs,
+                                         error_body, sse, validation_error)
 from nanolm.infer.server.worker import Job, Worker, events
 from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -41,7 +41,12 @@ from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
 # reply without it gets the server's max_new_tokens (its SamplingParams), at most the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # The request fields that are SamplingParams fields of the same name.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+# Rows decoded together when the server's config leaves max_batch unset: on a CPU, a small model's products
+# stop being bound by reading the weights at about 16 rows; a GPU has room for many more.
+DEFAULT_MAX_BATCH = {"cpu": 16}
+DEFAULT_MAX_BATCH_ELSEWHERE = 64
 
 
 class ApiError(Exception):
@@ -76,7 +81,8 @@ class ServerState:
         # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
         # whose normalizer shrinks text (NFKC maps a 4-byte letter to 1 byte); nanolm's have none.
         self.max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
-        self.worker = Worker(config.max_queue)
+        self.max_batch = config.max_batch or DEFAULT_MAX_BATCH.get(engine.device.type, DEFAULT_MAX_BATCH_ELSEWHERE)
+        self.worker = Worker(engine, config.max_queue, self.max_batch)
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -136,13 +142,18 @@ class ServerState:
                                    max_new_tokens=self.sampling.max_new_tokens if max_tokens is None else max_tokens)
 
     def start(self, prompt_ids: list[int], req: Any, max_tokens: int | None, param: str) -> Job:
-        """Submit the request's generation to the worker: 400 if the prompt leaves no room, 429 if the queue is full."""
+        """Submit the request's generation to the worker: 400 if the prompt leaves no room or it asks for more
+        choices than decode together, 429 if the queue is full."""
         max_seq_len = self.engine.max_seq_len
         if len(prompt_ids) >= max_seq_len:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens long and the model's context is "
                                 f"{max_seq_len} tokens, which leaves no room for a reply; "
                                 "shorten the prompt or the conversation", param, "context_length_exceeded")
-        job = Job(self.engine, self.tokenizer, prompt_ids, self.sampling_params(req, max_tokens), req.stop)
+        if req.n > self.max_batch:
+            raise ApiError(400, f"n: {req.n} choices asked for, and this server decodes at most {self.max_batch} "
+                                "rows together (nanolm serve --max-batch); ask for fewer", "n")
+        job = Job(self.tokenizer, prompt_ids, self.sampling_params(req, max_tokens), req.stop, n=req.n,
+                  logprobs=req.logprobs_wanted())
         if not self.worker.submit(job):
             raise ApiError(429, f"the server is busy: {self.worker.max_queue} requests are already queued; "
                                 "retry shortly", None, "queue_full", "rate_limit_error")
@@ -155,28 +166,35 @@ def _state(request: Request) -> ServerState:
 
 # --- answering from a job's events -------------------------------------------------------------------
 
-Chunk = Callable[..., dict[str, Any]]  # (text or None, finish_reason or None) -> one chunk of the stream
+# (choice index, text or None, finish_reason or None, the token log-probabilities that came with it) -> one
+# chunk of the stream
+Chunk = Callable[..., dict[str, Any]]
 
 
-async def _collect(request: Request, job: Job, usage: Usage) -> tuple[str, str] | None:
-    """(text, finish_reason) of a whole generation; None when the client went away."""
-    pieces = []
+async def _collect(request: Request, job: Job, usage: Usage) -> list[tuple[str, str, list]] | None:
+    """Per choice, (text, finish_reason, token log-probabilities) of a whole generation; None when the client
+    went away."""
+    pieces: list[list[str]] = [[] for _ in range(job.n)]
+    lps: list[list] = [[] for _ in range(job.n)]
+    done: list[tuple[str, str, list] | None] = [None] * job.n
     async with aclosing(events(request, job)) as stream:
         async for event in stream:
             if event[0] == "text":
-                pieces.append(event[1])
+                pieces[event[1]].append(event[2])
+                lps[event[1]] += event[3]
             elif event[0] == "end":
-                usage.completion_tokens = event[2]
-                return "".join(pieces), event[1]
+                _, i, finish, tokens, last = event
+                usage.completion_tokens += tokens
+                done[i] = ("".join(pieces[i]), finish, lps[i] + last)
             else:
                 raise ApiError(500, event[1], type_="server_error")
-    return None
+    return None if any(d is None for d in done) else done  # type: ignore[return-value]
 
 
 def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]], chunk: Chunk,
             include_usage: bool) -> StreamingResponse:
-    """Server-sent events: the `first` chunks, one per text piece, one with the finish reason,
-    a usage chunk if asked for, then [DONE]. With include_usage every chunk carries "usage": null."""
+    """Server-sent events: the `first` chunks, one per text piece of any choice, one per choice with its finish
+    reason, a usage chunk if asked for, then [DONE]. With include_usage every chunk carries "usage": null."""
     def shaped(c: dict[str, Any]) -> bytes:
         if include_usage:
             c["usage"] = None
@@ -185,17 +203,22 @@ def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]
     async def body() -> AsyncIterator[bytes]:
         for c in first:
             yield shaped(c)
+        open_choices = job.n
         async with aclosing(events(request, job)) as stream:
             async for event in stream:
                 if event[0] == "text":
-                    yield shaped(chunk(event[1], None))
+                    yield shaped(chunk(event[1], event[2], None, event[3]))
                 elif event[0] == "end":
-                    usage.completion_tokens = event[2]
-                    yield shaped(chunk(None, event[1]))
+                    _, i, finish, tokens, last = event
+                    usage.completion_tokens += tokens
+                    yield shaped(chunk(i, None, finish, last))
+                    open_choices -= 1
+                    if open_choices:
+                        continue
                     if include_usage:
-                        last = chunk(None, None)
-                        last["choices"], last["usage"] = [], usage.as_dict()
-                        yield sse(last)
+                        tail = chunk(0, None, None, [])
+                        tail["choices"], tail["usage"] = [], usage.as_dict()
+                        yield sse(tail)
                     yield b"data: [DONE]\n\n"
                 else:
                     yield sse(error_body(event[1], "server_error"))
@@ -205,25 +228,25 @@ def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]
 
 
 async def _respond(request: Request, job: Job, usage: Usage, req: Any, first: list[dict[str, Any]], chunk: Chunk,
-                   whole: Callable[[str, str], dict[str, Any]]) -> Response:
-    """The answer to a generation request: a stream of chunks, or `whole(text, finish_reason)` once done."""
+                   whole: Callable[[list[tuple[str, str, list]]], dict[str, Any]]) -> Response:
+    """The answer to a generation request: a stream of chunks, or `whole(choices)` once every choice is done."""
     if req.stream:
         return _stream(request, job, usage, first, chunk,
                        bool(req.stream_options and req.stream_options.include_usage))
     done = await _collect(request, job, usage)
     if done is None:
         return Response(status_code=499)  # nobody is there to read it
-    return JSONResponse(whole(*done))
+    return JSONResponse(whole(done))
 
 
 # --- the routes --------------------------------------------------------------------------------------
 
 async def health(request: Request) -> dict[str, Any]:
     # Outside /v1, so no API key: for load balancers and monitors. `admitted` counts requests
-    # generating or waiting for the worker; it returns to 0 when the server is idle.
+    # decoding or waiting; it returns to 0 when the server is idle.
     state = _state(request)
     return {"status": "ok", "model": state.config.model_name, "admitted": state.worker.admitted,
-            "max_queue": state.worker.max_queue}
+            "max_queue": state.worker.max_queue, "max_batch": state.max_batch}
 
 
 async def list_models(request: Request) -> dict[str, Any]:
@@ -246,19 +269,24 @@ async def chat_completions(request: Request) -> Response:
     usage = Usage(len(prompt_ids))
     job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages")
     rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
+    token_bytes = state.tokenizer.token_bytes()
+    wants_lp = job.logprobs is not None
 
-    def chunk(content: str | None, finish: str | None, delta: dict | None = None) -> dict[str, Any]:
+    def chunk(i: int, content: str | None, finish: str | None, lps: list, delta: dict | None = None) -> dict[str, Any]:
         delta = delta if delta is not None else ({} if content is None else {"content": content})
         return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": i, "delta": delta,
+                             "logprobs": chat_logprobs(token_bytes, lps) if wants_lp and lps else None,
+                             "finish_reason": finish}]}
 
-    def whole(text: str, finish: str) -> dict[str, Any]:
+    def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion", "created": now, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "logprobs": chat_logprobs(token_bytes, lps) if wants_lp else None,
+                             "finish_reason": finish} for i, (text, finish, lps) in enumerate(choices)],
                 "usage": usage.as_dict()}
 
-    first = [chunk(None, None, {"role": "assistant", "content": ""})]
+    first = [chunk(i, None, None, [], {"role": "assistant", "content": ""}) for i in range(job.n)]
     return await _respond(request, job, usage, req, first, chunk, whole)
 
 
@@ -271,14 +299,20 @@ async def completions(request: Request) -> Response:
     job = state.start(prompt_ids, req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
                       "prompt")
     rid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
+    token_bytes = state.tokenizer.token_bytes()
+    offsets = [CompletionLogprobs(token_bytes) for _ in range(job.n)]
+    wants_lp = job.logprobs is not None
 
-    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(i: int, text: str | None, finish: str | None, lps: list) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": i, "text": text or "",
+                             "logprobs": offsets[i].block(lps) if wants_lp and lps else None,
+                             "finish_reason": finish}]}
 
-    def whole(text: str, finish: str) -> dict[str, Any]:
+    def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": i, "text": text, "logprobs": offsets[i].block(lps) if wants_lp else None,
+                             "finish_reason": finish} for i, (text, finish, lps) in enumerate(choices)],
                 "usage": usage.as_dict()}
 
     return await _respond(request, job, usage, req, [], chunk, whole)

@@ -11,14 +11,20 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nanolm.config import SEED_RANGE, SamplingParams
 from nanolm.data.chatml import ROLE_NAMES
+from nanolm.infer.engine import Token
 
 # Every stop string is looked for after every token; OpenAI takes up to 4, so 16 leaves room and keeps
 # that check from multiplying the worker's time per token (20 000 stop strings made it 50x slower).
 MAX_STOPS = 16
+# At most this many choices per request (`n`), and at most the server's max_batch (checked by the route).
+MAX_N = 64
+# OpenAI's limits: up to 20 alternatives per token in chat, 5 in the legacy completions API.
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 # The defaults a request's sampling fields show; the server applies its own (`nanolm serve --temperature ...`,
 # SamplingParams' unless told) to the fields a request leaves out (ServerState.sampling_params).
 _DEFAULTS = SamplingParams()
@@ -43,7 +49,10 @@ class _Common(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     stop: list[str] = []
     seed: int | None = Field(_DEFAULTS.seed, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
-    n: int = 1
+    presence_penalty: float = Field(_DEFAULTS.presence_penalty, ge=-2, le=2)
+    frequency_penalty: float = Field(_DEFAULTS.frequency_penalty, ge=-2, le=2)
+    repetition_penalty: float = Field(_DEFAULTS.repetition_penalty, gt=0, le=10)  # the usual extension (vLLM's)
+    n: int = Field(1, ge=1, le=MAX_N)  # choices; sample i of a seeded request draws with seed + i
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -57,13 +66,6 @@ class _Common(_Strict):
             raise ValueError("stop strings must not be empty")
         if len(v) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings are allowed, got {len(v)}")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"nanolm returns one choice per request; n must be 1, got {v}")
         return v
 
 
@@ -93,6 +95,7 @@ class ChatRequest(_Common):
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("messages")
     @classmethod
@@ -101,26 +104,33 @@ class ChatRequest(_Common):
             raise ValueError("must hold at least one message")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("log probabilities are not supported")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true")
         return v
+
+    def logprobs_wanted(self) -> int | None:
+        """None, or how many of the most likely tokens each token's entry lists."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
     prompt: str
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, v: Any) -> Any:
         if v:
             raise ValueError("not supported")
         return v
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 # --- responses ---------------------------------------------------------------------------------------
@@ -161,3 +171,49 @@ class Usage:
     def as_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+# --- log-probabilities, in OpenAI's two shapes ---------------------------------------------------------
+
+def _token_text(token_bytes: list[bytes], tid: int) -> tuple[str, list[int]]:
+    """A token's text (its bytes decoded, U+FFFD where it ends mid-character) and its bytes."""
+    b = token_bytes[tid] if 0 <= tid < len(token_bytes) else b""
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(token_bytes: list[bytes], tokens: list[Token]) -> dict[str, Any]:
+    """The chat API's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    content = []
+    for t in tokens:
+        if t.token is None:  # a stop id: not part of the reply
+            continue
+        text, raw = _token_text(token_bytes, t.token)
+        top = []
+        for tid, lp in t.top_logprobs or ():
+            alt, alt_raw = _token_text(token_bytes, tid)
+            top.append({"token": alt, "logprob": lp, "bytes": alt_raw})
+        content.append({"token": text, "logprob": t.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """The completions API's `logprobs` of one choice: tokens, token_logprobs, top_logprobs, text_offset (the
+    character offset of each token's text in the choice's text, counted across the stream)."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self.token_bytes = token_bytes
+        self.offset = 0
+
+    def block(self, tokens: list[Token]) -> dict[str, Any]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            if t.token is None:
+                continue
+            text, _ = _token_text(self.token_bytes, t.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({_token_text(self.token_bytes, tid)[0]: lp
+                                        for tid, lp in t.top_logprobs or ()})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out

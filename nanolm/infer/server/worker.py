@@ -1,12 +1,17 @@
-"""The server's generation side: one job per request, run one at a time on a single worker thread.
+"""The server's generation side: one worker thread decodes every admitted request together.
 
-One model serves every client, so generation is serialised: a single worker
-thread runs one `Job` at a time (each with its own KV cache), while the event
-loop keeps accepting requests and hands each job's text over an asyncio
-queue. `Worker` admits at most `max_queue` jobs at once (the one generating
-included); the caller answers the next with 429. `events` is how a request
-reads its job: it polls for a client that went away, mid-stream or while
-waiting, and cancels the job, which frees its place after at most one token.
+Decoding a small model is bound by reading its weights, so rows decoded
+together cost little more than one. One worker thread owns the engine's
+`DecodeBatch`: between decode steps it admits waiting jobs (their prompts
+prefilled, each job's `n` choices sharing one prefill) while the batch holds
+fewer than `max_batch` rows, steps every row at once, and hands each job's
+text to its client's asyncio queue. A row ends on its stop ids, its budget, a
+stop string, or its client going away, and leaves the batch at the next step.
+
+`Worker` admits at most `max_queue` jobs at once (those decoding included);
+the caller answers the next with 429. `events` is how a request reads its
+job: it polls for a client that went away, mid-stream or while waiting, and
+cancels the job, which frees its rows at the next step.
 
 Nothing here needs the `serve` extra: it runs and is tested without FastAPI.
 """
@@ -14,37 +19,51 @@ Nothing here needs the `serve` extra: it runs and is tested without FastAPI.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import time
-from concurrent.futures import Executor, Future
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from nanolm.config import SamplingParams
-from nanolm.infer.engine import Engine
+from nanolm.infer.engine import Token
 from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
 
 # How often a request that waits for tokens checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
 
+CANCELLED = "the request was cancelled: the client went away or the server is stopping"
+
 
 class Job:
-    """One request's generation: runs on the worker thread, posts events to its client's asyncio queue.
+    """One request: `n` choices of one prompt, decoded as rows of the worker's batch.
 
-    Events: ("text", piece), then ("end", finish_reason, completion_tokens) or ("error", message).
+    Events posted to `events`, for choice i: ("text", i, piece, logprobs) with the token log-probabilities
+    (a list of `Token`s) that came since the last piece (empty unless asked for), then ("end", i,
+    finish_reason, completion_tokens, logprobs); or one ("error", message) for the whole job.
     """
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 stops: Sequence[str]) -> None:
-        self.engine = engine
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, stops: Sequence[str],
+                 n: int = 1, logprobs: int | None = None) -> None:
         self.tok = tokenizer
         self.prompt_ids = prompt_ids
         self.params = params
-        self.stops = list(stops)
+        self.n = n
+        self.logprobs = logprobs  # None: none; k: the token's own and the k most likely
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()  # set when the client is gone or the server stops
+        self.on_done: Callable[[Job], None] | None = None  # called on the event loop once the job has ended
+        self._texts = [TextStream(tokenizer, stops) for _ in range(n)]
+        self._tokens = [0] * n
+        self._lps: list[list[Token]] = [[] for _ in range(n)]
+        self._open = n  # choices not yet ended
+        self._over = False
+
+    @property
+    def stop_ids(self) -> tuple[int, int]:
+        return self.tok.im_end_id, self.tok.eot_id
 
     def _post(self, event: tuple) -> None:
         try:
@@ -52,123 +71,173 @@ class Job:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self.cancel.set()
 
-    def run(self) -> None:
-        try:
-            if self.cancel.is_set() or not self._generate():
-                self._post(("error", "the request was cancelled: the client went away or the server is stopping"))
-        except Exception as e:  # reported to the client instead of dying silently in the thread
-            self._post(("error", f"generation failed: {type(e).__name__}: {e}"))
-
-    def _generate(self) -> bool:
-        """Generate and post the events; False if cancelled before the end."""
-        # The engine's own budget: it stops at max_new_tokens or the end of the context, or earlier at a stop
-        # token (not yielded). Fewer tokens than the budget therefore means a stop token ended the reply.
-        budget = min(self.params.max_new_tokens, self.engine.max_seq_len - len(self.prompt_ids))
-        stop_ids = (self.tok.im_end_id, self.tok.eot_id)
-        text = TextStream(self.tok, self.stops)
-        n = 0  # tokens generated
-        gen = self.engine.generate(self.prompt_ids, self.params, stop_ids)
-        try:
-            for tid in gen:
-                n += 1
-                self._emit(text.push(tid))
-                if text.stopped:
-                    self._post(("end", "stop", n))
-                    return True
-                if self.cancel.is_set():
-                    return False
-        finally:
-            gen.close()  # frees the KV cache now, also when we leave early
-        self._emit(text.finish())
-        self._post(("end", "stop" if text.stopped or n < budget else "length", n))
-        return True
-
-    def _emit(self, piece: str) -> None:
-        if piece:
-            self._post(("text", piece))
-
-
-class _DaemonThreadExecutor(Executor):
-    """One daemon thread running submitted calls in order.
-
-    ThreadPoolExecutor's threads are joined at interpreter exit, so a generation
-    stuck behind a client that vanished could keep the process alive after the
-    server is gone; a daemon thread cannot.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args, kwargs = item
-            if not fut.set_running_or_notify_cancel():
-                continue
+    def _done(self) -> None:
+        self._over = True
+        if self.on_done is not None:
             try:
-                fut.set_result(fn(*args, **kwargs))
-            except BaseException as e:  # handed to the awaiting coroutine
-                fut.set_exception(e)
+                self.loop.call_soon_threadsafe(self.on_done, self)
+            except RuntimeError:
+                pass
 
-    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
-        fut: Future = Future()
-        self._queue.put((fut, fn, args, kwargs))
-        return fut
+    def fail(self, message: str) -> None:
+        """End the whole job with an error event (once)."""
+        if not self._over:
+            self._post(("error", message))
+            self._done()
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._queue.put(None)
-        if wait:
-            self._thread.join(timeout=30)
+    def take(self, i: int, out: Token) -> bool:
+        """Choice i's new token (or its end); True when the choice has ended (a stop string included)."""
+        text = self._texts[i]
+        if self.logprobs is not None and out.logprob is not None:
+            self._lps[i].append(out)
+        piece = ""
+        if out.token is not None:
+            self._tokens[i] += 1
+            piece = text.push(out.token)
+        finish = "stop" if text.stopped else out.finish
+        if finish is None:
+            if piece:
+                self._post(("text", i, piece, self._lps[i]))
+                self._lps[i] = []
+            return False
+        if not text.stopped:
+            piece += text.finish()
+        if piece:
+            self._post(("text", i, piece, self._lps[i]))
+            self._lps[i] = []
+        self._post(("end", i, "stop" if text.stopped else finish, self._tokens[i], self._lps[i]))
+        self._open -= 1
+        if self._open == 0:
+            self._done()
+        return True
 
 
 class Worker:
-    """Runs jobs one at a time on a single thread; admits at most `max_queue` at once.
+    """Admits at most `max_queue` jobs at once and decodes them on one thread, at most `max_batch` rows together.
 
-    Touched only from the event loop's thread, so the counter needs no lock.
+    `submit`, `admitted` and `close` belong to the event loop's thread; the decoding thread touches jobs only
+    through their thread-safe parts (events, cancel, the done callback).
     """
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, engine: Any, max_queue: int, max_batch: int) -> None:
+        self.engine = engine
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.admitted = 0
         self.jobs: set[Job] = set()
-        self._executor: _DaemonThreadExecutor | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.rows_decoding = 0  # rows in the batch at the last step (for /health)
 
     def submit(self, job: Job) -> bool:
         """Queue the job; False when the queue is full."""
         if self.admitted >= self.max_queue:
             return False
-        if self._executor is None:
-            self._executor = _DaemonThreadExecutor("nanolm-generate")
+        if self._thread is None:
+            # A daemon thread: a generation stuck behind a client that vanished must not keep the process
+            # alive after the server is gone.
+            self._thread = threading.Thread(target=self._run, name="nanolm-generate", daemon=True)
+            self._thread.start()
         self.admitted += 1
         self.jobs.add(job)
-        fut = job.loop.run_in_executor(self._executor, job.run)
-        fut.add_done_callback(lambda _: self._release(job))
+        job.on_done = self._release
+        self._inbox.put(job)
         return True
 
     def _release(self, job: Job) -> None:
-        self.admitted -= 1
-        self.jobs.discard(job)
+        if job in self.jobs:
+            self.admitted -= 1
+            self.jobs.discard(job)
 
     def close(self) -> None:
         for job in list(self.jobs):
             job.cancel.set()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # --- the decoding thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch = self.engine.batch()
+        rows: dict[int, tuple[Job, int]] = {}  # row id -> (job, choice)
+        waiting: collections.deque[Job] = collections.deque()
+        while True:
+            try:
+                item = self._inbox.get(block=not batch and not waiting)
+                while True:
+                    if item is None:  # closing
+                        for job in list(waiting) + [j for j, _ in rows.values()]:
+                            job.fail(CANCELLED)
+                        return
+                    waiting.append(item)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            self._admit(batch, rows, waiting)
+            for row, (job, _) in list(rows.items()):
+                if job.cancel.is_set():  # its client went away: the row leaves at this step
+                    batch.cancel(row)
+                    del rows[row]
+                    job.fail(CANCELLED)
+            if not batch:
+                continue
+            try:
+                outs = batch.step()
+            except Exception as e:  # reported to every client of the batch instead of dying silently
+                for job, _ in rows.values():
+                    job.fail(f"generation failed: {type(e).__name__}: {e}")
+                rows.clear()
+                batch = self.engine.batch()
+                continue
+            self.rows_decoding = len(batch)
+            for out in outs:
+                if out.row not in rows:
+                    continue
+                job, i = rows[out.row]
+                if job.cancel.is_set():
+                    continue  # cancelled while this step ran: dropped above at the next turn
+                if job.take(i, out):
+                    del rows[out.row]
+                    if out.finish is None:  # a stop string ended it; the engine does not know
+                        batch.cancel(out.row)
+
+    def _admit(self, batch: Any, rows: dict[int, tuple[Job, int]], waiting: collections.deque[Job]) -> None:
+        """Start waiting jobs, in order, while their rows fit beside the batch's (a job never waits for an
+        empty batch); cancelled ones end here."""
+        while waiting:
+            job = waiting[0]
+            if job.cancel.is_set():
+                waiting.popleft()
+                job.fail(CANCELLED)
+                continue
+            if batch and len(batch) + job.n > self.max_batch:
+                break
+            waiting.popleft()
+            try:
+                ids = batch.add(job.prompt_ids, job.params, job.stop_ids, n=job.n, logprobs=job.logprobs)
+            except Exception as e:
+                job.fail(f"generation failed: {type(e).__name__}: {e}")
+                continue
+            for i, row in enumerate(ids):
+                rows[row] = (job, i)
+        # cancelled jobs further back free their place now rather than when they reach the front
+        for job in [j for j in waiting if j.cancel.is_set()]:
+            waiting.remove(job)
+            job.fail(CANCELLED)
 
 
 async def events(request: Any, job: Job) -> AsyncIterator[tuple]:
-    """The job's events until its end; stops early, cancelling the job, when the client disconnects.
+    """The job's events until every choice has ended; stops early, cancelling the job, when the client
+    disconnects.
 
     The client is looked for every DISCONNECT_POLL_S, whether it waits in the queue or tokens flow (a
     non-streaming request has no other way to notice). A streaming response is also cancelled by the
     server when its client goes away; either way the `finally` tells the worker to stop.
     """
     checked = time.monotonic()
+    open_choices = job.n
     try:
         while True:
             try:
@@ -182,7 +251,11 @@ async def events(request: Any, job: Job) -> AsyncIterator[tuple]:
             if event is None:
                 continue
             yield event
-            if event[0] != "text":
+            if event[0] == "error":
                 return
+            if event[0] == "end":
+                open_choices -= 1
+                if open_choices == 0:
+                    return
     finally:
         job.cancel.set()

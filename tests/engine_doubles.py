@@ -1,0 +1,88 @@
+"""Stand-ins for the engine's DecodeBatch in the server tests: one that replays a script, one that is the real
+batch slowed down and held at a gate. Both count the tokens they make and say when a row has left."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from nanolm.infer.engine import DecodeBatch, Token
+
+
+class Signals:
+    """What a test watches and holds: `gate` (each step waits for it), `tokens` made, `closed` (set when a row
+    leaves the batch: ended or cancelled)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.closed = threading.Event()
+        self.tokens = 0
+
+
+class ScriptBatch:
+    """Every row replays `script` (at most its max_new_tokens), each step once `signals.gate` is open, then ends
+    on a stop id as a model would; a row whose budget the script fills ends with "length"."""
+
+    def __init__(self, script: list[int], signals: Signals) -> None:
+        self.script, self.signals = script, signals
+        self.rows: dict[int, list] = {}  # row -> [ids iterator, budget, produced]
+        self.cancelled: set[int] = set()
+        self.next_id = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, prompt, params, stop_ids=(), n=1, logprobs=None) -> list[int]:
+        ids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        for row in ids:
+            self.rows[row] = [iter(self.script), params.max_new_tokens, 0]
+        return ids
+
+    def cancel(self, row: int) -> None:
+        self.cancelled.add(row)
+
+    def _leave(self, row: int) -> None:
+        del self.rows[row]
+        self.signals.closed.set()
+
+    def step(self) -> list[Token]:
+        for row in self.cancelled & set(self.rows):
+            self._leave(row)
+        self.cancelled.clear()
+        if not self.rows:
+            return []
+        self.signals.gate.wait(10)
+        out = []
+        for row, state in list(self.rows.items()):
+            tid = next(state[0], None) if state[2] < state[1] else None
+            if tid is None:
+                out.append(Token(row, None, "stop"))
+                self._leave(row)
+                continue
+            state[2] += 1
+            self.signals.tokens += 1
+            finish = "length" if state[2] >= state[1] else None
+            out.append(Token(row, tid, finish))
+            if finish:
+                self._leave(row)
+        return out
+
+
+class SlowBatch(DecodeBatch):
+    """The real batch, each step waiting for `signals.gate` and then `delay` seconds; `closed` is set once the
+    batch is empty after a step (its rows ended or were cancelled)."""
+
+    def __init__(self, engine, signals: Signals, delay: float) -> None:
+        super().__init__(engine)
+        self.signals, self.delay = signals, delay
+
+    def step(self) -> list[Token]:
+        self.signals.gate.wait()
+        time.sleep(self.delay)
+        out = super().step()
+        self.signals.tokens += sum(t.token is not None for t in out)
+        if not self:
+            self.signals.closed.set()
+        return out
