@@ -4,7 +4,6 @@ admission limit, and a client that goes away cancelling its generation."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import pytest
 
 from nanolm.config import SamplingParams
