@@ -1,4 +1,5 @@
-"""Shared fixtures: a small real corpus, a tokenizer trained on it and prepared shards.
+"""Shared fixtures: a small real corpus, a tokenizer trained on it and prepared shards; for the server
+tests, the tiny model's engine and a server of it (their helpers are in server_helpers.py).
 
 Built once per test session in a temp dir, through the same library calls a
 user's commands make.
@@ -56,3 +57,28 @@ def data_dir(tmp_path_factory, corpus, tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("data")
     prepare([corpus], tokenizer_dir, out, val_fraction=0.1, workers=1, quiet=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from nanolm.tokenizer import Tokenizer
+    return Tokenizer.load(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from server_helpers import tiny_model
+
+    from nanolm.infer.engine import Engine
+    return Engine(tiny_model())
+
+
+@pytest.fixture(scope="module")
+def base(engine, tok):
+    """The URL of a server of `engine` named "tiny", with ServeConfig's defaults otherwise."""
+    from server_helpers import running
+
+    from nanolm.config import ServeConfig
+    from nanolm.infer.server import create_app
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
+        yield url

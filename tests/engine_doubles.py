@@ -21,11 +21,12 @@ class Signals:
 
 
 class ScriptBatch:
-    """Every row replays `script` (at most its max_new_tokens), each step once `signals.gate` is open, then ends
-    on a stop id as a model would; a row whose budget the script fills ends with "length"."""
+    """Every row replays `script` (at most its max_new_tokens), each step once `signals.gate` is open and `delay`
+    s have passed, then ends on a stop id as a model would; a row whose budget the script fills ends with
+    "length"."""
 
-    def __init__(self, script: list[int], signals: Signals) -> None:
-        self.script, self.signals = script, signals
+    def __init__(self, script: list[int], signals: Signals, delay: float = 0.0) -> None:
+        self.script, self.signals, self.delay = script, signals, delay
         self.rows: dict[int, list] = {}  # row -> [ids iterator, budget, produced]
         self.cancelled: set[int] = set()
         self.next_id = 0
@@ -54,6 +55,7 @@ class ScriptBatch:
         if not self.rows:
             return []
         self.signals.gate.wait(10)
+        time.sleep(self.delay)
         out = []
         for row, state in list(self.rows.items()):
             tid = next(state[0], None) if state[2] < state[1] else None

@@ -13,109 +13,29 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-from nanolm.config import ModelConfig, SamplingParams, ServeConfig
+from nanolm.config import SamplingParams, ServeConfig
 from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
-from nanolm.model.transformer import Transformer
-from nanolm.tokenizer import Tokenizer
 
-from engine_doubles import ScriptBatch, Signals, SlowBatch
+from engine_doubles import SlowBatch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+from server_helpers import CTX, ScriptedEngine, SlowEngine, running, tiny_model  # noqa: E402  (skips without uvicorn)
+
 import nanolm.infer.server as server_mod  # noqa: E402  (imports nothing from the extra itself)
 create_app = server_mod.create_app
 
-CTX = 96
 STOPS = (2, 0)  # <|im_end|>, <|endoftext|>: where the server stops a reply
-
-
-def tiny_model(vocab_size: int = 400) -> Transformer:
-    # Untied, larger random weights: varied output (including split multi-byte characters), not one token repeated.
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=vocab_size, d_model=32, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=CTX,
-                                   tie_embeddings=False, init_std=0.2))
-
-
-class ScriptedEngine(Engine):
-    """Every row replays fixed token ids, then ends as the real engine does on a stop token."""
-
-    def __init__(self, script: list[int]) -> None:
-        super().__init__(tiny_model())
-        self.script = script
-        self.signals = Signals()
-
-    def batch(self):
-        return ScriptBatch(self.script, self.signals)
-
-
-class SlowEngine(Engine):
-    """The real engine, pausing `delay` s and waiting for `gate` before each step; `closed` is set when its batch
-    empties, `tokens` counts what it made."""
-
-    def __init__(self, delay: float = 0.0) -> None:
-        super().__init__(tiny_model())
-        self.delay = delay
-        self.signals = Signals()
-        self.gate, self.closed = self.signals.gate, self.signals.closed
-
-    @property
-    def tokens(self) -> int:
-        return self.signals.tokens
-
-    @tokens.setter
-    def tokens(self, value: int) -> None:
-        self.signals.tokens = value
-
-    def batch(self):
-        return SlowBatch(self, self.signals, self.delay)
-
-
-@contextmanager
-def running(app):
-    """Serve `app` on an ephemeral loopback port in a background thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        assert not thread.is_alive(), "the server did not stop"
 
 
 def client(base: str, key: str = "unused") -> "openai.OpenAI":
     return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.load(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(tiny_model())
-
-
-@pytest.fixture(scope="module")
-def base(engine, tok):
-    with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
-        yield url
 
 
 def chat_ids(tok, text: str) -> list[int]:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_server import running, tiny_model  # skips this module, as that one, without httpx, openai or uvicorn
+from server_helpers import running, tiny_model  # skips this module without uvicorn
 
 import nanolm.infer.server as server_mod
 from nanolm.config import ServeConfig

@@ -4,6 +4,8 @@ Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages rendered
 in ChatML, nanolm/data/chatml.py) and `POST /v1/completions` (a prompt
 continued), each streaming (server-sent events in OpenAI's chunk shapes) or
 not, so the official `openai` client and tools built on it work unchanged.
+`GET /` is a chat web page (`page`, files in static/) that streams its
+replies from the same API.
 
 In parts: `worker` decodes every admitted request together on one thread
 (continuous batching: requests join and leave the engine's batch between
@@ -100,6 +102,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: serving on {config.host} without an API key: anyone who can reach this port can use "
                   "the model; pass --api-key", file=sys.stderr)
+        print(f"chat page: http://{shown}:{bound_port}/", file=sys.stderr)
         print(f"serving {config.model_name!r} at http://{shown}:{bound_port}/v1 (OpenAI-compatible; Ctrl+C stops)",
               file=sys.stderr, flush=True)
         # A short graceful shutdown: streams still open after it are cancelled, which stops their generation.

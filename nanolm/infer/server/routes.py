@@ -32,6 +32,7 @@ from nanolm.data.chatml import ROLE_NAMES, render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_vocab
+from nanolm.infer.server.page import chat_page, static_file
 from nanolm.infer.server.schemas import (ChatRequest, CompletionLogprobs, CompletionRequest, Usage, chat_logprobs,
                                          error_body, sse, validation_error)
 from nanolm.infer.server.worker import Job, Worker, events
@@ -319,6 +320,8 @@ async def completions(request: Request) -> Response:
 
 
 ROUTES: list[tuple[str, str, Callable[..., Any]]] = [
+    ("GET", "/", chat_page),  # the chat web page (page.py): public, as /health; it calls /v1 with the key
+    ("GET", "/static/{name}", static_file),
     ("GET", "/health", health),
     ("GET", "/v1/models", list_models),
     ("GET", "/v1/models/{model}", get_model),
