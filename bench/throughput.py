@@ -12,7 +12,11 @@ One run measures, on one device (CUDA when present, else the CPU):
 3. Generation at batch 1 through `Engine.generate` (KV cache, greedy): prefill
    time and decode tokens/s, against a memory-bound floor: one matrix-vector
    pass over every weight matrix the model multiplies by per token.
-4. With `--compile`, training again under `torch.compile` (a failure is
+4. Batched generation (`--parts batch`): B sequences decoded together in one
+   `Engine.batch()` (different 64-token prompts, greedy, nothing stops them
+   early), for B in `--batch-sizes`: the median time of a decode step and the
+   aggregate decode tokens/s, and their ratio to B = 1 measured in the same run.
+5. With `--compile`, training again under `torch.compile` (a failure is
    reported, not raised).
 
 Peak memory is per phase: on CUDA `max_memory_allocated` above what was
@@ -363,6 +367,39 @@ def generation_throughput(model: nn.Module, device: torch.device, dtype: torch.d
     }
 
 
+def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtype, prompt_len: int,
+                       new_tokens: int, batch_sizes: list[int], seed: int) -> dict[str, Any]:
+    """Per batch size B: B different prompts added to one Engine.batch() and decoded together, greedy, to
+    new_tokens each. The decode step's time is the median over the steps after the first (the first samples
+    from the prefills); aggregate decode tokens/s = B / that time."""
+    engine = Engine(model, device, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
+    engine.generate_all(list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=8, temperature=0))  # warm-up
+    rows = []
+    for b in batch_sizes:
+        prompts = [torch.randint(3, model.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(b)]
+        with PeakMemory(device) as mem:
+            batch = engine.batch()
+            t0 = time.perf_counter()
+            for prompt in prompts:
+                batch.add(prompt, params)
+            prefill_s = time.perf_counter() - t0
+            steps, made = [], 0
+            while batch:
+                t = time.perf_counter()
+                made += sum(out.token is not None for out in batch.step())  # .item() inside syncs
+                steps.append(time.perf_counter() - t)
+        step_s = statistics.median(steps[1:])
+        rows.append({"batch": b, "prefill_s": prefill_s, "step_s": step_s, "tokens": made,
+                     "tokens_per_s": b / step_s, "peak_mem_bytes": mem.peak_bytes})
+        say(f"batch {dtype_name(dtype)} x{b}: {step_s * 1e3:.2f} ms/step, {b / step_s:.0f} tokens/s")
+    one = next((r for r in rows if r["batch"] == 1), None)
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
+    return {"dtype": dtype_name(dtype), "prompt_len": prompt_len, "new_tokens": new_tokens, "rows": rows}
+
+
 # ----------------------------------------------------------------------------- report
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -451,6 +488,14 @@ def print_report(res: dict[str, Any]) -> None:
                   f"{r['cpu_cores_busy']:>7.2f}")
         print("  overhead: ms/token of the same depth and heads at width 64 (Python, dispatch, small ops: the "
               "part of a token that is not weight traffic)")
+    for g in res["batch"]:
+        print(f"\nbatched generation, {g['dtype']}: B different {g['prompt_len']}-token prompts decoded together, "
+              f"greedy, {g['new_tokens']} new tokens each; step = median decode step")
+        print(f"  {'B':>4}{'prefill s':>11}{'ms/step':>10}{'tok/s':>10}{'x B=1':>8}{'peak mem':>12}")
+        for r in g["rows"]:
+            speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
+            print(f"  {r['batch']:>4}{r['prefill_s']:>11.2f}{r['step_s'] * 1e3:>10.2f}{r['tokens_per_s']:>10.0f}"
+                  f"{speed:>8}{fmt_bytes(r['peak_mem_bytes']):>12}")
     print(f"\nprocess peak RSS (ru_maxrss) {fmt_bytes(res['ru_maxrss_bytes'])}; total {res['elapsed_s']:.0f}s")
     for w in res["warnings"]:
         print(f"warning: {w}")
@@ -485,7 +530,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated compute dtypes (float32 = no autocast); float16 runs without a grad scaler")
     p.add_argument("--parts", default="matmul,train,trainer,generate",
-                   help="which of matmul,train,trainer,generate to run (trainer: `nanolm train` end to end)")
+                   help="which of matmul,train,trainer,generate,batch to run (trainer: `nanolm train` end to end; "
+                        "batch: many sequences decoded together)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="sequences decoded together, for --parts batch")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-sizes", default="",
@@ -505,8 +552,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     cfg = preset(args.preset)
     parts = [s.strip() for s in args.parts.split(",") if s.strip()]
-    if not parts or any(s not in ("matmul", "train", "trainer", "generate") for s in parts):
-        p.error(f"--parts: choose from matmul,train,trainer,generate, got {args.parts!r}")
+    if not parts or any(s not in ("matmul", "train", "trainer", "generate", "batch") for s in parts):
+        p.error(f"--parts: choose from matmul,train,trainer,generate,batch, got {args.parts!r}")
+    try:
+        args.batch_size_list = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+    if not args.batch_size_list or min(args.batch_size_list) <= 0:
+        p.error(f"--batch-sizes: sizes must be positive, got {args.batch_sizes!r}")
     dtypes = [s.strip() for s in args.dtypes.split(",") if s.strip()]
     if not dtypes or any(s not in DTYPES for s in dtypes):
         p.error(f"--dtypes: choose from {','.join(DTYPES)}, got {args.dtypes!r}")
@@ -525,7 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "train" in parts and args.seq_len > cfg.model.max_seq_len:
         p.error(f"--seq-len {args.seq_len} exceeds preset {args.preset}'s model.max_seq_len "
                 f"{cfg.model.max_seq_len}; pass --seq-len <= {cfg.model.max_seq_len}")
-    if "generate" in parts and args.prompt_len + args.new_tokens > cfg.model.max_seq_len:
+    if ("generate" in parts or "batch" in parts) and args.prompt_len + args.new_tokens > cfg.model.max_seq_len:
         p.error(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds preset "
                 f"{args.preset}'s model.max_seq_len {cfg.model.max_seq_len}; shorten one of them")
     args.parts_list, args.dtype_list = parts, dtypes
@@ -554,7 +607,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "params": count_params(Transformer(cfg.model)), "flops_per_token": fpt},
         "train_shape": {"batch_size": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
                         "steps": args.steps},
-        "matmul": {}, "train": [], "trainer": [], "generate": [],
+        "matmul": {}, "train": [], "trainer": [], "generate": [], "batch": [],
     }
     say(f"{args.preset} on {device} ({torch.get_num_threads()} threads), dtypes {','.join(args.dtype_list)}")
 
@@ -622,6 +675,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          args.new_tokens, args.gen_repeats, args.seed)
             r["overhead_s_per_token"] = thin["decode_s_per_token"]
             res["generate"].append(r)
+        del model
+
+    if "batch" in args.parts_list:
+        torch.manual_seed(args.seed)
+        model = Transformer(cfg.model).to(device)
+        for dtype in dtypes:
+            res["batch"].append(batched_generation(model, device, dtype, args.prompt_len, args.new_tokens,
+                                                   args.batch_size_list, args.seed))
         del model
 
     res["warnings"] = contention_warnings(res, device)

@@ -133,7 +133,8 @@ def test_ecosystem_commands(tmp_path, data_dir, corpus):
 
 
 def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
-    """generate, chat and serve take --max-new-tokens/--temperature/--top-k/--top-p/--seed from SamplingParams,
+    """generate, chat and serve take --max-new-tokens/--temperature/--top-k/--top-p/--seed and the penalties from
+    SamplingParams,
     with its defaults; a bad value is one line naming the option's field, before any model is loaded."""
     from nanolm.cli import _from_fields, build_parser, main
     from nanolm.config import SamplingParams
@@ -142,13 +143,18 @@ def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
         args = build_parser().parse_args([command, "run"])
         assert _from_fields(args, SamplingParams) == SamplingParams()
         args = build_parser().parse_args([command, "run", "--temperature", "0", "--top-k", "3", "--top-p", "0.5",
-                                          "--seed", "7", "--max-new-tokens", "9"])
+                                          "--seed", "7", "--max-new-tokens", "9", "--repetition-penalty", "1.2",
+                                          "--presence-penalty", "0.5", "--frequency-penalty", "-0.25"])
         assert _from_fields(args, SamplingParams) == SamplingParams(max_new_tokens=9, temperature=0, top_k=3,
-                                                                    top_p=0.5, seed=7)
+                                                                    top_p=0.5, seed=7, repetition_penalty=1.2,
+                                                                    presence_penalty=0.5, frequency_penalty=-0.25)
     assert main(["generate", str(tmp_path / "nowhere"), "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == "error: generate: temperature must be >= 0, got -1.0\n"
     assert main(["chat", str(tmp_path / "nowhere"), "--top-p", "1.5"]) == 2
     assert capsys.readouterr().err == "error: chat: top_p must be in (0, 1], got 1.5\n"
+    assert main(["generate", str(tmp_path / "nowhere"), "--repetition-penalty", "0"]) == 2
+    assert capsys.readouterr().err == ("error: generate: repetition_penalty must be in (0, 10] (1 = off, 1.1-1.3 is "
+                                       "usual), got 0.0\n")
 
 
 def test_serve_options_are_generated_from_its_settings(monkeypatch, capsys):
