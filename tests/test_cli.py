@@ -134,8 +134,8 @@ def test_ecosystem_commands(tmp_path, data_dir, corpus):
 
 def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
     """generate, chat and serve take --max-new-tokens/--temperature/--top-k/--top-p/--seed and the penalties from
-    SamplingParams,
-    with its defaults; a bad value is one line naming the option's field, before any model is loaded."""
+    SamplingParams, with its defaults; a bad value is one line naming the option's field, before any model is
+    loaded."""
     from nanolm.cli import _from_fields, build_parser, main
     from nanolm.config import SamplingParams
 
