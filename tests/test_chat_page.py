@@ -158,13 +158,15 @@ def test_a_seeded_conversation_shows_the_apis_answers(browser, base):
     d = browser
     open_page(d, base, "tiny")
     system = {"role": "system", "content": "Be brief."}
-    sampling = {"temperature": 0.9, "top_p": 0.9, "max_tokens": 8, "seed": 7}
+    sampling = {"temperature": 0.9, "top_p": 0.9, "max_tokens": 8, "seed": 7, "repetition_penalty": 4.0}
     settings(d, system=system["content"], **sampling)
     first = {"role": "user", "content": "To be"}
     want = api(base, [system, first], **sampling)
     text = want["choices"][0]["message"]["content"]
-    assert text.strip() and text != api(base, [system, first], **{**sampling, "seed": 8})["choices"][0]["message"][
-        "content"]  # the seed decides the reply, so equal replies mean the page sent these fields
+    # The seed and the penalty decide the reply, so equal replies mean the page sent these fields.
+    for other in ({"seed": 8}, {"repetition_penalty": 1.0}):
+        assert text.strip() and text != api(base, [system, first], **{**sampling, **other})["choices"][0][
+            "message"]["content"], other
     say(d, first["content"])
     shown, stats = reply(d, 1)
     assert shown == text

@@ -6,7 +6,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SAMPLING = ["temperature", "top_p", "max_tokens", "seed"];  // input ids, named as the request fields
+const SAMPLING = ["temperature", "top_p", "max_tokens", "seed", "repetition_penalty"];  // input ids, named as the request fields
 
 let history = [];  // the conversation so far: {role, content}, without the system prompt
 let controller = null;  // aborts the reply being streamed
