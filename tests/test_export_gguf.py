@@ -396,7 +396,8 @@ def test_moe_experts_are_stacked(tmp_path, tokenizer_dir, shared, norm_topk, arc
 # ----------------------------------------------------------------------------- refusals and atomicity
 
 def test_refusals_are_one_line_user_errors(tmp_path, tokenizer_dir, dense_run):
-    with pytest.raises(UserError, match=r"outtype='q4': must be one of f32, f16, q8_0, q4_0 \(K-quants: .*llama-quantize"):
+    with pytest.raises(UserError, match=r"outtype='q4': must be one of f32, f16, q8_0, q4_0 "
+                                        r"\(K-quants: .*llama-quantize"):
         export_gguf(dense_run, tmp_path / "m.gguf", outtype="q4", quiet=True)
     mixed = make_run(tmp_path / "mixed", tokenizer_dir, use_moe=True, n_experts=2, top_k=1, moe_every=2)
     with pytest.raises(UserError, match=r"model.moe_every=2: .*nanolm export hf"):
