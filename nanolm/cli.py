@@ -170,9 +170,16 @@ def _cmd_export(args: argparse.Namespace) -> None:
     if args.format == "hf":
         from nanolm.export.hf import export_hf
         out = export_hf(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, dtype=args.dtype)
-    else:
+    elif args.format == "gguf":
         from nanolm.export.gguf import export_gguf
         out = export_gguf(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, outtype=args.outtype)
+    else:
+        from nanolm.config import SamplingParams
+        from nanolm.export.ollama import MODELFILE, export_ollama
+        out = export_ollama(args.checkpoint, Path(args.out), which=which, adapter=args.adapter,
+                            outtype=args.outtype, sampling=_from_fields(args, SamplingParams), system=args.system)
+        print(f"exported to {out}; load it into ollama with `ollama create <name> -f {out / MODELFILE}`")
+        return
     print(f"exported to {out}")
 
 
@@ -211,7 +218,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanolm.config import ServeConfig
+    from nanolm.config import SamplingParams, ServeConfig
+    from nanolm.export.ollama import DEFAULT_OUTTYPE
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
                                 "from raw text to chat.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -302,11 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--base", default=None, help="the base checkpoint (default: the one the adapter was trained from)")
     lo.set_defaults(func=_cmd_lora_merge)
 
-    ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers) or gguf (llama.cpp)")
+    ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers), gguf (llama.cpp) "
+                                       "or ollama")
     exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
     for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, or Qwen2-MoE for MoE models)",
                                       "output directory"),
-                                     ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file")):
+                                     ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file"),
+                                     ("ollama", "a directory of model.gguf and a Modelfile for `ollama create`",
+                                      "output directory")):
         e = exsub.add_parser(fmt, help=help_text)
         e.add_argument("checkpoint", help="a run or checkpoint directory")
         e.add_argument("out", help=out_help)
@@ -314,8 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
         if fmt == "hf":
             e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        else:
-            e.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
+        else:  # checked by the exporter, whose one-line error names the types and where K-quants come from
+            e.add_argument("--outtype", default="f16" if fmt == "gguf" else DEFAULT_OUTTYPE,
+                           help="f32, f16, q8_0 or q4_0 (default: %(default)s)")
+        if fmt == "ollama":
+            e.add_argument("--system", default=None, help="a system prompt for the Modelfile (default: none)")
+            _add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
     ex.set_defaults(func=_cmd_export)
 
     im = sub.add_parser("import", help="bring a transformers Llama checkpoint into nanolm")

@@ -78,7 +78,7 @@ def test_help_lists_generated_config_overrides():
 
 @pytest.mark.slow
 def test_ecosystem_commands(tmp_path, data_dir, corpus):
-    """export hf / import hf / export gguf / eval / plot / serve, as a user runs them."""
+    """export hf / import hf / export gguf / export ollama / eval / plot / serve, as a user runs them."""
     import socket
     import time
     import urllib.request
@@ -101,6 +101,11 @@ def test_ecosystem_commands(tmp_path, data_dir, corpus):
     r = nanolm("export", "gguf", str(run), str(tmp_path / "m.gguf"), "--outtype", "q8_0")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "m.gguf").read_bytes()[:4] == b"GGUF"
+    r = nanolm("export", "ollama", str(run), str(tmp_path / "ollama"), "--outtype", "q4_0", "--system", "Be brief.")
+    assert r.returncode == 0, r.stderr
+    assert f"ollama create <name> -f {tmp_path / 'ollama' / 'Modelfile'}" in r.stdout
+    assert (tmp_path / "ollama" / "model.gguf").read_bytes()[:4] == b"GGUF"
+    assert 'SYSTEM """Be brief."""' in (tmp_path / "ollama" / "Modelfile").read_text(encoding="utf-8")
 
     r = nanolm("eval", str(run), "--data", str(corpus), "--seq-len", "32")
     assert r.returncode == 0, r.stderr
@@ -148,6 +153,11 @@ def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
         assert _from_fields(args, SamplingParams) == SamplingParams(max_new_tokens=9, temperature=0, top_k=3,
                                                                     top_p=0.5, seed=7, repetition_penalty=1.2,
                                                                     presence_penalty=0.5, frequency_penalty=-0.25)
+    # export ollama writes them into the Modelfile
+    assert _from_fields(build_parser().parse_args(["export", "ollama", "run", "out"]), SamplingParams) == \
+        SamplingParams()
+    args = build_parser().parse_args(["export", "ollama", "run", "out", "--top-k", "3", "--seed", "7"])
+    assert _from_fields(args, SamplingParams) == SamplingParams(top_k=3, seed=7)
     assert main(["generate", str(tmp_path / "nowhere"), "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == "error: generate: temperature must be >= 0, got -1.0\n"
     assert main(["chat", str(tmp_path / "nowhere"), "--top-p", "1.5"]) == 2

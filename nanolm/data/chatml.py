@@ -11,6 +11,13 @@ Qwen2-Instruct and MiniMind. `render_chat` is the Python rendering;
 two give the same text for any messages (tests/test_tokenizer.py checks it
 through Jinja and transformers).
 
+`OLLAMA_TEMPLATE` is the same template in Go's text/template, for the
+TEMPLATE of an ollama Modelfile (`nanolm export ollama`): ollama hands it the
+conversation as `.Messages` (each with `.Role` and `.Content`; a Modelfile
+SYSTEM arrives as a first system message), and the template ends with the
+generation prompt itself, as ollama's own ChatML template does.
+tests/test_export_ollama.py renders it with Go's text/template.
+
 Roles (`ROLES`): one rule per role says whether its messages train (their
 tokens are targets in fine-tuning data) and which other names API clients
 may use for it (OpenAI's "developer" is the system role). Adding a role is
@@ -112,6 +119,10 @@ def message_text(role: str, content: str) -> str:
 
 
 GENERATION_PROMPT = IM_START + segment_text("assistant", "")
+
+# Every message as `message_text` renders it, then the generation prompt (see the module doc).
+OLLAMA_TEMPLATE: str = ("{{ range .Messages }}" + message_text("{{ .Role }}", "{{ .Content }}") + "{{ end }}"
+                        + GENERATION_PROMPT)
 
 
 def conversation_text(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = False) -> str:

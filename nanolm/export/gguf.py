@@ -30,10 +30,21 @@ the same rotated q and k up to one common permutation of each head's
 coordinates, which leaves every q.k score unchanged. This is the permutation
 llama.cpp's convert_hf_to_gguf.py applies to HF Llama checkpoints.
 
-Tensor types: norms and the MoE router stay float32 (as llama.cpp's converter
-keeps them); the other matrices are written as `outtype`. Q8_0 quantises
+Tensor types (`tensor_type`): norms and the MoE router stay float32 (as
+llama.cpp's converter and its quantizer keep them); the other matrices are
+written as `outtype`, with llama.cpp's own exceptions. Q8_0 and Q4_0 quantise
 rows in blocks of 32 values, so a matrix whose rows are not a multiple of 32
-long is written as F16 instead.
+long is written as F16 instead (the type llama-quantize falls back to when no
+quantised type fits a row). For q4_0 files, the rules of llama-quantize
+(`llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp) for
+LLAMA_FTYPE_MOSTLY_Q4_0 are followed: the output projection (token_embd when
+the embeddings are tied and the file has no `output.weight`) is kept at
+higher precision: Q6_K there (Q8_0 where rows are not a multiple of Q6_K's
+256-value blocks), always Q8_0 here, because the `gguf` library (0.19.0)
+cannot quantise any K-type (its Q4_K/Q6_K classes only dequantise); and in
+models of exactly 8 experts attn_k and attn_v are Q8_0, as there. K-quants
+(q4_k_m and the like) are not written: `llama-quantize model-f16.gguf
+model-q4_k_m.gguf Q4_K_M` makes one from an f16 export.
 """
 
 from __future__ import annotations
@@ -53,9 +64,9 @@ from nanolm.errors import UserError
 from nanolm.io import atomic_file, fsync_dir
 from nanolm.progress import Progress, fmt_bytes
 
-OUTTYPES = ("f32", "f16", "q8_0")
+OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
 TOKENIZER_PRE = "gpt-2"  # llama.cpp's name for GPT-2's split regex, which nanolm's ByteLevel pre-tokenizer uses
-Q8_0_BLOCK = 32
+BLOCK = {"q8_0": 32, "q4_0": 32}  # values per quantisation block (ggml's QK8_0, QK4_0): a row holds whole blocks
 
 # gguf's TokenType values (normal text pieces, special/control tokens, padding rows of the embedding)
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
@@ -149,13 +160,23 @@ def _moe_tensors(sd: dict[str, torch.Tensor], p: str, b: str, cfg: ModelConfig) 
     return out
 
 
-def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> str:
-    """"f32", "f16" or "q8_0" for one tensor: norms, vectors and the router f32; Q8_0 only on 32-multiple rows."""
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str, *, has_output: bool = True,
+                n_experts: int = 0) -> str:
+    """The type ("f32", "f16", "q8_0" or "q4_0") of one tensor of an `outtype` file (see the module docstring).
+
+    shape: PyTorch's (..., out, in), so rows are shape[-1] long; has_output: whether the file has an
+    `output.weight` (if not, token_embd is also the output projection); n_experts: the model's routed experts.
+    """
     if len(shape) <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name:
         return "f32"
-    if outtype == "q8_0" and shape[-1] % Q8_0_BLOCK != 0:
+    kind = outtype
+    if outtype == "q4_0":
+        is_output = name == "output.weight" or (name == "token_embd.weight" and not has_output)
+        if is_output or (n_experts == 8 and name.endswith((".attn_k.weight", ".attn_v.weight"))):
+            kind = "q8_0"
+    if kind in BLOCK and shape[-1] % BLOCK[kind] != 0:
         return "f16"
-    return outtype
+    return kind
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -220,8 +241,9 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
     import gguf
 
     arch = writer.arch
+    # The file's nominal type, as llama-quantize records it: "mostly" that type, whatever the exceptions.
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
     writer.add_type("model")
     writer.add_name(name)
     writer.add_file_type(int(file_types[outtype]))
@@ -266,29 +288,56 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
     writer.add_chat_template(vocab.chat_template)
 
 
+def check_outtype(outtype: str) -> None:
+    """UserError unless `outtype` is one GGUF export writes."""
+    if outtype not in OUTTYPES:
+        raise UserError(f"outtype={outtype!r}: must be one of {', '.join(OUTTYPES)} "
+                        "(K-quants: run llama.cpp's llama-quantize on an f16 export)")
+
+
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("GGUF export needs the gguf package: pip install 'nanolm[gguf]'") from None
+    return gguf
+
+
 def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", adapter: str | Path | None = None,
                 outtype: str = "f16", quiet: bool = False) -> Path:
     """Write a checkpoint (a LoRA adapter merged in) as a GGUF file for llama.cpp / ollama; returns out_file.
 
     checkpoint: a run or checkpoint directory (its `which` checkpoint, "best"
     or "last"); adapter: a LoRA run or checkpoint to merge into it first.
-    outtype: "f32", "f16" or "q8_0" for the weight matrices. The file is
+    outtype: "f32", "f16", "q8_0" or "q4_0" for the weight matrices (see the
+    module docstring for the tensors kept at higher precision). The file is
     written under a temporary name beside out_file and renamed into place.
     """
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("GGUF export needs the gguf package: pip install 'nanolm[gguf]'") from None
-    from nanolm.checkpoint import load_model, run_name
-    from nanolm.model.lora import merge_lora
+    from nanolm.checkpoint import load_model
 
-    if outtype not in OUTTYPES:
-        raise UserError(f"outtype={outtype!r}: must be one of {', '.join(OUTTYPES)}")
+    _import_gguf()
+    check_outtype(outtype)
     out_file = Path(out_file)
     if out_file.is_dir():
         raise UserError(f"{out_file}: is a directory; give the path of the .gguf file to write")
-
     model, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
+    what = write_gguf(model, ckpt_dir, out_file, outtype=outtype, quiet=quiet)
+    if not quiet:
+        print(f"wrote {out_file} ({what}, {fmt_bytes(out_file.stat().st_size)})")
+    return out_file
+
+
+def write_gguf(model: nn.Module, ckpt_dir: Path, out_file: Path, *, outtype: str = "f16",
+               quiet: bool = False) -> str:
+    """Write a loaded model (LoRA layers are merged into it) and the tokenizer of `ckpt_dir` as a GGUF file.
+
+    Shows a progress bar unless `quiet`; returns what was written ("llama, q4_0, 20 tensors").
+    """
+    from nanolm.checkpoint import run_name
+    from nanolm.model.lora import merge_lora
+
+    gguf = _import_gguf()
+    check_outtype(outtype)
     cfg = model.config
     arch = gguf_architecture(cfg)  # refuses unsupported MoE layouts before any work
     merge_lora(model)
@@ -296,13 +345,17 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
     tensors = gguf_tensors(model, cfg)
 
     qtypes = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+              "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    has_output = any(name == "output.weight" for name, _ in tensors)
+    n_experts = cfg.n_experts if cfg.use_moe else 0
     plan = []
     for name, t in tensors:
-        qtype = qtypes[tensor_type(name, tuple(t.shape), outtype)]
+        kind = tensor_type(name, tuple(t.shape), outtype, has_output=has_output, n_experts=n_experts)
+        qtype = qtypes[kind]
         nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(tuple(t.shape), qtype)))
         plan.append((name, t, qtype, nbytes))
 
+    out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(None, arch)
     try:
@@ -328,6 +381,4 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
                         f"{fmt_bytes(shutil.disk_usage(out_file.parent).free)} free there; free some space "
                         "or choose another path") from None
     fsync_dir(out_file.parent)
-    if not quiet:
-        print(f"wrote {out_file} ({arch}, {outtype}, {len(plan)} tensors, {fmt_bytes(out_file.stat().st_size)})")
-    return out_file
+    return f"{arch}, {outtype}, {len(plan)} tensors"
