@@ -12,7 +12,7 @@ from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.sampling import (Penalties, presence_frequency_penalty, repetition_penalty, sample_next,
                                    top_k_filter, top_p_filter)
-from nanolm.infer.fuse import FusedAttention, FusedMLP, fuse_projections
+from nanolm.infer.fuse import SMALL_ROWS, DecodeLinear, FusedAttention, FusedMLP, decode_linear, fuse_projections
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
 
@@ -289,6 +289,18 @@ def test_logprobs_are_the_models_own_distribution():
 
 # ----------------------------------------------------------------------------- fused projections
 
+@pytest.mark.parametrize("rows", [1, 2, 5, SMALL_ROWS, SMALL_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_linear_is_the_linear_product(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 32, generator=g).to(dtype)
+    x = torch.randn(rows, 1, 32, generator=g).to(dtype)
+    got = decode_linear(x, w)
+    assert got.shape == (rows, 1, 48)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), (x.double() @ w.double().T).float(), rtol=tol, atol=tol)
+
+
 def test_fused_projections_give_the_separate_products_without_a_copy():
     model = _model()
     plain = copy.deepcopy(model)
@@ -305,7 +317,10 @@ def test_fused_projections_give_the_separate_products_without_a_copy():
     assert not any(hasattr(mlp, n) for n in ("gate_proj", "up_proj"))
     assert mlp.gate_up_weight.untyped_storage().nbytes() == 2 * ref_mlp.up_proj.weight.numel() * 4
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
-    assert attn.o_proj is o_proj and mlp.down_proj is down_proj and not attn.training
+    # The other products keep their weights (no copy; the tied LM head stays tied) and compute as decode_linear.
+    assert attn.o_proj.weight is o_proj.weight and mlp.down_proj.weight is down_proj.weight and not attn.training
+    assert type(attn.o_proj) is DecodeLinear and type(model.lm_head) is DecodeLinear
+    assert model.lm_head.weight is model.embed_tokens.weight
     x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), rtol=1e-6, atol=1e-6)
@@ -355,7 +370,8 @@ def _lora_model(targets):
 def test_lora_layers_are_not_fused_nor_bypassed():
     from nanolm.model.lora import LoRALinear, apply_lora
 
-    x = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(4))
+    # More rows than decode_linear's SMALL_ROWS, so the engine's unfused products are F.linear, as the model's.
+    x = torch.randint(0, 61, (1, SMALL_ROWS + 8), generator=torch.Generator().manual_seed(4))
     # Every attention and MLP has a LoRA projection: nothing is fused, and the engine computes W x + s B A x.
     model = _lora_model(("q_proj", "up_proj"))
     engine = Engine(model)
