@@ -20,6 +20,24 @@ class Signals:
         self.tokens = 0
 
 
+class Watched:
+    """For an engine stand-in whose batches report to `signals`: its gate, closed and tokens as its own."""
+
+    signals: Signals
+
+    def watch(self) -> None:
+        self.signals = Signals()
+        self.gate, self.closed = self.signals.gate, self.signals.closed
+
+    @property
+    def tokens(self) -> int:
+        return self.signals.tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.signals.tokens = value
+
+
 class ScriptBatch:
     """Every row replays `script` (at most its max_new_tokens), each step once `signals.gate` is open and `delay`
     s have passed, then ends on a stop id as a model would; a row whose budget the script fills ends with

@@ -15,7 +15,7 @@ from nanolm.config import ModelConfig
 from nanolm.infer.engine import Engine
 from nanolm.model.transformer import Transformer
 
-from engine_doubles import ScriptBatch, Signals, SlowBatch
+from engine_doubles import ScriptBatch, SlowBatch, Watched
 
 uvicorn = pytest.importorskip("uvicorn")  # skips the module that imports this one, without the serve extra
 
@@ -29,7 +29,7 @@ def tiny_model(vocab_size: int = 400) -> Transformer:
                                    tie_embeddings=False, init_std=0.2))
 
 
-class ScriptedEngine(Engine):
+class ScriptedEngine(Watched, Engine):
     """Every row replays fixed token ids, one step each `delay` s, then ends as the real engine does on a stop
     token; `tokens` counts what it gave, `closed` is set when a row leaves."""
 
@@ -37,34 +37,20 @@ class ScriptedEngine(Engine):
         super().__init__(tiny_model())
         self.script = script
         self.delay = delay
-        self.signals = Signals()
-        self.closed = self.signals.closed
-
-    @property
-    def tokens(self) -> int:
-        return self.signals.tokens
+        self.watch()
 
     def batch(self) -> ScriptBatch:
         return ScriptBatch(self.script, self.signals, self.delay)
 
 
-class SlowEngine(Engine):
+class SlowEngine(Watched, Engine):
     """The real engine, pausing `delay` s and waiting for `gate` before each step; `closed` is set when its batch
     empties, `tokens` counts what it made."""
 
     def __init__(self, delay: float = 0.0) -> None:
         super().__init__(tiny_model())
         self.delay = delay
-        self.signals = Signals()
-        self.gate, self.closed = self.signals.gate, self.signals.closed
-
-    @property
-    def tokens(self) -> int:
-        return self.signals.tokens
-
-    @tokens.setter
-    def tokens(self, value: int) -> None:
-        self.signals.tokens = value
+        self.watch()
 
     def batch(self) -> SlowBatch:
         return SlowBatch(self, self.signals, self.delay)

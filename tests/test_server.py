@@ -295,6 +295,15 @@ def test_api_key_is_enforced(engine, tok):
         assert r.usage.completion_tokens == 3
 
 
+def in_threads(fn, n: int, timeout: float = 120) -> None:
+    """fn(0) ... fn(n - 1), each on its own thread, all at once; returns when all are done (or timed out)."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def test_concurrent_clients_each_get_their_solo_output(base, engine, tok):
     """16 requests from 8 threads at once: chat and completions, streaming or not, greedy or seeded sampling."""
     prompts = ["To be", "你好", "The quality of mercy", "滚滚长江", "All the world", "话说天下", "We hold",
@@ -316,11 +325,7 @@ def test_concurrent_clients_each_get_their_solo_output(base, engine, tok):
             results[i] = ask(c, kind, streaming, p, model="tiny", temperature=temperature, top_p=0.9, seed=seed,
                              max_tokens=12)[:2]
 
-    threads = [threading.Thread(target=run, args=(w,)) for w in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(run, 8)
     assert len(results) == 16
     for i, job in enumerate(jobs):
         text, finish, _ = job[-1]
@@ -370,11 +375,7 @@ def test_twenty_concurrent_clients_are_decoded_together_and_each_gets_its_solo_a
             results[i] = ask(c, kind, streaming, p, model="tiny", temperature=temperature, top_p=0.9, seed=seed,
                              max_tokens=16, extra_body=penalties)[:2]
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(20)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        in_threads(run, 20)
     assert len(results) == 20
     for i, job in enumerate(jobs):
         assert results[i] == job[-1], job[:6]

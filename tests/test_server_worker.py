@@ -11,21 +11,16 @@ from nanolm.infer.server import worker as worker_mod
 from nanolm.infer.server.worker import Job, Worker, events
 from nanolm.tokenizer import Tokenizer
 
-from engine_doubles import ScriptBatch, Signals
+from engine_doubles import ScriptBatch, Watched
 
 
-class ScriptEngine:
+class ScriptEngine(Watched):
     """An engine whose batches replay fixed ids (at most max_new_tokens per row), each step once its `gate` is
     open; `closed` is set when a row leaves, `tokens` counts what it made."""
 
     def __init__(self, script: list[int]) -> None:
         self.script = script
-        self.signals = Signals()
-        self.gate, self.closed = self.signals.gate, self.signals.closed
-
-    @property
-    def tokens(self) -> int:
-        return self.signals.tokens
+        self.watch()
 
     def batch(self) -> ScriptBatch:
         return ScriptBatch(self.script, self.signals)
