@@ -364,22 +364,31 @@ def test_twenty_concurrent_clients_are_decoded_together_and_each_gets_its_solo_a
         jobs.append((kind, streaming, p, temperature, seed, penalties,
                      (tok.decode(out), "length" if len(out) == 16 else "stop")))
     CountingBatch.most = 0
-    eng = CountingEngine(delay=0.02)  # steps slow enough that all 20 arrive while the first still decode
+    eng = CountingEngine()
+    eng.gate.clear()  # the first step holds until all 20 requests are in
     results: dict[int, tuple] = {}
-    barrier = threading.Barrier(20)
     with running(create_app(eng, tok, ServeConfig(model_name="tiny"))) as url:
-        def run(i: int) -> None:
-            kind, streaming, p, temperature, seed, penalties, _ = jobs[i]
-            c = client(url)
-            barrier.wait()
-            results[i] = ask(c, kind, streaming, p, model="tiny", temperature=temperature, top_p=0.9, seed=seed,
-                             max_tokens=16, extra_body=penalties)[:2]
+        def open_when_all_admitted() -> None:
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/health", timeout=30).json()["admitted"] < 20 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            eng.gate.set()
 
-        in_threads(run, 20)
+        def run(i: int) -> None:
+            if i == 20:
+                return open_when_all_admitted()
+            kind, streaming, p, temperature, seed, penalties, _ = jobs[i]
+            results[i] = ask(client(url), kind, streaming, p, model="tiny", temperature=temperature, top_p=0.9,
+                             seed=seed, max_tokens=16, extra_body=penalties)[:2]
+
+        try:
+            in_threads(run, 21)
+        finally:
+            eng.gate.set()
     assert len(results) == 20
     for i, job in enumerate(jobs):
         assert results[i] == job[-1], job[:6]
-    assert CountingBatch.most >= 10  # decoded together (16 at most on a CPU), not one after another
+    assert CountingBatch.most == 16  # decoded together, max_batch (16 on a CPU) at once, the rest waiting
 
 
 def test_n_choices_share_the_prompt_and_each_is_its_seed_alone(base, engine, tok):
