@@ -46,8 +46,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "presence_penalty", 
                    "repetition_penalty")
 # Rows decoded together when the server's config leaves max_batch unset: on a CPU, a small model's products
 # stop being bound by reading the weights at about 16 rows; a GPU has room for many more.
-DEFAULT_MAX_BATCH = {"cpu": 16}
-DEFAULT_MAX_BATCH_ELSEWHERE = 64
+DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_GPU = 16, 64
 
 
 class ApiError(Exception):
@@ -82,7 +81,8 @@ class ServerState:
         # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
         # whose normalizer shrinks text (NFKC maps a 4-byte letter to 1 byte); nanolm's have none.
         self.max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
-        self.max_batch = config.max_batch or DEFAULT_MAX_BATCH.get(engine.device.type, DEFAULT_MAX_BATCH_ELSEWHERE)
+        self.max_batch = config.max_batch or (DEFAULT_MAX_BATCH_CPU if engine.device.type == "cpu"
+                                              else DEFAULT_MAX_BATCH_GPU)
         self.worker = Worker(engine, config.max_queue, self.max_batch)
         self.created = int(time.time())
 

@@ -95,17 +95,14 @@ class Job:
             self._tokens[i] += 1
             piece = text.push(out.token)
         finish = "stop" if text.stopped else out.finish
-        if finish is None:
-            if piece:
-                self._post(("text", i, piece, self._lps[i]))
-                self._lps[i] = []
-            return False
-        if not text.stopped:
-            piece += text.finish()
+        if finish is not None and not text.stopped:
+            piece += text.finish()  # the rest held back for stop strings or an unfinished character
         if piece:
             self._post(("text", i, piece, self._lps[i]))
             self._lps[i] = []
-        self._post(("end", i, "stop" if text.stopped else finish, self._tokens[i], self._lps[i]))
+        if finish is None:
+            return False
+        self._post(("end", i, finish, self._tokens[i], self._lps[i]))
         self._open -= 1
         if self._open == 0:
             self._done()
@@ -127,7 +124,6 @@ class Worker:
         self.jobs: set[Job] = set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.rows_decoding = 0  # rows in the batch at the last step (for /health)
 
     def submit(self, job: Job) -> bool:
         """Queue the job; False when the queue is full."""
@@ -191,7 +187,6 @@ class Worker:
                 rows.clear()
                 batch = self.engine.batch()
                 continue
-            self.rows_decoding = len(batch)
             for out in outs:
                 if out.row not in rows:
                     continue
