@@ -142,7 +142,9 @@ def fuse_projections(model: nn.Module) -> int:
     For a model that only decodes from now on: the fused modules have no gradient path to the
     separate weights, which are gone. Modules are replaced one at a time and only their parents are
     held meanwhile, so each old module, and its projections, is freed as its replacement takes its
-    place: one module's q/k/v (or gate/up) is held twice at most. Returns the number replaced.
+    place: one module's q/k/v (or gate/up) is held twice at most. Every other plain bias-free
+    nn.Linear becomes a DecodeLinear holding the same weight (nothing is copied). Returns the number of
+    attentions and MLPs fused.
     """
     sites = [(parent, name, cls) for parent in model.modules() for name, child in parent.named_children()
              if (cls := _fused_class(child)) is not None]
