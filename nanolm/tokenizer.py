@@ -1,25 +1,34 @@
-"""Train, save and load nanolm's byte-level BPE tokenizer.
+"""Train, save and load tokenizers: nanolm's byte-level BPE, or any HuggingFace tokenizer directory.
 
-The tokenizer is a HuggingFace `tokenizers` byte-level BPE (as in GPT-2 and
-MiniMind): no normalizer, the ByteLevel pre-tokenizer (GPT-2 split regex, no
-prefix space) and decoder, and all 256 bytes in the initial alphabet, so
-`decode(encode(text)) == text` for any Unicode string and no token is unknown.
+The tokenizer nanolm trains is a HuggingFace `tokenizers` byte-level BPE (as in
+GPT-2 and MiniMind): no normalizer, the ByteLevel pre-tokenizer (GPT-2 split
+regex, no prefix space) and decoder, and all 256 bytes in the initial alphabet,
+so `decode(encode(text)) == text` for any Unicode string and no token is unknown.
 
-Three special tokens have fixed ids that the rest of nanolm relies on:
-`<|endoftext|>` = 0 (ends every pretraining document; also padding),
-`<|im_start|>` = 1 and `<|im_end|>` = 2 (ChatML turn markers).
-`encode` maps these strings to their ids wherever they occur in the text, so a
-chat transcript rendered in ChatML (nanolm/data/chatml.py) encodes to the right
+Its first tokens are the control tokens: `<|endoftext|>` = 0 (ends every
+pretraining document; also padding), `<|im_start|>` = 1 and `<|im_end|>` = 2
+(ChatML turn markers), special tokens; then the tags of tool calls and
+reasoning, `<tool_call>`, `</tool_call>`, `<tool_response>`,
+`</tool_response>`, `<think>`, `</think>` = 3 ... 8, added tokens that are not
+special (decoding keeps them, llama.cpp prints them), as MiniMind-3 and Qwen3
+have them. `encode` maps all of these strings to their ids wherever they occur
+in the text, so a chat rendered by nanolm/data/chatml.py encodes to the right
 control ids; the flip side is that user text containing them becomes control
-tokens too.
+tokens too (chat data holding them is refused).
 
-A trained tokenizer is a directory holding `tokenizer.json` (what `tokenizers`
-reads) and `tokenizer_config.json` (what `transformers.AutoTokenizer` also
-needs: the class, the special-token roles and chatml.CHAT_TEMPLATE). The
-roles follow Qwen2-Instruct and MiniMind: eos is `<|im_end|>`, because a chat
-model ends its turn with it and `generate` should stop there; pad is
-`<|endoftext|>`; there is no bos (nothing is prepended in training) and no unk
-(a byte-level BPE can spell every input).
+A tokenizer is a directory holding `tokenizer.json` (what `tokenizers` reads)
+and `tokenizer_config.json` (what `transformers.AutoTokenizer` also needs: the
+class, the special-token roles and the chat template). The roles follow
+Qwen2/3-Instruct and MiniMind: eos is `<|im_end|>`, because a chat model ends
+its turn with it and `generate` should stop there; pad is `<|endoftext|>`;
+there is no bos (nothing is prepended in training) and no unk.
+
+Any other HuggingFace tokenizer directory loads too (`Tokenizer.load`), such as
+MiniMind's own: nanolm finds its control tokens by name, at whatever ids they
+have, and refuses one that lacks any of them, naming it. Its chat template
+says which chat layout it renders (`chatml.format_of`), and `save` writes its
+files back as they were, so a tokenizer or checkpoint keeps the template it
+was made with.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ from nanolm.io import write_text_atomic
 from nanolm.progress import fmt_count, fmt_duration
 
 SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The tags of tool calls and reasoning (chatml.py renders them), ids 3 ... 8 in a tokenizer nanolm trains.
+TAG_TOKENS: list[str] = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# The ids of the control tokens in a tokenizer nanolm trains; a loaded one has its own (`Tokenizer.eot_id`, ...).
 EOT_ID = 0
 IM_START_ID = 1
 IM_END_ID = 2
@@ -53,7 +65,7 @@ MODEL_MAX_LENGTH = 32768
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 
-MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1  # every byte, the specials and one merge
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + len(TAG_TOKENS) + 1  # every byte, the added tokens and one merge
 MAX_VOCAB_SIZE = 2**32  # ids are 32-bit in `tokenizers` and in nanolm's shards
 
 
@@ -75,8 +87,8 @@ def _tokenizer_config() -> dict[str, Any]:
 
     added = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for i, tok in enumerate(SPECIAL_TOKENS)
+                 "single_word": False, "special": tok in SPECIAL_TOKENS}
+        for i, tok in enumerate([*SPECIAL_TOKENS, *TAG_TOKENS])
     }
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -95,78 +107,117 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _save_files(data: dict[str, Any], out_dir: Path) -> Path:
-    """Write tokenizer.json (`data`) and tokenizer_config.json into out_dir; return tokenizer.json's path."""
+def _read_json_file(file: Path, fix: str) -> tuple[Any, str]:
+    """(parsed JSON, text) of a file, or a one-line UserError naming it and `fix`."""
+    try:
+        text = file.read_text(encoding="utf-8")
+        return json.loads(text), text
+    except UnicodeDecodeError as e:
+        raise UserError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{file}:{e.lineno}: not valid JSON ({e.msg}); the file is damaged, {fix}") from None
+    except RecursionError:
+        raise UserError(f"{file}: not valid JSON (nested too deeply); the file is damaged, {fix}") from None
+
+
+def _template_of(config: dict[str, Any], file: Path | None = None) -> str | None:
+    """The chat template of a tokenizer config: its string, or the "default" of a list of named templates
+    (as transformers allows); None when it has none. UserError (naming `file`) when it is not one of those."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{file}: chat_template must be a string (a Jinja template), got {type(template).__name__}; "
+                        "fix it or delete the key to use nanolm's template")
+    return template
+
+
+def _save_files(data: dict[str, Any], config: dict[str, Any], out_dir: Path) -> Path:
+    """Write tokenizer.json (`data`) and tokenizer_config.json (`config`) into out_dir; return tokenizer.json's
+    path."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / CONFIG_FILE, json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(out_dir / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     write_text_atomic(out_dir / TOKENIZER_FILE, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return out_dir / TOKENIZER_FILE
 
 
 class Tokenizer:
-    """A loaded nanolm tokenizer: encode/decode and the special ids.
+    """A loaded tokenizer: encode/decode, the control ids, the chat layout.
 
     Build one with `Tokenizer.load` or `train_tokenizer`. `path` is the
-    tokenizer.json file it was loaded from.
+    tokenizer.json file it was loaded from; `config` the tokenizer_config.json
+    beside it (as read; nanolm's own when there is none), whose chat template
+    picks `chat_format`.
     """
 
-    def __init__(self, tok: HFTokenizer, data: dict[str, Any], path: Path) -> None:
+    def __init__(self, tok: HFTokenizer, data: dict[str, Any], path: Path, config: dict[str, Any],
+                 ids: dict[str, int]) -> None:
+        from nanolm.data.chatml import format_of  # chatml builds on this module's token strings
+
         self._tok = tok
         self._data = data  # the parsed tokenizer.json, so `save` writes back exactly what was loaded
+        self.config = config
         self.path = path
         self.fingerprint: str = hashlib.sha256(_canonical_json(data).encode("ascii")).hexdigest()
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
-        self.eot_id = EOT_ID
-        self.im_start_id = IM_START_ID
-        self.im_end_id = IM_END_ID
+        self.eot_id, self.im_start_id, self.im_end_id = (ids[t] for t in SPECIAL_TOKENS)
+        self.tag_ids: dict[str, int] = {t: ids[t] for t in TAG_TOKENS if t in ids}
+        self.chat_template: str | None = _template_of(config)
+        self.chat_format = format_of(self.chat_template)
         self._byte_lengths: np.ndarray | None = None
         self._token_bytes: list[bytes] | None = None
 
     @classmethod
     def load(cls, path: Path | str) -> "Tokenizer":
-        """Load from a directory holding tokenizer.json, or from the file itself."""
+        """Load from a directory holding tokenizer.json (and tokenizer_config.json), or from the file itself."""
         path = Path(path)
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
             raise UserError(f"{file}: no tokenizer file here; run `nanolm tokenizer train` first, "
                             "or pass the directory that holds tokenizer.json")
-        try:
-            text = file.read_text(encoding="utf-8")
-            data = json.loads(text)
-        except UnicodeDecodeError as e:
-            raise UserError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}); "
-                            "retrain it with `nanolm tokenizer train`") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{file}:{e.lineno}: not valid JSON ({e.msg}); "
-                            "the file is damaged, retrain it with `nanolm tokenizer train`") from None
-        except RecursionError:
-            raise UserError(f"{file}: not valid JSON (nested too deeply); "
-                            "the file is damaged, retrain it with `nanolm tokenizer train`") from None
+        data, text = _read_json_file(file, "retrain it with `nanolm tokenizer train`")
         try:
             tok = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises plain Exception with a serde message
             detail = repr(str(e))[1:-1][:200]  # it quotes values of the file, newlines and all
             raise UserError(f"{file}: not a tokenizer.json that `tokenizers` can read ({detail}); "
                             "retrain it with `nanolm tokenizer train`") from None
-        for want_id, name in enumerate(SPECIAL_TOKENS):
+        ids: dict[str, int] = {}
+        for name in (*SPECIAL_TOKENS, *TAG_TOKENS):
             got = tok.token_to_id(name)
-            if got != want_id:
-                raise UserError(f"{file}: special token {name} has id {got}, nanolm needs {want_id}; "
-                                "use a tokenizer made by `nanolm tokenizer train`")
-            # In the vocabulary is not enough: unless it is an added special token, text holding it is
-            # split into pieces, and rendered chats lose their turn markers.
-            ids = tok.encode(name, add_special_tokens=False).ids
-            if ids != [want_id]:
-                raise UserError(f"{file}: the text {name} encodes to {ids[:8]}, not to its id {want_id} (it is "
-                                "not listed in added_tokens as special); use a tokenizer made by "
+            # In the vocabulary is not enough: unless it is an added token, text holding it is split into
+            # pieces, and rendered chats lose their turn markers.
+            if got is not None and tok.encode(name, add_special_tokens=False).ids == [got]:
+                ids[name] = got
+            elif name in SPECIAL_TOKENS:
+                where = "is not in its vocabulary" if got is None else \
+                    f"is in its vocabulary (id {got}) but not an added token, so text holding it is split"
+                raise UserError(f"{file}: {name} {where}; nanolm needs {', '.join(SPECIAL_TOKENS)} as special "
+                                "tokens (document end, chat turns). Add them to the tokenizer (tokenizers' "
+                                "add_special_tokens, then resize the model's embeddings), or train one with "
                                 "`nanolm tokenizer train`")
-        return cls(tok, data, file.resolve())
+        config_file = file.parent / CONFIG_FILE
+        if config_file.is_file():
+            config = _read_json_file(config_file, f"retrain the tokenizer or delete {CONFIG_FILE}")[0]
+            if not isinstance(config, dict):
+                raise UserError(f"{config_file}: expected a JSON object, got {type(config).__name__}; retrain the "
+                                f"tokenizer or delete {CONFIG_FILE}")
+        else:
+            config = _tokenizer_config()
+        _template_of(config, config_file)
+        return cls(tok, data, file.resolve(), config, ids)
 
     def save(self, out_dir: Path | str) -> Path:
-        """Write tokenizer.json and tokenizer_config.json into out_dir, each atomically."""
-        return _save_files(self._data, Path(out_dir))
+        """Write tokenizer.json and tokenizer_config.json into out_dir as loaded, each atomically."""
+        return _save_files(self._data, self.config, Path(out_dir))
+
+    def missing_tags(self) -> list[str]:
+        """The tags of tool calls and reasoning the tokenizer lacks as added tokens (each is then spelled in
+        several tokens: it works, with longer sequences and a model that must learn to spell it)."""
+        return [t for t in TAG_TOKENS if t not in self.tag_ids]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no special tokens are added, but special-token strings in it map to their ids."""
@@ -206,6 +257,11 @@ class Tokenizer:
                     table.append(token.encode("utf-8"))
             self._token_bytes = table
         return self._token_bytes
+
+    def spelled_lengths(self) -> np.ndarray:
+        """int64 [vocab_size]: the UTF-8 bytes each id stands for in `decode`, control tokens included (their
+        text): the byte offsets of a rendered chat's tokens are its cumulative sum (`chatml.encode_chat`)."""
+        return np.array([len(b) for b in self.token_bytes()], dtype=np.int64)
 
     def token_byte_lengths(self) -> np.ndarray:
         """int32 [vocab_size]: how many UTF-8 bytes each token stands for; 0 for special tokens.
@@ -263,7 +319,7 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 6400,
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS,  # added first, so they get ids 0, 1, 2
+        special_tokens=[*SPECIAL_TOKENS, *TAG_TOKENS],  # added first, so they get ids 0 ... 8
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         # tokenizers' bars draw only on a terminal, yet print blank lines to stdout
         # even when hidden; ask for them only where they show.
@@ -271,15 +327,15 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 6400,
     )
 
     stats = {"texts": 0, "chars": 0}
-    special = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
+    special = re.compile("|".join(re.escape(s) for s in (*SPECIAL_TOKENS, *TAG_TOKENS)))
 
     def pieces() -> Iterator[str]:
         for t in texts:
             stats["texts"] += 1
             stats["chars"] += len(t)
             # The trainer does not split on special tokens as encode does; without
-            # this, "<|im_end|>" in chat text would spend merges on "<|", "im", ...
-            yield from special.split(t) if "<|" in t else (t,)
+            # this, "<|im_end|>" or "<think>" in chat text would spend merges on "<|", "im", ...
+            yield from special.split(t) if "<" in t else (t,)
 
     start = time.perf_counter()
     tok.train_from_iterator(pieces(), trainer=trainer)
@@ -288,7 +344,10 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 6400,
         raise UserError(f"tokenizer training got no text ({stats['texts']} texts, all empty); "
                         "check that the input files hold text")
 
-    file = _save_files(json.loads(tok.to_str()), out_dir)
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:  # the tags are added tokens, not special: decoding keeps them
+        added["special"] = added["content"] in SPECIAL_TOKENS
+    file = _save_files(data, _tokenizer_config(), out_dir)
     loaded = Tokenizer.load(file)
     if not quiet:
         short = "" if loaded.vocab_size == vocab_size else f" (asked for {vocab_size}: the text has too few frequent pairs)"

@@ -1,87 +1,95 @@
-r"""ChatML, the chat format of nanolm's models: its text, its ids with a loss mask, its roles, its truncation.
+r"""The chat format of nanolm's models: messages, tools and reasoning; their text, ids and loss mask; truncation.
 
-Every other module renders, checks or cuts a conversation through this one.
+Every other module renders, checks, parses or cuts a conversation through this one.
 
-Text. Each message renders as `<|im_start|>{role}\n{content}<|im_end|>\n`
-(`message_text`), and a prompt that asks for a reply ends with
-`<|im_start|>assistant\n` (`GENERATION_PROMPT`): the template of
-Qwen2-Instruct and MiniMind. `render_chat` is the Python rendering;
-`CHAT_TEMPLATE` is the same template in Jinja, the one tokenizer_config.json
-(and a GGUF export) carries for `transformers.apply_chat_template`, and the
-two give the same text for any messages (tests/test_tokenizer.py checks it
-through Jinja and transformers).
+Messages (`Message`, `ToolCall`; `message_from_dict` reads the shapes users
+and API clients have). A message has a role (`ROLES`: system, user, assistant,
+tool), a content, and on an assistant message its reasoning and its tool calls
+(each a function name and its arguments as JSON text). `message_from_dict`
+accepts OpenAI / TRL / MiniMind dicts: `tool_calls` in OpenAI form
+(`{"function": {"name", "arguments"}}`) or bare (`{"name", "arguments"}`), the
+list itself or its JSON text, arguments a JSON object or its text; reasoning as
+`reasoning_content`, or inside `<think>…</think>` at the start of the content
+(split as the template splits it). `check_conversation` holds the rules of
+order (a tool result answers a call; an optional system message comes first).
+No text may hold a control string or tag (`control_in`): rendered, it would
+open or close turns, calls or reasoning the conversation does not have.
 
-`OLLAMA_TEMPLATE` is the same template in Go's text/template, for the
-TEMPLATE of an ollama Modelfile (`nanolm export ollama`): ollama hands it the
-conversation as `.Messages` (each with `.Role` and `.Content`; a Modelfile
-SYSTEM arrives as a first system message), and the template ends with the
-generation prompt itself, as ollama's own ChatML template does.
-tests/test_export_ollama.py renders it with Go's text/template.
+Text: two layouts (`ChatFormat`), and a tokenizer's chat template says which
+it uses (`format_of`):
 
-Roles (`ROLES`): one rule per role says whether its messages train (their
-tokens are targets in fine-tuning data) and which other names API clients
-may use for it (OpenAI's "developer" is the system role). Adding a role is
-one entry there. No content may hold a control string (`control_in`):
-rendered, it would open or close turns the conversation does not have.
+- `QWEN3` (every tokenizer nanolm trains now): the Qwen3-style ChatML that
+  MiniMind-3 ships, byte for byte. Each turn is `<|im_start|>{role}\n…<|im_end|>\n`;
+  tools are listed in the system turn inside `<tools></tools>` (one JSON object
+  per line, then the instruction for calls); an assistant turn is
+  `<think>\n{reasoning}\n</think>\n\n{content}`, then each call as
+  `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>` (a newline before
+  each but a first one that directly follows the think block); consecutive
+  tool results share one user turn, each inside
+  `\n<tool_response>\n…\n</tool_response>`. The generation prompt is
+  `<|im_start|>assistant\n<think>\n`, closed at once (`\n</think>\n\n`) unless
+  thinking is switched on (`enable_thinking` / `open_thinking` in the
+  template, `thinking=True` here).
+- `CHATML`: the plain ChatML of tokenizers made before tools and reasoning
+  (Qwen2-Instruct's, MiniMind2's): turns only, generation prompt
+  `<|im_start|>assistant\n`. Tokenizers and checkpoints made then keep it.
 
-Ids and loss mask (`render_with_mask`, what `nanolm prepare` stores): exactly
-the ids of `encode(render_chat(messages))`, computed from the ids of each
-message's `role\ncontent` (`segment_text`) encoded on its own: the tokenizer
-splits its input at the control tokens before anything else, so the pieces
-between them tokenize the same alone as in the whole text
-(`check_piecewise` checks this on the tokenizer in use). The mask is 1 on the
-content tokens and the closing `<|im_end|>` of each message whose role trains
-(the assistant replies), 0 on the other messages, on the template's
-scaffolding (`<|im_start|>`, `assistant\n`, the `\n` after `<|im_end|>`).
-When a reply starts with two or more whitespace characters, its first token
-joins the `\n` of `assistant\n` with that whitespace; the token carries reply
+`ChatFormat.template` is the layout in Jinja, the `chat_template` of
+tokenizer_config.json (and a GGUF export); `render` is the Python rendering,
+and the two give the same text for any conversation (tests/test_chatml.py
+checks it through `transformers.apply_chat_template`).
+
+Ids and loss mask (`encode_chat`, what `nanolm prepare` stores): the ids are
+`encode(render(...))`, the whole text encoded once; the layout renders it as
+spans that train or not (`ChatFormat.spans`), and a token is a target when its
+bytes reach into a span that trains. What trains is each assistant turn's
+reasoning, content, tool calls and closing `<|im_end|>`; never a system, user
+or tool turn, nor the scaffolding (`<|im_start|>assistant\n<think>\n`, the
+empty block's `\n</think>\n\n` that the generation prompt writes itself, the
+`\n` after `<|im_end|>`). A token that joins scaffolding with reply text (the
+`\n` of a think block with leading whitespace of the reply) carries reply
 text, so it is a target. Preference data (`final_only`) has the mask on the
-final reply only: the earlier turns, assistant replies included, are the
-prompt that both conversations of a pair continue.
+final reply only: the earlier turns are the prompt both sides continue. The
+mask's second bit (`EXCHANGE`) marks the `<|im_start|>` of each user turn that
+asks something (not a tool result): where a truncated conversation may begin.
 
 Truncation (`fit_conversation`; `nanolm prepare` applies it at max_tokens and
 the loader at seq_len + 1): a conversation longer than `max_tokens` tokens
-(`<|endoftext|>` not counted) keeps its system message and drops its oldest
-user/assistant pairs until it fits. If the last pair alone does not fit, the
-final reply is cut at the end to fit: a reply cut inside its content keeps no
+(`<|endoftext|>` not counted) keeps its head (the system turn, tools included)
+and drops its oldest exchanges (a user question with every turn up to the
+next one: replies, calls, tool results) until it fits. If the last exchange
+alone does not fit, it is cut at the end: a reply cut inside keeps no
 `<|im_end|>`, so the model is never taught to end a turn where the text did
-not (one that loses only its last `\n` keeps it, being whole). A conversation
-whose system message, last user turn and first reply token do not fit (no
-target would be left) is skipped. A preference pair (`fit_pair`) drops the
-same old turns from both conversations, so that they keep one prompt, and
-cuts each final reply at the end if need be; it is skipped when either would
-keep no target.
+not. A conversation whose head, last question and first reply token do not fit
+(no target would be left) is skipped. A preference pair (`fit_pair`) drops the
+same old exchanges from both conversations, so that they keep one prompt.
+Data prepared before the EXCHANGE bit existed (plain ChatML, no tools) is cut
+at its user turns, found by their place (an odd number of turns starts with a
+system turn).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from nanolm.errors import UserError
-from nanolm.tokenizer import IM_END_ID, IM_START_ID, SPECIAL_TOKENS
+from nanolm.tokenizer import SPECIAL_TOKENS, TAG_TOKENS
 
-IM_START = SPECIAL_TOKENS[IM_START_ID]
-IM_END = SPECIAL_TOKENS[IM_END_ID]
+EOT, IM_START, IM_END = SPECIAL_TOKENS
+TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END, THINK, THINK_END = TAG_TOKENS
 TURN_SEP = "\n"  # after each <|im_end|>
 
-# One line with no newline between tags, so the output does not depend on the
-# trim_blocks/lstrip_blocks settings of whoever renders it (transformers sets both).
-CHAT_TEMPLATE: str = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+TARGET, EXCHANGE = 1, 2  # the bits of a stored loss-mask byte
 
 
 @dataclass(frozen=True)
 class Role:
-    """The rule of one role: whether its messages train (their content and closing <|im_end|> are loss
-    targets) and the other names API clients may give it."""
+    """The rule of one role: whether its messages train and the other names API clients may give it."""
 
     trains: bool
     aliases: tuple[str, ...] = ()
@@ -91,154 +99,553 @@ ROLES: dict[str, Role] = {
     "system": Role(trains=False, aliases=("developer",)),  # "developer": OpenAI's newer name for it
     "user": Role(trains=False),
     "assistant": Role(trains=True),
+    "tool": Role(trains=False),  # a function's result, rendered inside a user turn
 }
 # Every role name a request may use -> the role it renders as (each role, then its aliases).
 ROLE_NAMES: dict[str, str] = {name: role for role, rule in ROLES.items() for name in (role, *rule.aliases)}
 
-# Rendered into the text, these would open or close turns the data does not have.
-_CONTROL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+# Rendered into the text, these would open or close turns, calls or reasoning the data does not have.
+_CONTROL = re.compile("|".join(re.escape(t) for t in (*SPECIAL_TOKENS, *TAG_TOKENS)))
 
 
 def control_in(text: str) -> str | None:
-    """The first control string (`<|im_start|>`, ...) in text, or None when it holds none."""
+    """The first control string or tag (`<|im_start|>`, `<think>`, ...) in text, or None when it holds none."""
     m = _CONTROL.search(text)
     return m.group() if m else None
+
+
+class ChatError(ValueError):
+    """A message or conversation that breaks the format: `where` names the message, the text says what."""
+
+
+# --- messages ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call an assistant makes: the function's name and its arguments as JSON text (a JSON object)."""
+
+    name: str
+    arguments: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's form (what the Jinja template and API clients read)."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message: role, content, and for an assistant its reasoning and tool calls (see the module doc)."""
+
+    role: str
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's form (reasoning as `reasoning_content`), which the Jinja template renders as `render` does."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.role == "assistant":
+            d["reasoning_content"] = self.reasoning
+            if self.tool_calls:
+                d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        return d
+
+
+def _type(value: Any) -> str:
+    return {bool: "true/false", type(None): "null", int: "a number", float: "a number", str: "a string",
+            list: "an array"}.get(type(value), "an object")
+
+
+def _checked_text(where: str, text: Any) -> str:
+    if not isinstance(text, str):
+        raise ChatError(f"{where} must be a string, got {_type(text)}")
+    if re.search("[\ud800-\udfff]", text):
+        raise ChatError(f"{where} holds an unpaired surrogate escape, which is not valid Unicode")
+    control = control_in(text)
+    if control:
+        raise ChatError(f"{where} contains {control}, which would change the conversation's structure "
+                        "once rendered")
+    return text
+
+
+def _json_value(where: str, value: Any, what: str) -> Any:
+    """value, or the JSON it holds when it is a string."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ChatError(f"{where} is not valid JSON ({getattr(e, 'msg', 'nested too deeply')}); give {what}") \
+            from None
+
+
+def tool_call_from_dict(where: str, call: Any) -> ToolCall:
+    """A ToolCall from OpenAI's `{"function": {"name", "arguments"}}` or a bare `{"name", "arguments"}`."""
+    if not isinstance(call, dict):
+        raise ChatError(f'{where} must be an object {{"function": {{"name": ..., "arguments": ...}}}}, '
+                        f"got {_type(call)}")
+    fn = call.get("function", call)
+    if not isinstance(fn, dict):
+        raise ChatError(f"{where}.function must be an object with a name and arguments, got {_type(fn)}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ChatError(f"{where} has no function name (a non-empty string)")
+    if '"' in name or "\\" in name:
+        raise ChatError(f"{where}: the function name {name[:40]!r} holds a quote or backslash; use a plain name")
+    _checked_text(f"{where} name", name)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        parsed = _json_value(f"{where}.arguments", args, 'a JSON object such as {"x": 1}')
+        text = args
+    else:
+        parsed, text = args, json.dumps(args, ensure_ascii=False)  # as the template's tojson writes it
+    if not isinstance(parsed, dict):
+        raise ChatError(f"{where}.arguments must be a JSON object (the function's named arguments), "
+                        f"got {_type(parsed)}")
+    return ToolCall(name, _checked_text(f"{where}.arguments", text))
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, content) of an assistant text holding `</think>`, split as the Jinja template splits it."""
+    if THINK_END not in content:
+        return "", content
+    head = content.split(THINK_END)[0].rstrip("\n")
+    return head.split(THINK)[-1].lstrip("\n"), content.split(THINK_END)[-1].lstrip("\n")
+
+
+def message_from_dict(where: str, m: Any) -> Message:
+    """A Message from an OpenAI / TRL / MiniMind message dict (see the module doc), or ChatError.
+
+    Other keys (`tool_call_id`, `name`, MiniMind's `tools` on a system message) are not read here.
+    """
+    if not isinstance(m, dict):
+        raise ChatError(f'{where} must be an object {{"role": ..., "content": ...}}, got {_type(m)}')
+    if "role" not in m:
+        raise ChatError(f'{where} has no "role"; use one of {", ".join(ROLES)}')
+    name = m["role"]
+    role = ROLE_NAMES.get(name) if isinstance(name, str) else None
+    if role is None:
+        shown = repr(name[:40]) if isinstance(name, str) else _type(name)
+        raise ChatError(f"{where} has unknown role {shown}; allowed roles: {', '.join(ROLES)}")
+    content = m.get("content")
+    calls: tuple[ToolCall, ...] = ()
+    if role == "assistant" and m.get("tool_calls") not in (None, "", []):
+        raw = _json_value(f"{where}.tool_calls", m["tool_calls"], "an array of calls")
+        if not isinstance(raw, list):
+            raw = [raw] if isinstance(raw, dict) else raw
+        if not isinstance(raw, list):
+            raise ChatError(f"{where}.tool_calls must be an array of calls, got {_type(raw)}")
+        calls = tuple(tool_call_from_dict(f"{where}.tool_calls[{i}]", c) for i, c in enumerate(raw))
+    if content is None and (calls or role == "tool"):
+        content = ""
+    if "content" not in m and not calls:
+        raise ChatError(f'{where} ({role}) has no "content"')
+    if not isinstance(content, str):
+        raise ChatError(f"{where}.content must be a string, got {_type(content)}")
+    reasoning = ""
+    if role == "assistant":
+        given = m.get("reasoning_content")
+        if isinstance(given, str):
+            reasoning = given
+        elif given is not None:
+            raise ChatError(f"{where}.reasoning_content must be a string, got {_type(given)}")
+        else:
+            reasoning, content = split_reasoning(content)
+        _checked_text(f"{where}.reasoning_content", reasoning)
+        if not content.strip() and not calls:
+            raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else "")
+                            + " and the reply makes no tool call")
+    elif role != "tool" and not content.strip():
+        raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
+    return Message(role, _checked_text(f"{where}.content", content), reasoning, calls)
+
+
+def tools_from_value(where: str, value: Any) -> tuple[str, ...]:
+    """The tools of a conversation as the JSON text the template writes for each (`tojson`), from a list of
+    tool objects (OpenAI's `{"type": "function", "function": {...}}` or a bare function) or its JSON text."""
+    tools = _json_value(where, value, "an array of tool objects")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise ChatError(f"{where} must be an array of tool objects, got {_type(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise ChatError(f'{where}[{i}] must be a tool object with a function name, such as {{"type": '
+                            '"function", "function": {"name": "add", "parameters": {...}}}')
+        out.append(_checked_text(f"{where}[{i}]", json.dumps(tool, ensure_ascii=False)))
+    return tuple(out)
+
+
+def check_conversation(where: str, messages: Sequence[Message], *, complete: bool = True) -> None:
+    """ChatError unless messages are in order: an optional system message first, then user turns each
+    answered by the assistant, which may call tools whose results (tool messages) come next and are
+    answered in turn. complete: the last message is an assistant reply (training data); otherwise the
+    conversation may end anywhere a reply can follow (a prompt)."""
+    prev: Message | None = None
+    for i, m in enumerate(messages):
+        at = f"{where}[{i}]"
+        if m.role == "system" and i > 0:
+            raise ChatError(f"{at} is a system message, but a system message may only come first")
+        if m.role == "user" and prev is not None and prev.role == "user":
+            raise ChatError(f"{at} is user after user; user and assistant turns must alternate")
+        if m.role == "user" and prev is not None and prev.tool_calls:
+            raise ChatError(f"{at} is user, but {where}[{i - 1}] called a tool; give its result as a "
+                            '"tool" message first')
+        if m.role == "assistant":
+            if prev is None or prev.role == "system":
+                raise ChatError(f"{at} is assistant, but the first turn (after an optional system message) "
+                                "must be user")
+            if prev.role == "assistant" and not prev.tool_calls:
+                raise ChatError(f"{at} is assistant after assistant; user and assistant turns must alternate")
+            if prev.tool_calls:
+                raise ChatError(f"{at} is assistant, but {where}[{i - 1}] called a tool; give its result as a "
+                                '"tool" message first')
+        if m.role == "tool":
+            calls = 0
+            for j in range(i - 1, -1, -1):
+                if messages[j].role != "tool":
+                    calls = len(messages[j].tool_calls)
+                    break
+            if calls == 0:
+                raise ChatError(f"{at} is a tool result with no tool call before it; a tool message answers "
+                                "an assistant message's tool_calls")
+            results = i - j
+            if results > calls:
+                raise ChatError(f"{at} is tool result {results} after {calls} tool call(s); give one result "
+                                "per call")
+        prev = m
+    if not any(m.role == "user" for m in messages):
+        raise ChatError(f"{where} has no user turn; a conversation starts with one (after an optional system "
+                        "message)")
+    if complete:
+        if not any(m.role == "assistant" for m in messages):
+            raise ChatError(f"{where} has no assistant turn, so nothing to train on")
+        if messages[-1].role != "assistant" or messages[-1].tool_calls:
+            raise ChatError(f"{where} ends with a {'tool call' if messages[-1].tool_calls else messages[-1].role} "
+                            "turn; a conversation must end with an assistant reply (drop the unanswered turn)")
+    elif messages[-1].role == "assistant" and messages[-1].tool_calls:
+        raise ChatError(f"{where} ends with a tool call; add its result as a \"tool\" message")
 
 
 # --- text ----------------------------------------------------------------------------------------
 
 
-def segment_text(role: str, content: str) -> str:
-    """The text of a message between its control tokens: what is encoded on its own (see module doc)."""
-    return f"{role}\n{content}"
+@dataclass(frozen=True)
+class Span:
+    """A piece of rendered text: whether its tokens train, and whether it opens an exchange (a user question)."""
+
+    text: str
+    trains: bool = False
+    exchange: bool = False
 
 
-def message_text(role: str, content: str) -> str:
-    """The ChatML text of one message."""
-    return f"{IM_START}{segment_text(role, content)}{IM_END}{TURN_SEP}"
+_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+               "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+               "\"arguments\": <args-json-object>}\n</tool_call>")
 
 
-GENERATION_PROMPT = IM_START + segment_text("assistant", "")
-
-# Every message as `message_text` renders it, then the generation prompt (see the module doc).
-OLLAMA_TEMPLATE: str = ("{{ range .Messages }}" + message_text("{{ .Role }}", "{{ .Content }}") + "{{ end }}"
-                        + GENERATION_PROMPT)
+def _jinja(text: str) -> str:
+    """A Python string as a Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("\n", "\\n").replace("'", "\\'") + "'"
 
 
-def conversation_text(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = False) -> str:
-    """The ChatML text of (role, content) messages, with the generation prompt at the end if asked."""
-    text = "".join(message_text(role, content) for role, content in messages)
-    return text + GENERATION_PROMPT if add_generation_prompt else text
+class ChatFormat:
+    """A chat layout: its spans and Python rendering, its generation prompt, its Jinja template."""
+
+    name: str
+    template: str
+    tools: bool  # whether it can render tools, tool calls and reasoning
+
+    def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
+              final_only: bool = False) -> list[Span]:
+        raise NotImplementedError
+
+    def generation_prompt(self, thinking: bool = False) -> str:
+        raise NotImplementedError
+
+    def render(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
+               add_generation_prompt: bool = False, thinking: bool = False) -> str:
+        """The text of a conversation, then the generation prompt when asked: what `template` renders."""
+        text = "".join(s.text for s in self.spans(messages, tools))
+        return text + self.generation_prompt(thinking) if add_generation_prompt else text
+
+    def check(self, where: str, messages: Sequence[Message], tools: Sequence[str], tokenizer: str) -> None:
+        """ChatError when the conversation needs what this layout cannot render (tools, calls, reasoning)."""
+        if self.tools:
+            return
+        needs = "tools" if tools else next(
+            ("tool calls" if m.tool_calls else "tool results" if m.role == "tool" else "reasoning"
+             for m in messages if m.tool_calls or m.role == "tool" or m.reasoning), None)
+        if needs:
+            raise ChatError(f"{where} has {needs}, but the tokenizer {tokenizer} carries the plain ChatML template "
+                            "of nanolm before tools and reasoning; train a new tokenizer with `nanolm tokenizer "
+                            "train` (it has <tool_call>, <think>, ...) or use one that has them")
 
 
-def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
-    """ChatML text of {"role", "content"} messages, exactly what CHAT_TEMPLATE renders."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise UserError(f"chat message {i}: expected {{\"role\": str, \"content\": str}}, got {m!r:.80}; "
-                            "give every message a string role and a string content")
-    return conversation_text([(m["role"], m["content"]) for m in messages], add_generation_prompt)
+def _turn(role: str, content: str) -> str:
+    return f"{IM_START}{role}\n{content}{IM_END}{TURN_SEP}"
+
+
+class _ChatML(ChatFormat):
+    name = "chatml"
+    tools = False
+    # One line with no newline between tags, so the output does not depend on the trim_blocks /
+    # lstrip_blocks settings of whoever renders it (transformers sets both).
+    template = ("{% for message in messages %}"
+                "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+                "{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+    def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
+              final_only: bool = False) -> list[Span]:
+        out = []
+        for i, m in enumerate(messages):
+            trains = ROLES[m.role].trains and (not final_only or i == len(messages) - 1)
+            if trains:
+                out += [Span(f"{IM_START}{m.role}\n"), Span(m.content + IM_END, trains=True), Span(TURN_SEP)]
+            else:
+                out.append(Span(_turn(m.role, m.content), exchange=m.role == "user"))
+        return out
+
+    def generation_prompt(self, thinking: bool = False) -> str:
+        return f"{IM_START}assistant\n"
+
+
+class _Qwen3(ChatFormat):
+    name = "qwen3"
+    tools = True
+    # Written with whitespace control on every tag, so trim_blocks / lstrip_blocks do not matter.
+    template = "".join([
+        "{%- if tools -%}",
+        "{{- '<|im_start|>system\\n' -}}",
+        "{%- if messages and messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}",
+        "{{- ", _jinja(_TOOLS_HEAD), " -}}",
+        "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}",
+        "{{- ", _jinja(_TOOLS_TAIL + IM_END + TURN_SEP), " -}}",
+        "{%- elif messages and messages[0].role == 'system' -%}",
+        "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}",
+        "{%- endif -%}",
+        "{%- for message in messages -%}",
+        "{%- set content = message.content if message.content is string else '' -%}",
+        "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}",
+        "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' -}}",
+        "{%- elif message.role == 'assistant' -%}",
+        "{%- set reasoning = '' -%}",
+        "{%- if message.reasoning_content is string -%}{%- set reasoning = message.reasoning_content -%}",
+        "{%- elif '</think>' in content -%}",
+        "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}",
+        "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}",
+        "{%- endif -%}",
+        "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'"
+        " + content.lstrip('\\n') -}}",
+        "{%- for call in message.tool_calls or [] -%}",
+        "{%- set fn = call.function if call.function is defined else call -%}",
+        "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}",
+        "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' -}}",
+        "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson -}}",
+        "{{- '}\\n</tool_call>' -}}",
+        "{%- endfor -%}",
+        "{{- '<|im_end|>\\n' -}}",
+        "{%- elif message.role == 'tool' -%}",
+        "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}",
+        "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}",
+        "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}",
+        "{%- endif -%}",
+        "{%- endfor -%}",
+        "{%- if add_generation_prompt -%}",
+        "{{- '<|im_start|>assistant\\n<think>\\n' -}}",
+        "{%- if not ((enable_thinking is defined and enable_thinking) or "
+        "(open_thinking is defined and open_thinking)) -%}{{- '\\n</think>\\n\\n' -}}{%- endif -%}",
+        "{%- endif -%}",
+    ])
+
+    def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
+              final_only: bool = False) -> list[Span]:
+        out: list[Span] = []
+        system = messages[0].role == "system" if messages else False
+        if tools:
+            head = messages[0].content + "\n\n" if system else ""
+            out.append(Span(f"{IM_START}system\n{head}{_TOOLS_HEAD}" + "".join("\n" + t for t in tools)
+                            + _TOOLS_TAIL + IM_END + TURN_SEP))
+        elif system:
+            out.append(Span(_turn("system", messages[0].content)))
+        for i, m in enumerate(messages):
+            if m.role == "system" and i == 0:
+                continue
+            if m.role in ("user", "system"):
+                out.append(Span(_turn(m.role, m.content), exchange=m.role == "user"))
+            elif m.role == "tool":
+                first = i == 0 or messages[i - 1].role != "tool"
+                last = i == len(messages) - 1 or messages[i + 1].role != "tool"
+                out.append(Span((f"{IM_START}user" if first else "") + f"\n{TOOL_RESPONSE}\n{m.content}\n"
+                                f"{TOOL_RESPONSE_END}" + (IM_END + TURN_SEP if last else "")))
+            else:
+                trains = not final_only or i == len(messages) - 1
+                reasoning = m.reasoning.strip("\n")
+                calls = "".join(("\n" if m.content or k else "") + f'{TOOL_CALL}\n{{"name": "{c.name}", '
+                                f'"arguments": {c.arguments}}}\n{TOOL_CALL_END}' for k, c in enumerate(m.tool_calls))
+                reply = m.content.lstrip("\n") + calls + IM_END
+                out.append(Span(f"{IM_START}assistant\n{THINK}\n"))
+                if reasoning:
+                    out.append(Span(f"{reasoning}\n{THINK_END}\n\n{reply}", trains=trains))
+                else:
+                    out += [Span(f"\n{THINK_END}\n\n"), Span(reply, trains=trains)]
+                out.append(Span(TURN_SEP))
+        return out
+
+    def generation_prompt(self, thinking: bool = False) -> str:
+        return f"{IM_START}assistant\n{THINK}\n" + ("" if thinking else f"\n{THINK_END}\n\n")
+
+
+CHATML: ChatFormat = _ChatML()
+QWEN3: ChatFormat = _Qwen3()
+FORMATS: dict[str, ChatFormat] = {f.name: f for f in (QWEN3, CHATML)}
+CHAT_TEMPLATE = QWEN3.template  # what `nanolm tokenizer train` writes
+
+
+def format_of(template: str | None) -> ChatFormat:
+    """The layout a tokenizer's chat template renders: CHATML for nanolm's earlier template (and a tokenizer
+    with none), QWEN3 for any other (nanolm's, MiniMind-3's, Qwen3's)."""
+    return CHATML if template is None or template == CHATML.template else QWEN3
+
+
+def render_chat(messages: Sequence[Message | Mapping[str, Any]], tools: Sequence[str] = (), *,
+                fmt: ChatFormat = QWEN3, add_generation_prompt: bool = False, thinking: bool = False) -> str:
+    """The text of messages (Message or OpenAI dicts) in layout `fmt`; ChatError on a malformed message."""
+    msgs = [m if isinstance(m, Message) else message_from_dict(f"messages[{i}]", m) for i, m in enumerate(messages)]
+    return fmt.render(msgs, tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
+
+
+# --- parsing a generated reply -------------------------------------------------------------------
+
+_CALL = re.compile(re.escape(TOOL_CALL) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.S)
+
+
+def parse_reply(text: str, *, thinking: bool = False) -> tuple[Message, list[str]]:
+    """The assistant Message a generated reply holds, and the problems met (a call that is not JSON).
+
+    text: what the model wrote after the generation prompt, with the closing `<|im_end|>` dropped.
+    thinking: the prompt opened a think block, so the reply starts inside it (up to `</think>`).
+    Calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; one that does not parse stays in the
+    content and is reported.
+    """
+    reasoning = ""
+    if thinking or text.lstrip().startswith(THINK):
+        if THINK_END in text:
+            head, _, text = text.partition(THINK_END)
+            reasoning = head.split(THINK)[-1].strip("\n")
+        elif thinking:
+            return Message("assistant", "", text.strip("\n")), []
+    calls, problems, kept = [], [], []
+    at = 0
+    for m in _CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            calls.append(tool_call_from_dict("tool call", obj if "name" in obj else {}))
+        except (json.JSONDecodeError, ChatError, TypeError) as e:
+            problems.append(f"a tool call the model wrote is not a JSON call ({e}): {m.group(1)[:80]!r}")
+            continue
+        kept.append(text[at:m.start()])
+        at = m.end()
+    kept.append(text[at:])
+    return Message("assistant", "".join(kept).strip(), reasoning, tuple(calls)), problems
 
 
 # --- ids and loss mask ---------------------------------------------------------------------------
 
 
-def render_with_mask(messages: Sequence[tuple[str, str]], segment_ids: Sequence[Sequence[int]],
-                     newline_ids: Sequence[int], byte_lengths: Sequence[int], *,
-                     final_only: bool = False) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask of a conversation, from the ids of each message's `segment_text`.
-
-    messages: (role, content) pairs of known roles; segment_ids[i]: the ids of segment_text of message i;
-    newline_ids: the ids of TURN_SEP; byte_lengths[id]: UTF-8 bytes of each token. final_only: the mask on
-    the last message only (preference data). Gives (ids, mask) of equal length, ids equal to
-    encode(conversation_text(messages)) (see module doc).
-    """
-    ids: list[int] = []
-    mask: list[int] = []
-    for i, ((role, _), seg) in enumerate(zip(messages, segment_ids)):
-        ids.append(IM_START_ID)
-        ids.extend(seg)
-        ids.append(IM_END_ID)
-        ids.extend(newline_ids)
-        if ROLES[role].trains and (not final_only or i == len(messages) - 1):
-            # The content starts at the first token that reaches past the bytes of "{role}\n".
-            prefix, acc, k = len(segment_text(role, "").encode("utf-8")), 0, 0
-            while k < len(seg) and acc + byte_lengths[seg[k]] <= prefix:
-                acc += byte_lengths[seg[k]]
-                k += 1
-            mask.extend([0] * (1 + k))
-            mask.extend([1] * (len(seg) - k + 1))  # content and <|im_end|>
-            mask.extend([0] * len(newline_ids))
-        else:
-            mask.extend([0] * (len(seg) + 2 + len(newline_ids)))
+def encode_chat(spans: Sequence[Span], ids: Sequence[int], token_lengths: np.ndarray,
+                tokenizer_file: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of a conversation: ids = encode of the spans' text joined; token_lengths[id] = the UTF-8
+    bytes each token stands for (`Tokenizer.token_bytes`). The mask is TARGET on each token whose bytes reach
+    into a span that trains, with EXCHANGE on the first token of each exchange span (see the module doc)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    ends = np.cumsum(token_lengths[ids])
+    starts = ends - token_lengths[ids]
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    at = 0
+    for s in spans:
+        n = len(s.text.encode("utf-8"))
+        if s.trains and n:
+            mask[np.searchsorted(ends, at, side="right"):np.searchsorted(starts, at + n, side="left")] |= TARGET
+        if s.exchange:
+            mask[np.searchsorted(starts, at, side="left")] |= EXCHANGE
+        at += n
+    if (ends[-1] if len(ends) else 0) != at:
+        raise UserError(f"{tokenizer_file}: the tokens of a conversation do not spell its text byte for byte "
+                        "(the tokenizer normalizes or is not byte-level), so the loss mask cannot be placed; use "
+                        "a byte-level BPE tokenizer, such as one made by `nanolm tokenizer train`")
     return ids, mask
 
 
-def check_piecewise(messages: Sequence[tuple[str, str]], ids: list[int], encode: Callable[[str], list[int]],
-                    tokenizer_file: str) -> None:
-    """UserError unless `ids` (render_with_mask of messages) are encode(conversation_text(messages)).
-
-    Holds for any tokenizer that splits at its special tokens; `nanolm prepare` checks it once per batch.
-    """
-    if ids != encode(conversation_text(messages)):
-        raise UserError(f"{tokenizer_file}: encoding a conversation piece by piece does not give the ids of "
-                        "the whole rendered conversation, so its loss mask cannot be placed; use a tokenizer "
-                        "made by `nanolm tokenizer train` (its control tokens are special tokens)")
+def check_spelling(text: str, ids: Sequence[int], token_bytes: Sequence[bytes], tokenizer_file: str) -> None:
+    """UserError unless the tokens' bytes joined are the text's: what `encode_chat` relies on (checked once per
+    batch by `nanolm prepare`)."""
+    if b"".join(token_bytes[i] for i in ids) != text.encode("utf-8"):
+        raise UserError(f"{tokenizer_file}: the tokens of a conversation do not spell its text byte for byte "
+                        "(the tokenizer normalizes or is not byte-level), so the loss mask cannot be placed; use "
+                        "a byte-level BPE tokenizer, such as one made by `nanolm tokenizer train`")
 
 
 # --- truncation ----------------------------------------------------------------------------------
+
+LEGACY_IM_START_ID = 1  # <|im_start|> in every tokenizer nanolm made before the EXCHANGE bit
+
+
+def _exchanges(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Where each exchange starts (see the module doc); found by place in data from before the EXCHANGE bit."""
+    marks = np.flatnonzero(mask & EXCHANGE)
+    if len(marks):
+        return marks
+    starts = np.flatnonzero(ids == LEGACY_IM_START_ID)
+    return starts[len(starts) % 2::2]
 
 
 def fit_conversation(ids: np.ndarray, mask: np.ndarray,
                      max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
     """A rendered conversation (no trailing EOT) cut to at most max_tokens tokens by the truncation
-    policy of the module doc, or None when no target would be left. Returned as is when it fits.
-
-    Message boundaries are found at the <|im_start|> tokens (no content may hold one), and a
-    conversation with an odd number of messages is the one that starts with a system message.
-    """
+    policy of the module doc, or None when no target would be left. Returned as is when it fits."""
     if len(ids) <= max_tokens:
         return ids, mask
-    return _cut(ids, mask, _first_kept(ids, max_tokens), max_tokens)
+    return _cut(ids, mask, _first_kept(ids, mask, max_tokens), max_tokens)
 
 
 def fit_pair(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray],
              max_tokens: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
     """The two rendered conversations of a preference pair, (ids, mask) each with no trailing EOT, cut
     to at most max_tokens tokens each by the truncation policy of `fit_conversation`, dropping the same
-    old turns from both so that they still share their prompt; None when either would keep no target.
+    old exchanges from both so that they still share their prompt; None when either would keep no target.
     Returned as is when both fit.
     """
     if len(chosen[0]) <= max_tokens and len(rejected[0]) <= max_tokens:
         return chosen, rejected
-    first = max(_first_kept(chosen[0], max_tokens), _first_kept(rejected[0], max_tokens))
+    first = max(_first_kept(*chosen, max_tokens), _first_kept(*rejected, max_tokens))
     c, r = _cut(*chosen, first, max_tokens), _cut(*rejected, first, max_tokens)
     return None if c is None or r is None else (c, r)
 
 
-def _message_starts(ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """Where each message starts, and the length of the system message (0 when there is none)."""
-    starts = np.flatnonzero(ids == IM_START_ID)
-    return starts, int(starts[1]) if len(starts) % 2 else 0
-
-
-def _first_kept(ids: np.ndarray, max_tokens: int) -> int:
-    """The index of the oldest message (a user turn) kept when the system message and the messages from
-    it on fit in max_tokens; that of the last user turn when even the last pair alone does not fit."""
-    starts, head = _message_starts(ids)
-    n, n_msgs = len(ids), len(starts)
-    for first in range(n_msgs % 2, n_msgs, 2):
-        if head + n - int(starts[first]) <= max_tokens:
+def _first_kept(ids: np.ndarray, mask: np.ndarray, max_tokens: int) -> int:
+    """The index (in `_exchanges`) of the oldest exchange kept when the head and the exchanges from it on fit
+    in max_tokens; the last exchange when even it alone does not fit."""
+    starts = _exchanges(ids, mask)
+    head, n = int(starts[0]), len(ids)
+    for first, at in enumerate(starts):
+        if head + n - int(at) <= max_tokens:
             return first
-    return n_msgs - 2
+    return len(starts) - 1
 
 
 def _cut(ids: np.ndarray, mask: np.ndarray, first: int,
          max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The system message and the messages from `first` on, cut at the end to max_tokens tokens;
-    None when no target is left."""
-    starts, head = _message_starts(ids)
-    keep = np.r_[0:head, int(starts[first]):len(ids)][:max_tokens]
-    if not mask[keep].any():
+    """The head and the exchanges from `first` on, cut at the end to max_tokens tokens; None when no target
+    is left."""
+    starts = _exchanges(ids, mask)
+    keep = np.r_[0:int(starts[0]), int(starts[first]):len(ids)][:max_tokens]
+    if not (mask[keep] & TARGET).any():
         return None
     return ids[keep], mask[keep]
