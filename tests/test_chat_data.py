@@ -14,6 +14,7 @@ import nanolm.data.prepare as prep
 from nanolm.data import chatml
 from nanolm.data.chatml import fit_conversation, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations
+from nanolm.progress import fmt_count
 from nanolm.data.loader import Loader, iter_eval_batches, pack_blocks
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import PackedData
@@ -47,7 +48,7 @@ def test_the_three_formats_read_as_the_same_messages(tmp_path):
         {"instruction": "Say hi", "output": "hi", "system": "", "input": None},
     ])
     assert list(iter_conversations(p)) == [
-        [u("hi"), a("yo")],
+        [u("hi"), {**a("yo"), "reasoning_content": "x"}],
         [s("sys"), u("hi"), a("yo")],
         [u("Translate\n\n猫"), a("cat")],
         [s("be kind"), u("Say hi"), a("hi")],
@@ -67,11 +68,11 @@ BAD_CHAT = [
      '"conversations" must be an array of {"role": ..., "content": ...} objects, got an object'),
     ({"messages": []}, '"messages" is empty; a conversation needs a user turn and an assistant reply'),
     ({"messages": [u("q"), "answer"]}, '"messages"[1] must be an object {"role": ..., "content": ...}, got a string'),
-    ({"messages": [{"content": "q"}, a("x")]}, '"messages"[0] has no "role"; use one of system, user, assistant'),
+    ({"messages": [{"content": "q"}, a("x")]}, '"messages"[0] has no "role"; use one of system, user, assistant, tool'),
     ({"messages": [u("q"), {"role": "bot", "content": "x"}]},
-     '"messages"[1] has unknown role "bot"; allowed roles: system, user, assistant'),
+     '"messages"[1] has unknown role "bot"; allowed roles: system, user, assistant, tool'),
     ({"messages": [{"role": 1, "content": "q"}, a("x")]},
-     '"messages"[0] has unknown role a number; allowed roles: system, user, assistant'),
+     '"messages"[0] has unknown role a number; allowed roles: system, user, assistant, tool'),
     ({"messages": [u("q"), {"role": "assistant"}]}, '"messages"[1] (assistant) has no "content"'),
     ({"messages": [u("q"), {"role": "assistant", "content": None}]},
      '"messages"[1].content must be a string, got null'),
@@ -160,43 +161,54 @@ def test_ids_are_the_rendered_conversation_and_mask_is_exactly_the_replies(tmp_p
     assert len(docs) == len(CONVS)
     for conv, (ids, mask) in zip(CONVS, docs):
         assert ids.tolist() == tok.encode(render_chat(conv)) + [tok.eot_id]
-        # The runs of ones are exactly the replies with their <|im_end|>: every other token
-        # (system and user turns, "<|im_start|>assistant\n", the "\n" after <|im_end|>, EOT) is 0.
-        replies = [msg["content"] + END for msg in conv if msg["role"] == "assistant"]
+        # The runs of ones are exactly the replies with their <|im_end|>: every other token (system and user
+        # turns, "<|im_start|>assistant\n<think>\n\n</think>\n\n", the "\n" after <|im_end|>, EOT) is 0. The
+        # template drops the newlines a reply starts with.
+        replies = [msg["content"].lstrip("\n") + END for msg in conv if msg["role"] == "assistant"]
         texts = [tok.decode(ids[x:y]) for x, y in runs(mask)]
         if conv in CONVS[:4]:
             assert texts == replies
-        else:  # a reply opening with 2+ whitespace characters may share a token with the "\n" before it
-            assert texts in (replies, ["\n" + r for r in replies])
+        else:  # a reply opening with whitespace may share a token with the "\n\n" before it
+            assert texts in (replies, ["\n" + r for r in replies], ["\n\n" + r for r in replies])
         assert mask[-2:].tolist() == [0, 0]  # the "\n" after the last <|im_end|>, and EOT
 
 
 def test_reply_token_that_starts_in_the_template_is_a_target(tmp_path):
     from nanolm.tokenizer import train_tokenizer
-    code = ["def f(x):\n    return x\n\n\n    pass\n"] * 50  # "\n    " and "\n\n" become tokens
+    code = ["</think>\n\n    return x\n\n\n    pass\n"] * 50  # "\n\n   " becomes a token
     tok = train_tokenizer(code, tmp_path / "tok", vocab_size=300, quiet=True)
-    conv = [u("fix it"), a("    return x\n"), u("more"), a("\n\n\nok")]
-    assert len(tok.encode("assistant\n    return")) < len(tok.encode("assistant\n")) + len(tok.encode("    return"))
+    conv = [u("fix it"), a("    return x\n"), u("more"), a("ok")]
     m = prepare([write_jsonl(tmp_path / "c.jsonl", [{"messages": conv}])], tmp_path / "tok", tmp_path / "out",
                 format="chat", val_fraction=0, workers=0, quiet=True)
     (ids, mask), = read_docs(tmp_path / "out", m)
     assert ids.tolist() == tok.encode(render_chat(conv)) + [0]
     texts = [tok.decode(ids[x:y]) for x, y in runs(mask)]
-    assert texts[0] == "\n    return x\n" + END  # the reply's first token holds the template's "\n" too
-    assert texts[1] in ("\n\n\nok" + END, "\n\n\n\nok" + END)
+    # The reply's first token holds the think block's closing newlines too.
+    assert texts[0].endswith("    return x\n" + END) and texts[0].startswith("\n")
+    assert texts[1] == "ok" + END
 
 
-def test_render_with_mask_exact_values():
-    # Ids: <|im_start|> 1, <|im_end|> 2, "\n" 3; "user\nhi" -> [20, 3, 21]; "assistant\nyo" -> [22, 3, 23, 24];
-    # byte lengths: 20 "user", 22 "assistant", 3 "\n" -> the reply starts after 4+1 and 9+1 bytes.
-    byte_lengths = [0, 0, 0, 1] + [0] * 16 + [4, 2, 9, 1, 1]
-    msgs = [("user", "hi"), ("assistant", "yo")]
-    ids, mask = chatml.render_with_mask(msgs, [[20, 3, 21], [22, 3, 23, 24]], [3], byte_lengths)
-    assert ids == [1, 20, 3, 21, 2, 3, 1, 22, 3, 23, 24, 2, 3]
-    assert mask == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
-    # A token (25 = "\n  ", 3 bytes) that runs from the scaffolding into the reply is part of the reply.
-    ids, mask = chatml.render_with_mask([("assistant", "  x")], [[22, 25, 23]], [3], byte_lengths + [3])
-    assert mask == [0, 0, 1, 1, 1, 0]
+def test_encode_chat_exact_values():
+    # Ids: <|im_start|> 1, <|im_end|> 2, <think> 7, </think> 8, "\n" 3, "user" 20, "hi" 21, "assistant" 22,
+    # "yo" 23, "\n\n" 24, "\n\n " 25 (3 bytes, from the scaffolding into the reply), " x" 26.
+    lengths = np.zeros(30, dtype=np.int64)
+    lengths[[1, 2, 7, 8]] = [12, 10, 7, 8]
+    lengths[[3, 20, 21, 22, 23, 24, 25, 26]] = [1, 4, 2, 9, 2, 2, 3, 2]
+    msgs = [chatml.Message("user", "hi"), chatml.Message("assistant", "yo")]
+    spans = chatml.QWEN3.spans(msgs)
+    ids = [1, 20, 3, 21, 2, 3, 1, 22, 3, 7, 24, 8, 24, 23, 2, 3]
+    assert "".join(s.text for s in spans) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n" \
+                                            "\n</think>\n\nyo<|im_end|>\n"
+    got_ids, mask = chatml.encode_chat(spans, ids, lengths, "tok.json")
+    assert got_ids.tolist() == ids
+    assert mask.tolist() == [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0]  # EXCHANGE on the user turn
+    # A token that runs from the scaffolding into the reply is part of the reply.
+    spans = chatml.QWEN3.spans([chatml.Message("user", "hi"), chatml.Message("assistant", " x")])
+    ids = [1, 20, 3, 21, 2, 3, 1, 22, 3, 7, 24, 8, 25, 23, 2, 3]
+    lengths[23] = 1  # "x"
+    assert chatml.encode_chat(spans, ids, lengths, "t")[1].tolist() == [2] + [0] * 11 + [1, 1, 1, 0]
+    with pytest.raises(UserError, match=r"^t: the tokens of a conversation do not spell its text byte for byte"):
+        chatml.encode_chat(spans, ids[:-1], lengths, "t")
 
 
 def test_manifest_records_chat_format_mask_and_counts(tmp_path, tokenizer_dir, capsys):
@@ -209,14 +221,14 @@ def test_manifest_records_chat_format_mask_and_counts(tmp_path, tokenizer_dir, c
     train, val = read_docs(out, m, "train"), read_docs(out, m, "val")
     assert (len(train), len(val)) == (9, 3)  # conversations 1, 5 and 9 are validation
     n_trainable = sum(int(mk.sum()) for _, mk in train + val)
-    assert m["chat"] == {"template": "chatml", "mask": True, "max_tokens": 512, "n_trainable": n_trainable,
+    assert m["chat"] == {"template": "qwen3", "mask": True, "max_tokens": 512, "n_trainable": n_trainable,
                          "truncated": 0, "skipped_too_long": 0}
     assert m["splits"]["train"]["n_trainable"] + m["splits"]["val"]["n_trainable"] == n_trainable
     assert m["splits"]["val"]["shards"][0]["mask"] == "val-00000.mask"
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train-00000.bin", "train-00000.idx",
                                                      "train-00000.mask", "val-00000.bin", "val-00000.idx",
                                                      "val-00000.mask"]
-    assert f"prepared 12 conversations, {m['totals']['n_tokens']} tokens" in err
+    assert f"prepared 12 conversations, {fmt_count(m['totals']['n_tokens'])} tokens" in err
     assert f"trainable (assistant) tokens: {n_trainable} = " in err
     assert PackedData(out).is_chat and not PackedData(out).masks[0].flags.writeable
     # Unchanged inputs: nothing to do. A deleted mask file is noticed. Other max_tokens: work to do.
@@ -329,7 +341,7 @@ def test_prepare_counts_truncated_and_skipped_conversations(tmp_path, tok, token
     assert docs[1][0].tolist() == tok.encode(render_chat(kept)) + [0]
     ids, mask = docs[2]
     assert len(ids) == max_tokens + 1 and ids[-2] != tok.im_end_id and mask[-2] == 1
-    assert tok.decode(ids[:-1]).startswith(render_chat([u("q")]) + "<|im_start|>assistant\n话说天下")
+    assert tok.decode(ids[:-1]).startswith(render_chat([u("q")]) + "<|im_start|>assistant\n<think>\n\n</think>\n\n话说天下")
 
 
 # --- packing ---------------------------------------------------------------------------------
@@ -521,7 +533,7 @@ def test_prepared_chat_data_trains_only_on_replies(tmp_path, tok, tokenizer_dir)
     m = prepare([src], tokenizer_dir, tmp_path / "out", format="chat", val_fraction=0, workers=0, quiet=True)
     data = PackedData(tmp_path / "out", tokenizer_fingerprint=m["tokenizer"]["fingerprint"])
     assert data.is_chat and data.n_docs == 20
-    loader = Loader(data, batch_size=2, seq_len=127, seed=0)
+    loader = Loader(data, batch_size=2, seq_len=191, seed=0)
     replies = {msg["content"] + END for c in CONVS[:4] for msg in c if msg["role"] == "assistant"}
     seen = set()
     for _ in range(loader.epoch_windows // 2):

@@ -1,44 +1,264 @@
-"""ChatML's one owner: the role table, control strings, message text and the final-reply mask, exact values.
-
-Rendering parity with Jinja and transformers is in test_tokenizer.py; ids and masks of real conversations,
-and truncation, in test_chat_data.py and test_dpo_data.py.
-"""
+"""Tests for nanolm.data.chatml: messages with tools and reasoning, the two layouts and their Jinja templates
+(parity through transformers), exact loss masks, parsing a reply, truncation by exchanges."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
+import pytest
+
 from nanolm.data import chatml
+from nanolm.data.chatml import CHATML, QWEN3, ChatError, Message, ToolCall, message_from_dict
+from nanolm.tokenizer import Tokenizer
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "计算算式",
+                                         "parameters": {"type": "object",
+                                                        "properties": {"expression": {"type": "string"}}}}}
+CLOCK = {"type": "function", "function": {"name": "current_time", "parameters": {"type": "object"}}}
+
+# Conversations in the shapes people have: OpenAI (calls with "function" and arguments as a JSON string),
+# MiniMind (bare calls with arguments as an object, reasoning inside <think>), several results in a row.
+TOOL_CONVS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    [{"role": "system", "content": "你是助手。"}, {"role": "user", "content": "2+3 等于多少？"},
+     {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function",
+                      "function": {"name": "calculator", "arguments": "{\"expression\": \"2+3\"}"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "5"},
+     {"role": "assistant", "content": "<think>\n算出来了\n</think>\n\n等于 5。"}],
+    [{"role": "user", "content": "two at once"},
+     {"role": "assistant", "content": "Sure.", "reasoning_content": "two calls",
+      "tool_calls": [{"name": "calculator", "arguments": {"expression": "1+1"}},
+                     {"name": "current_time", "arguments": {}}]},
+     {"role": "tool", "content": "2"}, {"role": "tool", "content": "2026-12-01 15:00"},
+     {"role": "assistant", "content": "\n\n2, at 15:00."}, {"role": "user", "content": "thanks"},
+     {"role": "assistant", "content": "You're welcome."}],
+]
+
+
+def msgs(conv):
+    return [message_from_dict(f"m[{i}]", m) for i, m in enumerate(conv)]
 
 
 def test_roles_and_the_names_a_request_may_use():
-    assert list(chatml.ROLES) == ["system", "user", "assistant"]
+    assert list(chatml.ROLES) == ["system", "user", "assistant", "tool"]
     assert [r for r, rule in chatml.ROLES.items() if rule.trains] == ["assistant"]
-    # The server's list, in its order: each role, then its aliases.
-    assert chatml.ROLE_NAMES == {"system": "system", "developer": "system", "user": "user",
-                                 "assistant": "assistant"}
+    assert chatml.ROLE_NAMES["developer"] == "system" and chatml.ROLE_NAMES["tool"] == "tool"
 
 
-def test_control_strings_are_found_in_content():
-    assert chatml.control_in("plain text") is None
+def test_control_strings_and_tags_in_text_are_found():
+    assert chatml.control_in("plain <b>text</b>") is None
     assert chatml.control_in("a<|im_end|>b<|im_start|>") == "<|im_end|>"
-    assert chatml.control_in("x<|endoftext|>") == "<|endoftext|>"
+    assert chatml.control_in("so </think> here") == "</think>"
+    assert chatml.control_in("x<tool_call>") == "<tool_call>"
 
 
-def test_message_text_and_generation_prompt():
-    assert chatml.segment_text("user", "hi") == "user\nhi"
-    assert chatml.message_text("user", "hi") == "<|im_start|>user\nhi<|im_end|>\n"
-    assert chatml.GENERATION_PROMPT == "<|im_start|>assistant\n"
-    assert chatml.conversation_text([("user", "hi")], add_generation_prompt=True) == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+def test_messages_read_from_every_shape():
+    a, b, c = msgs(TOOL_CONVS[1])[2:]
+    assert a == Message("assistant", "", "", (ToolCall("calculator", '{"expression": "2+3"}'),))
+    assert b == Message("tool", "5")
+    assert c == Message("assistant", "等于 5。", "算出来了")  # split as the template splits it
+    d = msgs(TOOL_CONVS[2])[1]
+    assert d.reasoning == "two calls" and d.tool_calls == (
+        ToolCall("calculator", '{"expression": "1+1"}'), ToolCall("current_time", "{}"))
+    # MiniMind stores tool_calls as JSON text; a single call object is a list of one.
+    e = message_from_dict("m", {"role": "assistant", "content": "",
+                                "tool_calls": '[{"name": "f", "arguments": {"x": 1}}]'})
+    assert e.tool_calls == (ToolCall("f", '{"x": 1}'),)
+    assert message_from_dict("m", {"role": "developer", "content": "be brief"}).role == "system"
+    assert chatml.tools_from_value("t", json.dumps([CALC])) == (json.dumps(CALC, ensure_ascii=False),)
 
 
-def test_final_only_masks_the_last_reply_alone():
-    # Ids as in test_chat_data's exact-values test: <|im_start|> 1, <|im_end|> 2, "\n" 3; "user\nq" ->
-    # [20, 3, 21]; "assistant\nyo" -> [22, 3, 23, 24]; byte lengths: 20 "user", 22 "assistant", 3 "\n".
-    byte_lengths = [0, 0, 0, 1] + [0] * 16 + [4, 2, 9, 1, 1]
-    msgs = [("user", "q"), ("assistant", "yo"), ("user", "q"), ("assistant", "yo")]
-    segs = [[20, 3, 21], [22, 3, 23, 24]] * 2
-    ids, every = chatml.render_with_mask(msgs, segs, [3], byte_lengths)
-    ids_final, final = chatml.render_with_mask(msgs, segs, [3], byte_lengths, final_only=True)
-    reply = [0, 0, 0, 1, 1, 1, 0]  # <|im_start|> assistant \n | y o <|im_end|> | \n
-    assert ids_final == ids and every == [0] * 6 + reply + [0] * 6 + reply
-    assert final == [0] * 19 + reply
+@pytest.mark.parametrize("message, error", [
+    ({"role": "bot", "content": "x"}, 'm has unknown role "bot"; allowed roles: system, user, assistant, tool'),
+    ({"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{x: 1}"}]},
+     "m.tool_calls[0].arguments is not valid JSON (Expecting property name enclosed in double quotes); give a "
+     'JSON object such as {"x": 1}'),
+    ({"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "[1]"}]},
+     "m.tool_calls[0].arguments must be a JSON object (the function's named arguments), got an array"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]},
+     "m.tool_calls[0] has no function name (a non-empty string)"),
+    ({"role": "assistant", "content": "", "tool_calls": "not json"},
+     "m.tool_calls is not valid JSON (Expecting value); give an array of calls"),
+    ({"role": "assistant", "content": "<think>\nhm"},
+     "m.content contains the control token <think>, which would change the conversation's turns"),
+    ({"role": "assistant", "content": "ok", "reasoning_content": 3},
+     "m.reasoning_content must be a string, got a number"),
+])
+def test_malformed_messages_are_named(message, error):
+    with pytest.raises(ChatError) as e:
+        message_from_dict("m", message)
+    assert str(e.value) == error
+
+
+@pytest.mark.parametrize("conv, error", [
+    ([{"role": "user", "content": "q"}, {"role": "tool", "content": "5"}, {"role": "assistant", "content": "x"}],
+     "c[1] is a tool result with no tool call before it; a tool message answers an assistant message's tool_calls"),
+    (TOOL_CONVS[1][:3] + [{"role": "tool", "content": "5"}, {"role": "tool", "content": "6"}] + TOOL_CONVS[1][4:],
+     "c[4] is tool result 2 after 1 tool call(s); give one result per call"),
+    (TOOL_CONVS[1][:3] + [{"role": "assistant", "content": "x"}],
+     'c[3] is assistant, but c[2] called a tool; give its result as a "tool" message first'),
+    (TOOL_CONVS[1][:3], 'c ends with a tool call turn; a conversation must end with an assistant reply (drop the '
+                        'unanswered turn)'),
+])
+def test_conversations_out_of_order_are_named(conv, error):
+    with pytest.raises(ChatError) as e:
+        chatml.check_conversation("c", msgs(conv))
+    assert str(e.value) == error
+
+
+def test_prompts_may_end_with_a_tool_result_but_not_an_unanswered_call():
+    chatml.check_conversation("c", msgs(TOOL_CONVS[1][:4]), complete=False)
+    with pytest.raises(ChatError, match=r'^c ends with a tool call; add its result as a "tool" message$'):
+        chatml.check_conversation("c", msgs(TOOL_CONVS[1][:3]), complete=False)
+
+
+def test_qwen3_layout_exact_text():
+    text = QWEN3.render(msgs(TOOL_CONVS[1]), chatml.tools_from_value("t", [CALC]), add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\n你是助手。\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+        "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + json.dumps(CALC, ensure_ascii=False) + "\n</tools>\n\nFor each function call, return a json object with "
+        "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n2+3 等于多少？<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": "
+        "{\"expression\": \"2+3\"}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n算出来了\n</think>\n\n等于 5。<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert QWEN3.generation_prompt(thinking=True) == "<|im_start|>assistant\n<think>\n"
+    assert CHATML.render(msgs(TOOL_CONVS[0]), add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("tools", [None, [CALC, CLOCK]])
+@pytest.mark.parametrize("conv", TOOL_CONVS)
+def test_template_renders_what_nanolm_trains_on_through_transformers(tokenizer_dir, conv, tools, thinking):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ts = chatml.tools_from_value("t", tools) if tools else ()
+    for gen in (False, True):
+        want = QWEN3.render(msgs(conv), ts, add_generation_prompt=gen, thinking=thinking)
+        for given in (conv, [m.to_dict() for m in msgs(conv)]):  # as the user wrote it, and as nanolm reads it
+            got = hf.apply_chat_template(given, tools=tools, tokenize=False, add_generation_prompt=gen,
+                                         enable_thinking=thinking)
+            assert got == want
+            # MiniMind's switch is open_thinking
+            assert hf.apply_chat_template(given, tools=tools, tokenize=False, add_generation_prompt=gen,
+                                          open_thinking=thinking) == want
+
+
+def test_plain_chatml_template_through_transformers(tokenizer_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    old = _old_tokenizer(tokenizer_dir, tmp_path)
+    assert old.chat_format is CHATML
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "old"))
+    for gen in (False, True):
+        assert hf.apply_chat_template(TOOL_CONVS[0], tokenize=False, add_generation_prompt=gen) == \
+            CHATML.render(msgs(TOOL_CONVS[0]), add_generation_prompt=gen)
+
+
+def _old_tokenizer(tokenizer_dir, tmp_path) -> Tokenizer:
+    """A tokenizer as nanolm wrote them before tools and reasoning: the plain ChatML template."""
+    tok = Tokenizer.load(tokenizer_dir)
+    tok.config = {**tok.config, "chat_template": CHATML.template}
+    tok.save(tmp_path / "old")
+    return Tokenizer.load(tmp_path / "old")
+
+
+def test_an_old_tokenizer_keeps_its_template_and_refuses_tools(tokenizer_dir, tmp_path):
+    old = _old_tokenizer(tokenizer_dir, tmp_path)
+    old.save(tmp_path / "again")  # saved again (into a checkpoint, an export): the same template
+    assert json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())["chat_template"] == \
+        CHATML.template
+    with pytest.raises(ChatError, match=r"^c has tool calls, but the tokenizer t carries the plain ChatML template"):
+        old.chat_format.check("c", msgs(TOOL_CONVS[1][1:]), (), "t")
+    old.chat_format.check("c", msgs(TOOL_CONVS[0]), (), "t")
+
+
+def runs(text_ids, mask, tok):
+    edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
+    return [tok.decode(text_ids[a:b]) for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1))]
+
+
+def _encode(tok, conv, tools=(), final_only=False):
+    spans = QWEN3.spans(msgs(conv), tools, final_only=final_only)
+    text = "".join(s.text for s in spans)
+    ids = tok.encode(text)
+    chatml.check_spelling(text, ids, tok.token_bytes(), "t")
+    return chatml.encode_chat(spans, ids, tok.spelled_lengths(), "t")
+
+
+def test_loss_mask_covers_reasoning_content_and_calls_never_results_or_scaffolding(tok):
+    tools = chatml.tools_from_value("t", [CALC])
+    ids, mask = _encode(tok, TOOL_CONVS[1], tools)
+    assert ids.tolist() == tok.encode(QWEN3.render(msgs(TOOL_CONVS[1]), tools))
+    assert runs(ids, mask & chatml.TARGET, tok) == [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>',
+        "算出来了\n</think>\n\n等于 5。<|im_end|>"]
+    # One exchange, starting at the user's question (after the system turn with the tools).
+    (start,) = np.flatnonzero(mask & chatml.EXCHANGE)
+    assert tok.decode(ids[start:start + 8]).startswith("<|im_start|>user\n2+3")
+    ids, mask = _encode(tok, TOOL_CONVS[2])
+    assert runs(ids, mask & chatml.TARGET, tok) == [
+        'two calls\n</think>\n\nSure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "current_time", "arguments": {}}\n</tool_call><|im_end|>',
+        "2, at 15:00.<|im_end|>", "You're welcome.<|im_end|>"]
+    assert len(np.flatnonzero(mask & chatml.EXCHANGE)) == 2  # tool results open no exchange
+    # Preference data: the final reply alone.
+    ids, mask = _encode(tok, TOOL_CONVS[2], final_only=True)
+    assert runs(ids, mask & chatml.TARGET, tok) == ["You're welcome.<|im_end|>"]
+
+
+def test_truncation_drops_whole_exchanges_and_keeps_the_tools(tok):
+    tools = chatml.tools_from_value("t", [CALC])
+    conv = TOOL_CONVS[2] + TOOL_CONVS[1][1:]  # exchange 1 (calls and results), a short one, exchange 3
+    ids, mask = _encode(tok, [{"role": "system", "content": "s"}] + conv, tools)
+    starts = np.flatnonzero(mask & chatml.EXCHANGE)
+    assert len(starts) == 3
+    head = int(starts[0])
+    # Room for the head and the last two exchanges: the first exchange goes, tool turns and all.
+    fit = head + len(ids) - int(starts[1])
+    got_ids, got_mask = chatml.fit_conversation(ids, mask, fit)
+    assert got_ids.tolist() == ids[:head].tolist() + ids[starts[1]:].tolist()
+    assert (got_mask == np.r_[mask[:head], mask[starts[1]:]]).all()
+    assert tok.decode(got_ids).startswith(QWEN3.render([Message("system", "s")], tools))
+    # Too short for the last exchange alone: it is cut at the end, and a cut reply keeps no <|im_end|>.
+    short = head + 40
+    got_ids, got_mask = chatml.fit_conversation(ids, mask, short)
+    assert len(got_ids) == short and got_ids.tolist() == ids[:head].tolist() + ids[starts[2]:][:40].tolist()
+    assert got_mask[-1] & chatml.TARGET and got_ids[-1] != tok.im_end_id
+    # Nothing to train on left: skipped.
+    assert chatml.fit_conversation(ids, mask, head + 3) is None
+
+
+def test_truncation_of_data_prepared_before_the_exchange_bit():
+    # Plain ChatML ids (<|im_start|> = 1), mask 0/1 only: user turns are found by their place.
+    sys_, user, reply = [1, 9, 2, 3], [1, 10, 11, 2, 3], [1, 12, 13, 2, 3]
+    ids = np.array(sys_ + user + reply + user + reply)
+    mask = np.array([0] * 4 + [0] * 5 + [0, 0, 1, 1, 0] + [0] * 5 + [0, 0, 1, 1, 0], dtype=np.uint8)
+    got_ids, got_mask = chatml.fit_conversation(ids, mask, 14)
+    assert got_ids.tolist() == sys_ + user + reply and got_mask.tolist() == [0] * 11 + [1, 1, 0]
+
+
+@pytest.mark.parametrize("text, thinking, want", [
+    ("The answer is 5.", False, Message("assistant", "The answer is 5.")),
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>', False,
+     Message("assistant", "", "", (ToolCall("calculator", '{"expression": "2+3"}'),))),
+    ("let me think\n</think>\n\nIt is 5.", True, Message("assistant", "It is 5.", "let me think")),
+    ("still thinking", True, Message("assistant", "", "still thinking")),
+    ('ok\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", '
+     '"arguments": {"a": [1]}}\n</tool_call>', False,
+     Message("assistant", "ok", "", (ToolCall("f", "{}"), ToolCall("g", '{"a": [1]}')))),
+])
+def test_parse_reply(text, thinking, want):
+    assert chatml.parse_reply(text, thinking=thinking) == (want, [])
+
+
+def test_parse_reply_keeps_a_broken_call_as_text_and_says_why():
+    reply, problems = chatml.parse_reply("<tool_call>\n{\"name\": calc}\n</tool_call>")
+    assert reply.tool_calls == () and "calc" in reply.content
+    assert len(problems) == 1 and problems[0].startswith("a tool call the model wrote is not a JSON call")

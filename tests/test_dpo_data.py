@@ -81,7 +81,7 @@ BAD_PAIRS = [
      '"rejected" is empty; a conversation needs a user turn and an assistant reply'),
     ({"chosen": [u("q"), a("")], "rejected": [u("q"), a("n")]}, '"chosen"[1].content is empty'),
     ({"chosen": [u("q"), a("y")], "rejected": [u("q"), {"role": "bot", "content": "n"}]},
-     '"rejected"[1] has unknown role "bot"; allowed roles: system, user, assistant'),
+     '"rejected"[1] has unknown role "bot"; allowed roles: system, user, assistant, tool'),
     ({"chosen": [u("q"), a("y"), u("more?")], "rejected": [u("q"), a("n")]},
      '"chosen" ends with a user turn; a conversation must end with an assistant reply (drop the unanswered turn)'),
     ({"chosen": [u("q")], "rejected": [u("q"), a("n")]}, '"chosen" has no assistant turn, so nothing to train on'),
@@ -165,7 +165,7 @@ def test_each_pair_is_two_documents_masked_on_the_final_reply_only(tmp_path, tok
     n_trainable = sum(int(mk.sum()) for _, mk in docs)
     assert m["options"] == {"format": "dpo", "max_tokens": 1024, "val_fraction": 0, "skip_bad": False,
                             "shard_tokens": 100_000_000}
-    assert m["dpo"] == {"template": "chatml", "mask": "final reply", "max_tokens": 1024, "n_pairs": 4,
+    assert m["dpo"] == {"template": "qwen3", "mask": "final reply", "max_tokens": 1024, "n_pairs": 4,
                         "n_trainable": n_trainable, "truncated": 0, "skipped_too_long": 0}
     assert m["splits"]["train"]["n_pairs"] == 4 and m["totals"]["n_docs"] == 8
     data = PackedData(out)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nanolm.data.chatml import CHAT_TEMPLATE, render_chat
 from nanolm.errors import UserError
-from nanolm.tokenizer import (EOT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, Tokenizer,
+from nanolm.tokenizer import (EOT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, TAG_TOKENS, Tokenizer,
                               compression_report, train_tokenizer)
 
 EN = [
@@ -128,8 +128,12 @@ def test_files_saved(tok_dir, tok: Tokenizer) -> None:
     assert cfg["chat_template"] == CHAT_TEMPLATE
     assert (cfg["eos_token"], cfg["pad_token"], cfg["bos_token"]) == ("<|im_end|>", "<|endoftext|>", None)
     assert cfg["clean_up_tokenization_spaces"] is False
-    assert {k: v["content"] for k, v in cfg["added_tokens_decoder"].items()} == {
-        "0": "<|endoftext|>", "1": "<|im_start|>", "2": "<|im_end|>"}
+    assert {k: (v["content"], v["special"]) for k, v in cfg["added_tokens_decoder"].items()} == {
+        "0": ("<|endoftext|>", True), "1": ("<|im_start|>", True), "2": ("<|im_end|>", True),
+        "3": ("<tool_call>", False), "4": ("</tool_call>", False), "5": ("<tool_response>", False),
+        "6": ("</tool_response>", False), "7": ("<think>", False), "8": ("</think>", False)}
+    assert (tok.tag_ids, tok.missing_tags(), tok.chat_format.name) == (
+        {t: 3 + i for i, t in enumerate(TAG_TOKENS)}, [], "qwen3")
     data = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
     assert data["normalizer"] is None
     assert data["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -171,9 +175,12 @@ def test_decode_accepts_numpy_and_rejects_out_of_range(tok: Tokenizer) -> None:
 def test_token_byte_lengths(tok: Tokenizer) -> None:
     lengths = tok.token_byte_lengths()
     assert lengths.dtype == np.int32 and lengths.shape == (VOCAB,)
-    assert lengths[[0, 1, 2]].tolist() == [0, 0, 0]
+    assert lengths[:9].tolist() == [0] * 9  # the control tokens and tags
     assert int((lengths == 1).sum()) == 256  # one token per byte; every merge is longer
-    assert int(lengths[3:].min()) >= 1
+    assert int(lengths[9:].min()) >= 1
+    spelled = tok.spelled_lengths()  # what decode writes for each: a control token's text
+    assert spelled[:9].tolist() == [len(t) for t in SPECIAL_TOKENS + TAG_TOKENS]
+    assert (spelled[9:] == lengths[9:]).all()
     for text in ROUND_TRIP[:-3] + [ROUND_TRIP[-1]] + corpus(10, seed=2):
         assert int(lengths[tok.encode(text)].sum()) == len(text.encode("utf-8")), text
     # Special tokens count no bytes: the text they mark is not part of the data.
@@ -184,7 +191,7 @@ CHATS = [
     [{"role": "user", "content": "你好"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!\nTwo lines."},
      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "  spaces  "}],
-    [{"role": "assistant", "content": ""}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nok"}],
     [],
 ]
 
@@ -192,7 +199,8 @@ CHATS = [
 def test_render_chat_exact(tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}]
     assert render_chat(msgs) == "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-    assert render_chat(msgs, add_generation_prompt=True).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert render_chat(msgs, add_generation_prompt=True).endswith(
+        "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
     ids = tok.encode(render_chat(msgs))
     assert ids.count(IM_START_ID) == 2 and ids.count(IM_END_ID) == 2 and ids[0] == IM_START_ID
 
@@ -208,7 +216,7 @@ def test_render_chat_matches_jinja_template(messages, add_generation_prompt: boo
 
 
 def test_render_chat_rejects_bad_message() -> None:
-    with pytest.raises(UserError, match=r"chat message 1: expected .*role.*content"):
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.content must be a string, got null$"):
         render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}])
 
 
@@ -224,9 +232,9 @@ def test_compression(tok: Tokenizer) -> None:
         tok.compression([""])
 
 
-@pytest.mark.parametrize("bad", [100, 259, 2**32 + 1, 0, -5, True, "6400", 6400.0])
+@pytest.mark.parametrize("bad", [100, 265, 2**32 + 1, 0, -5, True, "6400", 6400.0])
 def test_bad_vocab_size(tmp_path, bad) -> None:
-    with pytest.raises(UserError, match=re.escape(f"vocab_size={bad!r}: must be an integer from 260 to 4294967296")):
+    with pytest.raises(UserError, match=re.escape(f"vocab_size={bad!r}: must be an integer from 266 to 4294967296")):
         train_tokenizer(["some text"], tmp_path / "out", bad, quiet=True)
     assert not (tmp_path / "out").exists()
 
@@ -237,8 +245,8 @@ def test_bad_min_frequency(tmp_path) -> None:
 
 
 def test_smallest_vocab_trains(tmp_path) -> None:
-    t = train_tokenizer(["aaaa bbbb"] * 5, tmp_path, 260, quiet=True)
-    assert t.vocab_size == 260
+    t = train_tokenizer(["aaaa bbbb"] * 5, tmp_path, 266, quiet=True)
+    assert t.vocab_size == 266
     assert t.decode(t.encode("aaaa bbbb")) == "aaaa bbbb"
 
 
@@ -284,14 +292,22 @@ def test_corrupt_file(tmp_path, tok_dir) -> None:
         Tokenizer.load(bad)
 
 
-def test_wrong_special_ids_rejected(tmp_path, tok_dir) -> None:
+def test_control_tokens_are_found_by_name_and_a_missing_one_is_named(tmp_path, tok_dir) -> None:
     data = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
     vocab = data["model"]["vocab"]
     vocab["<|im_end|>"], vocab["<|im_start|>"] = vocab["<|im_start|>"], vocab["<|im_end|>"]
     for t in data["added_tokens"]:
         t["id"] = {1: 2, 2: 1}.get(t["id"], t["id"])
     (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
-    with pytest.raises(UserError, match=r"special token <\|im_start\|> has id 2, nanolm needs 1"):
+    other = Tokenizer.load(tmp_path)  # another tokenizer's layout: its own ids
+    assert (other.eot_id, other.im_start_id, other.im_end_id) == (0, 2, 1)
+    assert other.encode("<|im_start|>user") == [2, *other.encode("user")]
+    # A tokenizer without a control token nanolm needs: named, with what to do.
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|im_start|>"]
+    del vocab["<|im_start|>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(UserError, match=r"tokenizer\.json: <\|im_start\|> is not in its vocabulary; nanolm needs "
+                                        r"<\|endoftext\|>, <\|im_start\|>, <\|im_end\|> as special tokens .*Add them"):
         Tokenizer.load(tmp_path)
 
 

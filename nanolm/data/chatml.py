@@ -143,13 +143,22 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """OpenAI's form (reasoning as `reasoning_content`), which the Jinja template renders as `render` does."""
+        """OpenAI's form, which the Jinja template renders as `render` does: role and content, and
+        `reasoning_content` and `tool_calls` where there are some."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.role == "assistant":
+        if self.reasoning:
             d["reasoning_content"] = self.reasoning
-            if self.tool_calls:
-                d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return d
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Messages and the tools offered to them (each tool's JSON text, as the template writes it)."""
+
+    messages: tuple[Message, ...]
+    tools: tuple[str, ...] = ()
 
 
 def _type(value: Any) -> str:
@@ -160,12 +169,14 @@ def _type(value: Any) -> str:
 def _checked_text(where: str, text: Any) -> str:
     if not isinstance(text, str):
         raise ChatError(f"{where} must be a string, got {_type(text)}")
-    if re.search("[\ud800-\udfff]", text):
-        raise ChatError(f"{where} holds an unpaired surrogate escape, which is not valid Unicode")
+    bad = re.search("[\ud800-\udfff]", text)
+    if bad:
+        raise ChatError(f"{where} holds an unpaired surrogate escape \\u{ord(bad.group()):04x}, "
+                        "which is not valid Unicode")
     control = control_in(text)
     if control:
-        raise ChatError(f"{where} contains {control}, which would change the conversation's structure "
-                        "once rendered")
+        raise ChatError(f"{where} contains the control token {control}, which would change the conversation's "
+                        "turns")
     return text
 
 
@@ -226,7 +237,7 @@ def message_from_dict(where: str, m: Any) -> Message:
     name = m["role"]
     role = ROLE_NAMES.get(name) if isinstance(name, str) else None
     if role is None:
-        shown = repr(name[:40]) if isinstance(name, str) else _type(name)
+        shown = json.dumps(name[:40], ensure_ascii=False) if isinstance(name, str) else _type(name)
         raise ChatError(f"{where} has unknown role {shown}; allowed roles: {', '.join(ROLES)}")
     content = m.get("content")
     calls: tuple[ToolCall, ...] = ()
@@ -254,8 +265,7 @@ def message_from_dict(where: str, m: Any) -> Message:
             reasoning, content = split_reasoning(content)
         _checked_text(f"{where}.reasoning_content", reasoning)
         if not content.strip() and not calls:
-            raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else "")
-                            + " and the reply makes no tool call")
+            raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
     elif role != "tool" and not content.strip():
         raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
     return Message(role, _checked_text(f"{where}.content", content), reasoning, calls)
@@ -279,20 +289,23 @@ def tools_from_value(where: str, value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def check_conversation(where: str, messages: Sequence[Message], *, complete: bool = True) -> None:
+def check_conversation(where: str, messages: Sequence[Message], *, complete: bool = True,
+                       names: Sequence[str] | None = None) -> None:
     """ChatError unless messages are in order: an optional system message first, then user turns each
     answered by the assistant, which may call tools whose results (tool messages) come next and are
     answered in turn. complete: the last message is an assistant reply (training data); otherwise the
-    conversation may end anywhere a reply can follow (a prompt)."""
+    conversation may end anywhere a reply can follow (a prompt). names: what to call each message in the
+    messages (default `where[i]`)."""
+    names = names or [f"{where}[{i}]" for i in range(len(messages))]
     prev: Message | None = None
     for i, m in enumerate(messages):
-        at = f"{where}[{i}]"
+        at = names[i]
         if m.role == "system" and i > 0:
             raise ChatError(f"{at} is a system message, but a system message may only come first")
         if m.role == "user" and prev is not None and prev.role == "user":
             raise ChatError(f"{at} is user after user; user and assistant turns must alternate")
         if m.role == "user" and prev is not None and prev.tool_calls:
-            raise ChatError(f"{at} is user, but {where}[{i - 1}] called a tool; give its result as a "
+            raise ChatError(f"{at} is user, but {names[i - 1]} called a tool; give its result as a "
                             '"tool" message first')
         if m.role == "assistant":
             if prev is None or prev.role == "system":
@@ -301,7 +314,7 @@ def check_conversation(where: str, messages: Sequence[Message], *, complete: boo
             if prev.role == "assistant" and not prev.tool_calls:
                 raise ChatError(f"{at} is assistant after assistant; user and assistant turns must alternate")
             if prev.tool_calls:
-                raise ChatError(f"{at} is assistant, but {where}[{i - 1}] called a tool; give its result as a "
+                raise ChatError(f"{at} is assistant, but {names[i - 1]} called a tool; give its result as a "
                                 '"tool" message first')
         if m.role == "tool":
             calls = 0
@@ -317,17 +330,17 @@ def check_conversation(where: str, messages: Sequence[Message], *, complete: boo
                 raise ChatError(f"{at} is tool result {results} after {calls} tool call(s); give one result "
                                 "per call")
         prev = m
-    if not any(m.role == "user" for m in messages):
-        raise ChatError(f"{where} has no user turn; a conversation starts with one (after an optional system "
-                        "message)")
     if complete:
         if not any(m.role == "assistant" for m in messages):
             raise ChatError(f"{where} has no assistant turn, so nothing to train on")
         if messages[-1].role != "assistant" or messages[-1].tool_calls:
             raise ChatError(f"{where} ends with a {'tool call' if messages[-1].tool_calls else messages[-1].role} "
                             "turn; a conversation must end with an assistant reply (drop the unanswered turn)")
-    elif messages[-1].role == "assistant" and messages[-1].tool_calls:
+    elif messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
         raise ChatError(f"{where} ends with a tool call; add its result as a \"tool\" message")
+    if not any(m.role == "user" for m in messages):
+        raise ChatError(f"{where} has no user turn; a conversation starts with one (after an optional system "
+                        "message)")
 
 
 # --- text ----------------------------------------------------------------------------------------

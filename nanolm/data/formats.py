@@ -68,7 +68,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
 
-from nanolm.data.chatml import ROLES, control_in
+from nanolm.data.chatml import (ChatError, ChatFormat, Conversation, Message, check_conversation,
+                                control_in, tools_from_value)
+from nanolm.data.chatml import message_from_dict as chatml_message
 from nanolm.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl")
@@ -189,7 +191,7 @@ def _check_content(where: str, content: Any) -> str:
     return content
 
 
-def _alpaca(obj: dict) -> list[dict[str, str]]:
+def _alpaca(obj: dict) -> Conversation:
     if "output" not in obj:
         raise _BadRecord('Alpaca record has "instruction" but no "output" (the reply to train on)')
     if "instruction" not in obj:
@@ -201,16 +203,16 @@ def _alpaca(obj: dict) -> list[dict[str, str]]:
         raise _BadRecord(f'"input" must be a string, got {_json_type(extra)}')
     user = instruction + "\n\n" + extra if extra and extra.strip() else instruction
     _check_content('"input"', user)  # a control token in the input
-    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    messages = [Message("user", user), Message("assistant", output)]
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
         raise _BadRecord(f'"system" must be a string, got {_json_type(system)}')
     if system and system.strip():
-        messages.insert(0, {"role": "system", "content": _check_content('"system"', system)})
-    return messages
+        messages.insert(0, Message("system", _check_content('"system"', system)))
+    return Conversation(tuple(messages))
 
 
-def _conversation_of(obj: Any) -> list[dict[str, str]]:
+def _conversation_of(obj: Any) -> Conversation:
     """The chat record: a conversation in one of the formats of the module doc, validated."""
     if not isinstance(obj, dict):
         raise _BadRecord(f"expected a JSON object like {_CHAT_SHAPE}, got {_json_type(obj)}")
@@ -222,7 +224,22 @@ def _conversation_of(obj: Any) -> list[dict[str, str]]:
         raise _BadRecord(f'no "conversations", "messages" or "instruction"/"output" field (keys: {keys}); '
                          f"expected {_CHAT_SHAPE}")
     turns = _turn_list(key, obj[key])
-    return _check_turns(key, [(f'"{key}"[{i}]', m) for i, m in enumerate(turns)])
+    messages = _check_turns(key, [(f'"{key}"[{i}]', m) for i, m in enumerate(turns)])
+    return Conversation(messages, _tools_of(obj, key, turns))
+
+
+def _tools_of(obj: dict, key: str, turns: list) -> tuple[str, ...]:
+    """The tools of a record: its "tools", or (MiniMind) those of its system message."""
+    where, value = '"tools"', obj.get("tools")
+    first = turns[0] if turns and isinstance(turns[0], dict) else {}
+    if value in (None, "", []) and first.get("role") == "system":
+        where, value = f'"{key}"[0].tools', first.get("tools")
+    if value in (None, "", []):
+        return ()
+    try:
+        return tools_from_value(where, value)
+    except ChatError as e:
+        raise _BadRecord(str(e)) from None
 
 
 def _turn_list(key: str, turns: Any) -> list:
@@ -235,42 +252,17 @@ def _turn_list(key: str, turns: Any) -> list:
     return turns
 
 
-def _check_turns(key: str, turns: list[tuple[str, Any]]) -> list[dict[str, str]]:
+def _check_turns(key: str, turns: list[tuple[str, Any]]) -> tuple[Message, ...]:
     """The conversation made of `turns`, (where, message) pairs in order, validated as the module doc says.
 
     `where` names each message in messages ('"messages"[1]'); `key` names the
     whole conversation in the messages about its last turn.
     """
-    messages: list[dict[str, str]] = []
-    for where, m in turns:
-        if not isinstance(m, dict):
-            raise _BadRecord(f'{where} must be an object {{"role": ..., "content": ...}}, got {_json_type(m)}')
-        if "role" not in m:
-            raise _BadRecord(f'{where} has no "role"; use one of {", ".join(ROLES)}')
-        role = m["role"]
-        if not isinstance(role, str) or role not in ROLES:
-            shown = _shown(role, quote=True) if isinstance(role, str) else _json_type(role)
-            raise _BadRecord(f"{where} has unknown role {shown}; allowed roles: {', '.join(ROLES)}")
-        if "content" not in m:
-            raise _BadRecord(f'{where} ({role}) has no "content"')
-        content = _check_content(f"{where}.content", m["content"])
-        if role == "system":
-            if messages:
-                raise _BadRecord(f"{where} is a system message, but a system message may only come first")
-        else:
-            expected = "user" if not messages or messages[-1]["role"] != "user" else "assistant"
-            if role != expected:
-                if not messages or messages[-1]["role"] == "system":
-                    raise _BadRecord(f"{where} is {role}, but the first turn (after an optional system message) "
-                                     "must be user")
-                raise _BadRecord(f"{where} is {role} after {messages[-1]['role']}; user and assistant turns "
-                                 "must alternate")
-        messages.append({"role": role, "content": content})
-    if messages[-1]["role"] != "assistant":
-        if not any(m["role"] == "assistant" for m in messages):
-            raise _BadRecord(f'"{key}" has no assistant turn, so nothing to train on')
-        raise _BadRecord(f'"{key}" ends with a {messages[-1]["role"]} turn; a conversation must end with an '
-                         "assistant reply (drop the unanswered turn)")
+    try:
+        messages = tuple(chatml_message(where, m) for where, m in turns)
+        check_conversation(f'"{key}"', messages, names=[where for where, _ in turns])
+    except ChatError as e:
+        raise _BadRecord(str(e)) from None
     return messages
 
 
@@ -278,7 +270,7 @@ _PAIR_SHAPE = ('{"chosen": [messages], "rejected": [messages]} or '
                '{"prompt": "..." or [messages], "chosen": "...", "rejected": "..."}')
 
 
-def _pair_side(obj: dict, side: str, prompt: list[tuple[str, Any]] | None) -> list[dict[str, str]]:
+def _pair_side(obj: dict, side: str, prompt: list[tuple[str, Any]] | None) -> tuple[Message, ...]:
     """The chosen or rejected conversation of a preference record, validated."""
     value = obj[side]
     if prompt is None:
@@ -297,8 +289,9 @@ def _pair_side(obj: dict, side: str, prompt: list[tuple[str, Any]] | None) -> li
     return _check_turns(side, prompt + reply)
 
 
-def _pair_of(obj: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """The preference record: (chosen, rejected) conversations sharing every turn but the last reply."""
+def _pair_of(obj: Any) -> tuple[Conversation, Conversation]:
+    """The preference record: (chosen, rejected) conversations sharing every turn but the last reply, and
+    the tools of the record."""
     if not isinstance(obj, dict):
         raise _BadRecord(f"expected a JSON object like {_PAIR_SHAPE}, got {_json_type(obj)}")
     for side in ("chosen", "rejected"):
@@ -323,7 +316,8 @@ def _pair_of(obj: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
                          "share every turn but the last assistant reply (the prompt)")
     if chosen[-1] == rejected[-1]:
         raise _BadRecord('"chosen" and "rejected" have the same final reply, so there is nothing to prefer')
-    return chosen, rejected
+    tools = _tools_of(obj, "chosen", [])
+    return Conversation(chosen, tools), Conversation(rejected, tools)
 
 
 def _open_text(path: Path, newline: str | None) -> TextIO:
@@ -456,43 +450,71 @@ def iter_pieces(path: Path, *, skip_bad: bool = False, stats: ReadStats | None =
                     'or .jsonl (one {"text": "..."} object per line)')
 
 
-def iter_chat_records(path: Path, *, skip_bad: bool = False,
-                      stats: ReadStats | None = None) -> Iterator[tuple[list[dict[str, str]], int]]:
-    """(conversation, bytes of the file read since the previous one) for each conversation of a .jsonl file."""
+def iter_chat_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
+                      fmt: ChatFormat | None = None, tokenizer: str = "") -> Iterator[tuple[Conversation, int]]:
+    """(conversation, bytes of the file read since the previous one) for each conversation of a .jsonl file.
+
+    fmt: the chat layout the data is for (that of `tokenizer`): a conversation it cannot render (tools with the
+    plain ChatML of old tokenizers) is a bad line.
+    """
     path = Path(path)
     stats = stats if stats is not None else ReadStats()
     if path.suffix.lower() != ".jsonl":
         raise UserError(f"{path}: chat data must be a .jsonl file (one conversation per line, e.g. "
                         f'{{"conversations": [...]}}), not {path.suffix or "(no suffix)"!r}; '
                         "convert it, or prepare it with --format text")
-    return _iter_jsonl_records(path, _conversation_of, skip_bad, stats)
+
+    def parse(obj: Any) -> Conversation:
+        conv = _conversation_of(obj)
+        _check_format(fmt, tokenizer, conv)
+        return conv
+    return _iter_jsonl_records(path, parse, skip_bad, stats)
+
+
+def _check_format(fmt: ChatFormat | None, tokenizer: str, conv: Conversation) -> None:
+    if fmt is not None:
+        try:
+            fmt.check("the conversation", conv.messages, conv.tools, tokenizer)
+        except ChatError as e:
+            raise _BadRecord(str(e)) from None
 
 
 def iter_conversations(path: Path, *, skip_bad: bool = False,
-                       stats: ReadStats | None = None) -> Iterator[list[dict[str, str]]]:
-    """Each conversation of a chat .jsonl file, validated, as a list of {"role", "content"} (see module doc)."""
-    return (messages for messages, _ in iter_chat_records(path, skip_bad=skip_bad, stats=stats))
+                       stats: ReadStats | None = None) -> Iterator[list[dict[str, Any]]]:
+    """The messages of each conversation of a chat .jsonl file, validated, as OpenAI dicts (`Message.to_dict`:
+    {"role", "content"}, and "reasoning_content", "tool_calls" where there are some); `iter_chat_records` gives
+    the tools too."""
+    return ([m.to_dict() for m in conv.messages] for conv, _ in iter_chat_records(path, skip_bad=skip_bad,
+                                                                                   stats=stats))
 
 
-def iter_preference_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None
-                            ) -> Iterator[tuple[tuple[list[dict[str, str]], list[dict[str, str]]], int]]:
-    """((chosen, rejected), bytes of the file read since the previous one) for each pair of a .jsonl file."""
+def iter_preference_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
+                            fmt: ChatFormat | None = None, tokenizer: str = ""
+                            ) -> Iterator[tuple[tuple[Conversation, Conversation], int]]:
+    """((chosen, rejected), bytes of the file read since the previous one) for each pair of a .jsonl file;
+    fmt as for `iter_chat_records`."""
     path = Path(path)
     stats = stats if stats is not None else ReadStats()
     if path.suffix.lower() != ".jsonl":
         raise UserError(f"{path}: preference data must be a .jsonl file (one pair per line, e.g. "
                         f'{{"chosen": [...], "rejected": [...]}}), not {path.suffix or "(no suffix)"!r}; convert it')
-    return _iter_jsonl_records(path, _pair_of, skip_bad, stats)
+
+    def parse(obj: Any) -> tuple[Conversation, Conversation]:
+        pair = _pair_of(obj)
+        _check_format(fmt, tokenizer, pair[0])
+        return pair
+    return _iter_jsonl_records(path, parse, skip_bad, stats)
 
 
 def iter_preferences(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None
-                     ) -> Iterator[tuple[list[dict[str, str]], list[dict[str, str]]]]:
+                     ) -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
     """Each preference pair of a .jsonl file as (chosen, rejected) conversations, validated (see module doc).
 
     Both are whole conversations of {"role", "content"} dicts that share every
     message but the last, an assistant reply.
     """
-    return (pair for pair, _ in iter_preference_records(path, skip_bad=skip_bad, stats=stats))
+    return (([m.to_dict() for m in c.messages], [m.to_dict() for m in r.messages])
+            for (c, r), _ in iter_preference_records(path, skip_bad=skip_bad, stats=stats))
 
 
 def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
@@ -505,24 +527,32 @@ def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | Non
             parts = []
 
 
+def _message_texts(m: Message) -> Iterator[str]:
+    yield from (t for t in (m.reasoning, m.content) if t)
+    for c in m.tool_calls:
+        yield f'{{"name": "{c.name}", "arguments": {c.arguments}}}'
+
+
 def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = False,
                stats: ReadStats | None = None) -> Iterator[str]:
     """The text of every file in order, in pieces of bounded size: what tokenizer training reads.
 
-    format="chat" reads conversation files and yields each message's content;
-    format="dpo" reads preference pairs and yields the chosen conversation's
-    messages, then the rejected reply.
+    format="chat" reads conversation files and yields each message's text
+    (its reasoning, content and tool calls) and the tools offered;
+    format="dpo" reads preference pairs and yields the chosen conversation's,
+    then the rejected reply's.
     """
     for f in files:
         if format == "chat":
-            for messages in iter_conversations(f, skip_bad=skip_bad, stats=stats):
-                for m in messages:
-                    yield m["content"]
+            for conv, _ in iter_chat_records(f, skip_bad=skip_bad, stats=stats):
+                yield from conv.tools
+                for m in conv.messages:
+                    yield from _message_texts(m)
         elif format == "dpo":
-            for chosen, rejected in iter_preferences(f, skip_bad=skip_bad, stats=stats):
-                for m in chosen:
-                    yield m["content"]
-                yield rejected[-1]["content"]
+            for (chosen, rejected), _ in iter_preference_records(f, skip_bad=skip_bad, stats=stats):
+                yield from chosen.tools
+                for m in (*chosen.messages, rejected.messages[-1]):
+                    yield from _message_texts(m)
         else:
             for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
                 yield piece.text

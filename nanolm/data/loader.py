@@ -94,7 +94,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 import torch
 
-from nanolm.data.chatml import fit_conversation, fit_pair
+from nanolm.data.chatml import TARGET, fit_conversation, fit_pair
 from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
 from nanolm.errors import UserError
 
@@ -534,7 +534,7 @@ def unit_kind(data: PackedData, seq_len: int) -> UnitKind:
 def _targets(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """(R, W - 1) next-token targets of rows of ids (R, W), IGNORE_INDEX where the mask of the target is 0."""
     y = ids[:, 1:].copy()
-    y[mask[:, 1:] == 0] = IGNORE_INDEX
+    y[(mask[:, 1:] & TARGET) == 0] = IGNORE_INDEX
     return y
 
 

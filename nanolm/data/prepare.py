@@ -73,15 +73,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.chatml import (TURN_SEP, check_piecewise, fit_conversation, fit_pair, render_with_mask,
-                                segment_text)
+from nanolm.data.chatml import EOT, Conversation, Span, check_spelling, encode_chat, fit_conversation, fit_pair
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
 from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
                                 write_splits)
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, remove_leftovers, space_note, write_failure, write_json_atomic
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
-from nanolm.tokenizer import EOT_ID, Tokenizer
+from nanolm.tokenizer import Tokenizer
 
 FORMATS = ("text", "chat", "dpo")
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
@@ -117,7 +116,8 @@ def _init_worker(tokenizer_file: str, dtype: str) -> None:
 
 
 def _load_state(tokenizer_file: str, dtype: str) -> dict[str, Any]:
-    return {"tok": HFTokenizer.from_file(tokenizer_file), "file": tokenizer_file, "dtype": np.dtype(dtype)}
+    tok = HFTokenizer.from_file(tokenizer_file)
+    return {"tok": tok, "file": tokenizer_file, "dtype": np.dtype(dtype), "eot": tok.token_to_id(EOT)}
 
 
 def _run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
@@ -135,7 +135,7 @@ def _encode_pieces(state: dict[str, Any], texts: list[str], lasts: list[bool]) -
         out[pos:pos + len(x)] = x
         pos += len(x)
         if last:
-            out[pos] = EOT_ID
+            out[pos] = state["eot"]
             pos += 1
     return out, lens
 
@@ -146,108 +146,94 @@ def _encode(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in encode(texts, add_special_tokens=False)]
 
 
-def _encode_chats(state: dict[str, Any], convs: list[list[tuple[str, str]]],
+def _encode_chats(state: dict[str, Any], convs: list[Conversation],
                   max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     """Ids and mask of each conversation (each followed by EOT, mask 0), fitted to max_tokens.
 
     Returns (tokens, mask, lens, n_truncated, n_too_long); lens[i] is conversation i's
     length with its EOT, 0 for one skipped as too long.
     """
-    tok = _chat_state(state)
-    segments = _encode(tok, [segment_text(role, content) for conv in convs for role, content in conv])
-    out = _Documents(len(convs), state["dtype"])
-    at = 0
-    for i, conv in enumerate(convs):
-        ids, mask = _render(state, conv, segments[at:at + len(conv)], check=i == 0)
-        at += len(conv)
+    fmt = _chat_state(state).chat_format
+    rendered = _encode_spans(state, [fmt.spans(c.messages, c.tools) for c in convs])
+    out = _Documents(len(convs), state["dtype"], state["eot"])
+    for i, (ids, mask) in enumerate(rendered):
         if len(ids) > max_tokens:
-            fitted = fit_conversation(np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8), max_tokens)
+            fitted = fit_conversation(ids, mask, max_tokens)
             if fitted is None:
                 out.too_long += 1
                 continue
             out.truncated += 1
-            ids, mask = fitted[0].tolist(), fitted[1].tolist()
+            ids, mask = fitted
         out.add(i, ids, mask)
     return out.result()
 
 
-def _encode_pairs(state: dict[str, Any], pairs: list[tuple[list[tuple[str, str]], str, str]],
+def _encode_pairs(state: dict[str, Any], pairs: list[tuple[Conversation, Conversation]],
                   max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     """Ids and mask of each pair's chosen and rejected conversation (each followed by EOT, mask 0), the
     mask on the final reply only, fitted to max_tokens together (`fit_pair`).
 
-    pairs: (prompt messages as (role, content), chosen reply, rejected reply). Returns (tokens, mask,
-    lens, n_truncated, n_too_long); lens[2i], lens[2i + 1] are the lengths of pair i's conversations
-    with their EOT, both 0 for a pair skipped as too long.
+    Returns (tokens, mask, lens, n_truncated, n_too_long); lens[2i], lens[2i + 1] are the lengths of pair i's
+    conversations with their EOT, both 0 for a pair skipped as too long.
     """
-    tok = _chat_state(state)
-    texts = []
-    for prompt, chosen, rejected in pairs:
-        texts += [segment_text(role, content) for role, content in prompt]
-        texts += [segment_text("assistant", chosen), segment_text("assistant", rejected)]
-    segments = _encode(tok, texts)
-    out = _Documents(2 * len(pairs), state["dtype"])
-    at = 0
-    for i, (prompt, chosen, rejected) in enumerate(pairs):
-        head = segments[at:at + len(prompt)]
-        # Earlier replies are context here: the loss (the sequence log-probability) is on the last one.
-        rendered = [_render(state, [*prompt, ("assistant", reply)], [*head, seg], check=i == 0, final_only=True)
-                    for reply, seg in ((chosen, segments[at + len(prompt)]),
-                                       (rejected, segments[at + len(prompt) + 1]))]
-        at += len(prompt) + 2
-        if max(len(rendered[0][0]), len(rendered[1][0])) > max_tokens:
-            fitted = fit_pair(*[(np.array(x, dtype=np.int64), np.array(m, dtype=np.uint8)) for x, m in rendered],
-                              max_tokens)
+    fmt = _chat_state(state).chat_format
+    # Earlier replies are context here: the loss (the sequence log-probability) is on the last one.
+    rendered = _encode_spans(state, [fmt.spans(c.messages, c.tools, final_only=True) for pair in pairs for c in pair])
+    out = _Documents(2 * len(pairs), state["dtype"], state["eot"])
+    for i in range(len(pairs)):
+        chosen, rejected = rendered[2 * i], rendered[2 * i + 1]
+        if max(len(chosen[0]), len(rejected[0])) > max_tokens:
+            fitted = fit_pair(chosen, rejected, max_tokens)
             if fitted is None:
                 out.too_long += 1
                 continue
             out.truncated += 1
-            rendered = [(x.tolist(), m.tolist()) for x, m in fitted]
-        for j, (ids, mask) in enumerate(rendered):
-            out.add(2 * i + j, ids, mask)
+            chosen, rejected = fitted
+        out.add(2 * i, *chosen)
+        out.add(2 * i + 1, *rejected)
     return out.result()
 
 
-def _chat_state(state: dict[str, Any]) -> HFTokenizer:
-    """The worker's tokenizer, with what render_with_mask needs loaded into state on first use."""
-    tok = state["tok"]
-    if "byte_lengths" not in state:
-        state["byte_lengths"] = Tokenizer.load(state["file"]).token_byte_lengths().tolist()
-        state["newline"] = _encode(tok, [TURN_SEP])[0]
-    return tok
+def _chat_state(state: dict[str, Any]) -> Tokenizer:
+    """The worker's nanolm Tokenizer (its chat layout, the bytes of its tokens), loaded on first use."""
+    if "tokenizer" not in state:
+        state["tokenizer"] = Tokenizer.load(state["file"])
+        state["lengths"] = state["tokenizer"].spelled_lengths()
+    return state["tokenizer"]
 
 
-def _render(state: dict[str, Any], conv: list[tuple[str, str]], segments: list[list[int]], *, check: bool,
-            final_only: bool = False) -> tuple[list[int], list[int]]:
-    """chatml.render_with_mask of conv from its messages' segment ids; check: also check the tokenizer
-    (`chatml.check_piecewise`, once per batch)."""
-    ids, mask = render_with_mask(conv, segments, state["newline"], state["byte_lengths"], final_only=final_only)
-    if check:
-        check_piecewise(conv, ids, lambda text: _encode(state["tok"], [text])[0], state["file"])
-    return ids, mask
+def _encode_spans(state: dict[str, Any], spans: list[list[Span]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`chatml.encode_chat` of each conversation's spans, the texts encoded in one batch; the first one is also
+    checked to be spelled byte for byte by its tokens (`chatml.check_spelling`)."""
+    texts = ["".join(s.text for s in sp) for sp in spans]
+    ids = _encode(state["tok"], texts)
+    if texts:
+        check_spelling(texts[0], ids[0], _chat_state(state).token_bytes(), state["file"])
+    return [encode_chat(sp, x, state["lengths"], state["file"]) for sp, x in zip(spans, ids)]
 
 
 class _Documents:
     """The documents a chat or pair job gives back: each one's ids and mask followed by EOT (mask 0), and
     how many were truncated or skipped as too long."""
 
-    def __init__(self, n: int, dtype: np.dtype) -> None:
+    def __init__(self, n: int, dtype: np.dtype, eot: int) -> None:
         self.dtype = dtype
-        self.ids: list[int] = []
-        self.mask: list[int] = []
+        self.eot = np.array([eot], dtype=np.int64)
+        self.ids: list[np.ndarray] = []
+        self.mask: list[np.ndarray] = []
         self.lens = np.zeros(n, dtype=np.int64)  # 0 for a document left out
         self.truncated = self.too_long = 0
 
-    def add(self, i: int, ids: list[int], mask: list[int]) -> None:
-        self.ids += ids
-        self.ids.append(EOT_ID)
-        self.mask += mask
-        self.mask.append(0)
+    def add(self, i: int, ids: np.ndarray, mask: np.ndarray) -> None:
+        self.ids += [ids, self.eot]
+        self.mask += [mask, np.zeros(1, dtype=np.uint8)]
         self.lens[i] = len(ids) + 1
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
         """(tokens, mask, lens, n_truncated, n_too_long)."""
-        return (np.array(self.ids, dtype=self.dtype), np.array(self.mask, dtype=np.uint8), self.lens,
+        if not self.ids:
+            return np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=np.uint8), self.lens, self.truncated, self.too_long
+        return (np.concatenate(self.ids).astype(self.dtype), np.concatenate(self.mask), self.lens,
                 self.truncated, self.too_long)
 
 
@@ -298,22 +284,26 @@ def _text_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator
     return records
 
 
-def _chat_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator[Record]]:
-    """Conversations as lists of (role, content)."""
+def _chars(conv: Conversation) -> int:
+    return sum(len(m.content) + len(m.reasoning) + sum(len(c.arguments) for c in m.tool_calls)
+               for m in conv.messages) + sum(map(len, conv.tools))
+
+
+def _chat_records(skip_bad: bool, stats: ReadStats, tok: Tokenizer) -> Callable[[Path], Iterator[Record]]:
+    """Conversations, each one that the tokenizer's chat layout can render."""
     def records(path: Path) -> Iterator[Record]:
-        for messages, nbytes in iter_chat_records(path, skip_bad=skip_bad, stats=stats):
-            conv = [(m["role"], m["content"]) for m in messages]
-            yield conv, True, sum(len(c) for _, c in conv), nbytes
+        for conv, nbytes in iter_chat_records(path, skip_bad=skip_bad, stats=stats, fmt=tok.chat_format,
+                                              tokenizer=str(tok.path)):
+            yield conv, True, _chars(conv), nbytes
     return records
 
 
-def _pair_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator[Record]]:
-    """Preference pairs as (shared prompt, chosen reply, rejected reply); a pair is one item and one split entry."""
+def _pair_records(skip_bad: bool, stats: ReadStats, tok: Tokenizer) -> Callable[[Path], Iterator[Record]]:
+    """Preference pairs as (chosen, rejected) conversations; a pair is one item and one split entry."""
     def records(path: Path) -> Iterator[Record]:
-        for (chosen, rejected), nbytes in iter_preference_records(path, skip_bad=skip_bad, stats=stats):
-            prompt = [(m["role"], m["content"]) for m in chosen[:-1]]
-            chars = sum(len(m["content"]) for m in chosen) + len(rejected[-1]["content"])
-            yield (prompt, chosen[-1]["content"], rejected[-1]["content"]), True, chars, nbytes
+        for pair, nbytes in iter_preference_records(path, skip_bad=skip_bad, stats=stats, fmt=tok.chat_format,
+                                                    tokenizer=str(tok.path)):
+            yield pair, True, _chars(pair[0]) + len(pair[1].messages[-1].content), nbytes
     return records
 
 
@@ -523,11 +513,11 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
             start = time.perf_counter()
             with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
                 if chat:
-                    _tokenize(_batches(files, sizes, k, _chat_records(skip_bad, stats)),
+                    _tokenize(_batches(files, sizes, k, _chat_records(skip_bad, stats, tok)),
                               lambda b: (_encode_chats, (b.items, max_tokens)), writing(consume_chat), tok.path,
                               dtype, workers)
                 elif dpo:
-                    _tokenize(_batches(files, sizes, k, _pair_records(skip_bad, stats)),
+                    _tokenize(_batches(files, sizes, k, _pair_records(skip_bad, stats, tok)),
                               lambda b: (_encode_pairs, (b.items, max_tokens)), writing(consume_pairs), tok.path,
                               dtype, workers)
                 else:
@@ -565,7 +555,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                 "version": FORMAT_VERSION,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                              "eot_id": EOT_ID},
+                              "eot_id": tok.eot_id},
                 "dtype": dtype.name,
                 "splits": splits,
                 "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
@@ -581,12 +571,12 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
             }
             if chat:
                 n_trainable = sum(s["n_trainable"] for s in splits.values())
-                manifest["chat"] = {"template": "chatml", "mask": True, "max_tokens": max_tokens,
+                manifest["chat"] = {"template": tok.chat_format.name, "mask": True, "max_tokens": max_tokens,
                                     "n_trainable": n_trainable, "truncated": fitting["truncated"],
                                     "skipped_too_long": fitting["too_long"]}
             if dpo:
                 n_trainable = sum(s["n_trainable"] for s in splits.values())
-                manifest["dpo"] = {"template": "chatml", "mask": "final reply", "max_tokens": max_tokens,
+                manifest["dpo"] = {"template": tok.chat_format.name, "mask": "final reply", "max_tokens": max_tokens,
                                    "n_pairs": n_docs // 2, "n_trainable": n_trainable,
                                    "truncated": fitting["truncated"], "skipped_too_long": fitting["too_long"]}
             try:

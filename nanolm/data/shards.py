@@ -10,8 +10,9 @@ A prepared data directory (what `nanolm prepare` writes and training reads) hold
 - `<shard>.idx`: uint64 start offsets of the shard's documents into its .bin,
   n_docs + 1 entries, the first 0 and the last the .bin's length.
 - `<shard>.mask` (chat and preference data only): one uint8 per token of the
-  .bin, 1 where the token is a training target, else 0 (see
-  nanolm/data/chatml.py for which tokens those are).
+  .bin: bit 0 (`chatml.TARGET`) set where the token is a training target,
+  bit 1 (`chatml.EXCHANGE`) where an exchange starts, which truncation cuts at
+  (see nanolm/data/chatml.py for which tokens those are).
 - `manifest.json`: the format version, the tokenizer's fingerprint and vocab
   size, the dtype, and per split its shards with their token and document
   counts; `nanolm prepare` adds what was made from what (sources, options,
@@ -45,6 +46,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from nanolm.data.chatml import TARGET
 from nanolm.errors import UserError
 
 FORMAT_VERSION = 1
@@ -157,7 +159,7 @@ class SplitWriter:
         if self._mask is not None:
             assert mask is not None and len(mask) == len(tokens)
             self._mask.write(np.ascontiguousarray(mask, dtype=np.uint8).data)
-            self._trainable += int(np.count_nonzero(mask))
+            self._trainable += int(np.count_nonzero(mask & TARGET))
         self._n += len(tokens)
         self._docs += len(doc_ends)
 
