@@ -227,12 +227,13 @@ def test_truncation_drops_whole_exchanges_and_keeps_the_tools(tok):
     assert (got_mask == np.r_[mask[:head], mask[starts[1]:]]).all()
     assert tok.decode(got_ids).startswith(QWEN3.render([Message("system", "s")], tools))
     # Too short for the last exchange alone: it is cut at the end, and a cut reply keeps no <|im_end|>.
-    short = head + 40
+    reply_at = int(np.flatnonzero(mask[starts[2]:] & chatml.TARGET)[0])  # into the last exchange
+    short = head + reply_at + 5
     got_ids, got_mask = chatml.fit_conversation(ids, mask, short)
-    assert len(got_ids) == short and got_ids.tolist() == ids[:head].tolist() + ids[starts[2]:][:40].tolist()
+    assert got_ids.tolist() == ids[:head].tolist() + ids[starts[2]:][:reply_at + 5].tolist()
     assert got_mask[-1] & chatml.TARGET and got_ids[-1] != tok.im_end_id
     # Nothing to train on left: skipped.
-    assert chatml.fit_conversation(ids, mask, head + 3) is None
+    assert chatml.fit_conversation(ids, mask, head + reply_at) is None
 
 
 def test_truncation_of_data_prepared_before_the_exchange_bit():
