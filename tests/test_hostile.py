@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nanolm.config import DataSetConfig, load_config, override_fields
+from nanolm.data import chatml
 from nanolm.data.chatml import render_chat
 from nanolm.data.formats import (
     ReadStats,
@@ -96,7 +97,7 @@ def snapshot(d: Path) -> dict[str, bytes] | None:
 
 NO_SURROGATES = st.characters(blacklist_categories=("Cs",))
 json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
-                | st.text(max_size=12) | st.sampled_from(["", " ", "\n", "<|im_start|>", "<|im_end|>", "\ud83d"]))
+                | st.text(max_size=12) | st.sampled_from(["", " ", "\n", "<|im_start|>", "<|im_end|>", "<think>", "\ud83d"]))
 json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
                                                                                              max_size=3),
                            max_leaves=8)
@@ -178,7 +179,7 @@ def test_jsonl_lines_are_read_or_named_one_by_one(kind, tmp_path):
 
 
 def _plain(text: str) -> bool:
-    return bool(text.strip()) and "<|" not in text
+    return bool(text.strip()) and chatml.control_in(text) is None
 
 
 content_ok = st.text(NO_SURROGATES, min_size=1, max_size=20).filter(_plain)

@@ -527,8 +527,8 @@ def format_of(template: str | None) -> ChatFormat:
     return CHATML if template is None or template == CHATML.template else QWEN3
 
 
-def render_chat(messages: Sequence[Message | Mapping[str, Any]], tools: Sequence[str] = (), *,
-                fmt: ChatFormat = QWEN3, add_generation_prompt: bool = False, thinking: bool = False) -> str:
+def render_chat(messages: Sequence[Message | Mapping[str, Any]], add_generation_prompt: bool = False, *,
+                tools: Sequence[str] = (), fmt: ChatFormat = QWEN3, thinking: bool = False) -> str:
     """The text of messages (Message or OpenAI dicts) in layout `fmt`; ChatError on a malformed message."""
     msgs = [m if isinstance(m, Message) else message_from_dict(f"messages[{i}]", m) for i, m in enumerate(messages)]
     return fmt.render(msgs, tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
