@@ -35,7 +35,7 @@ from nanolm.errors import UserError
 from nanolm.infer.generate import check_vocab
 from nanolm.progress import Progress, fmt_count
 from nanolm.runtime import autocast, resolve_device, resolve_dtype
-from nanolm.tokenizer import EOT_ID, Tokenizer
+from nanolm.tokenizer import Tokenizer
 from nanolm.train.objectives import lm_scores
 
 ENCODE_CHARS = 1 << 20  # characters of documents tokenized per encode_batch call
@@ -56,7 +56,7 @@ def tokenize_files(files: Sequence[Path], tok: Tokenizer, limit: int | None = No
     def flush(docs: list[str]) -> None:
         nonlocal total
         for ids in tok.encode_batch(docs):
-            chunks.append(np.array([*ids, EOT_ID], dtype=np.int64))
+            chunks.append(np.array([*ids, tok.eot_id], dtype=np.int64))
             total += len(ids) + 1
 
     pending: list[str] = []

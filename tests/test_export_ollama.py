@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 
 from nanolm.config import SamplingParams
-from nanolm.data.chatml import OLLAMA_TEMPLATE, render_chat
+from nanolm.data.chatml import CHATML, QWEN3, Message
+
+OLLAMA_TEMPLATE = QWEN3.ollama_template
+
+
+def render_chat(messages, add_generation_prompt=False, fmt=QWEN3, thinking=False):
+    """nanolm's text of (role, content, thinking) messages, unvalidated (an empty reply is kept)."""
+    return fmt.render([Message(m["role"], m["content"], m.get("thinking", "")) for m in messages],
+                      add_generation_prompt=add_generation_prompt, thinking=thinking)
 from nanolm.errors import UserError
 
 gguf = pytest.importorskip("gguf")
@@ -93,7 +101,8 @@ def go_render(tmp_path_factory):
     subprocess.run([go, "build", "-o", str(d / "render"), str(d / "render.go")], check=True, cwd=d, timeout=300)
 
     def render(template: str, messages: list[dict]) -> str:
-        data = {"Template": template, "Messages": [{"Role": m["role"], "Content": m["content"]} for m in messages]}
+        data = {"Template": template, "Messages": [{"Role": m["role"], "Content": m["content"],
+                                                    "Thinking": m.get("thinking", "")} for m in messages]}
         r = subprocess.run([str(d / "render")], input=json.dumps(data), capture_output=True, text=True,
                            encoding="utf-8", timeout=60)
         assert r.returncode == 0, r.stderr
@@ -195,24 +204,29 @@ def test_template_renders_what_render_chat_renders(go_render, case):
         assert msgs == [{"role": "system", "content": system}, *messages]
 
 
-def test_the_template_is_exactly_chatml_and_can_fail(go_render):
+def test_the_template_is_exactly_the_chat_layout_and_can_fail(go_render):
     messages = CONVERSATIONS["system and several turns"]
     assert go_render(OLLAMA_TEMPLATE, messages).startswith(
         "<|im_start|>system\nYou are brief.<|im_end|>\n<|im_start|>user\nTo be, or not to be?<|im_end|>\n")
     assert go_render(OLLAMA_TEMPLATE, [{"role": "user", "content": "x"}]) == \
-        "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # a reply's reasoning, as ollama hands it (.Thinking)
+    reasoned = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "hm"},
+                {"role": "user", "content": "q2"}]
+    assert go_render(OLLAMA_TEMPLATE, reasoned) == render_chat(reasoned, add_generation_prompt=True)
     # a template without the newline after <|im_end|> renders something else, and the comparison sees it
-    wrong = OLLAMA_TEMPLATE.replace("<|im_end|>\n{{ end }}", "<|im_end|>{{ end }}")
+    wrong = OLLAMA_TEMPLATE.replace("<|im_end|>\n{{ else", "<|im_end|>{{ else")
+    assert wrong != OLLAMA_TEMPLATE
     assert go_render(wrong, messages) != render_chat(messages, add_generation_prompt=True)
+    # the plain ChatML of old tokenizers
+    assert go_render(CHATML.ollama_template, messages) == render_chat(messages, True, fmt=CHATML)
 
 
 def test_modelfile_text_exactly():
     assert modelfile_text(context_length=512, sampling=SamplingParams(), name="mm26") == (
         "# mm26, written by `nanolm export ollama`; load it with: ollama create <name> -f Modelfile\n"
         "FROM ./model.gguf\n"
-        'TEMPLATE """{{ range .Messages }}<|im_start|>{{ .Role }}\n'
-        "{{ .Content }}<|im_end|>\n"
-        '{{ end }}<|im_start|>assistant\n"""\n'
+        f'TEMPLATE """{OLLAMA_TEMPLATE}"""\n'
         'PARAMETER stop "<|im_end|>"\n'
         'PARAMETER stop "<|endoftext|>"\n'
         "PARAMETER temperature 0.8\n"

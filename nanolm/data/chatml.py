@@ -372,6 +372,7 @@ class ChatFormat:
 
     name: str
     template: str
+    ollama_template: str  # the layout in Go's text/template, for an ollama Modelfile (`nanolm export ollama`)
     tools: bool  # whether it can render tools, tool calls and reasoning
 
     def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
@@ -427,6 +428,11 @@ class _ChatML(ChatFormat):
 
     def generation_prompt(self, thinking: bool = False) -> str:
         return f"{IM_START}assistant\n"
+
+    # ollama hands the conversation as .Messages (each with .Role and .Content; a Modelfile SYSTEM arrives as
+    # a first system message), and the template ends with the generation prompt itself.
+    ollama_template = "{{ range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}" \
+                      "<|im_start|>assistant\n"
 
 
 class _Qwen3(ChatFormat):
@@ -513,6 +519,30 @@ class _Qwen3(ChatFormat):
 
     def generation_prompt(self, thinking: bool = False) -> str:
         return f"{IM_START}assistant\n{THINK}\n" + ("" if thinking else f"\n{THINK_END}\n\n")
+
+    # For ollama (Go's text/template, no whitespace trimming anywhere): .Messages with .Role, .Content,
+    # .Thinking and .ToolCalls, .Tools (each prints as its JSON), .Think; consecutive tool results share a
+    # user turn, closed when another message (or the generation prompt) follows.
+    _tools_block = _TOOLS_HEAD + "{{ range $.Tools }}\n{{ . }}{{ end }}" + _TOOLS_TAIL
+    ollama_template = "".join([
+        '{{ $prev := "" }}',
+        '{{ if and .Tools (or (not .Messages) (ne (index .Messages 0).Role "system")) }}',
+        f"<|im_start|>system\n{_tools_block}<|im_end|>\n{{{{ end }}}}",
+        "{{ range $i, $m := .Messages }}",
+        '{{ if and (eq $prev "tool") (ne .Role "tool") }}<|im_end|>\n{{ end }}',
+        '{{ if eq .Role "system" }}<|im_start|>system\n{{ .Content }}',
+        f"{{{{ if $.Tools }}}}\n\n{_tools_block}{{{{ end }}}}<|im_end|>\n",
+        '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n<think>\n{{ .Thinking }}\n</think>\n\n{{ .Content }}',
+        "{{ range $j, $c := .ToolCalls }}{{ if or $m.Content $j }}\n{{ end }}",
+        '<tool_call>\n{"name": "{{ .Function.Name }}", "arguments": {{ .Function.Arguments }}}\n</tool_call>{{ end }}',
+        "<|im_end|>\n",
+        '{{ else if eq .Role "tool" }}{{ if ne $prev "tool" }}<|im_start|>user{{ end }}',
+        "\n<tool_response>\n{{ .Content }}\n</tool_response>",
+        "{{ else }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}",
+        "{{ $prev = .Role }}{{ end }}",
+        '{{ if eq $prev "tool" }}<|im_end|>\n{{ end }}',
+        "<|im_start|>assistant\n<think>\n{{ if not .Think }}\n</think>\n\n{{ end }}",
+    ])
 
 
 CHATML: ChatFormat = _ChatML()

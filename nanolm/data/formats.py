@@ -25,24 +25,32 @@ same ids as tokenizing the whole file at once. The consumer appends exactly
 one end-of-text token after each piece with `last=True`. `iter_documents`
 joins the pieces back into whole strings for callers that want them.
 
-Chat data (`iter_conversations`) is `.jsonl` only, one conversation per line,
-in any of the formats users have:
+Chat data (`iter_chat_records`, `iter_conversations`) is `.jsonl` only, one
+conversation per line, in any of the formats users have:
 
-- MiniMind: `{"conversations": [{"role": ..., "content": ...}, ...]}`
-- OpenAI / TRL: `{"messages": [{"role": ..., "content": ...}, ...]}`
+- MiniMind: `{"conversations": [{"role": ..., "content": ...}, ...]}`, its
+  tools on the system message (`"tools"`: a list or its JSON text) and its
+  calls as `"tool_calls"` (a list or its JSON text);
+- OpenAI / TRL: `{"messages": [...], "tools": [...]}`;
 - Alpaca: `{"instruction": ..., "input": ... (optional), "output": ...,
   "system": ... (optional)}`, read as one user turn (the instruction, then a
   blank line and the input when there is one) and one assistant reply. An
   empty "input" or "system" counts as absent.
 
-Roles are those of ChatML (nanolm.data.chatml.ROLES: "system", "user" and
-"assistant"); other keys of a message are ignored. A conversation is an
-optional system message, then user and assistant turns alternating, starting
-with user and ending with assistant; every content is a non-empty string
-without the ChatML control strings (`<|im_start|>` ...), which would change
-the conversation's structure once rendered. A record that
-breaks any of this is a bad line, reported or skipped as for text.
-Conversations are yielded as lists of `{"role", "content"}` dicts.
+Messages are read by `nanolm.data.chatml.message_from_dict` (roles system,
+user, assistant, tool; an assistant's `tool_calls` and reasoning, as
+`reasoning_content` or a leading `<think>…</think>`), and the conversation's
+order checked by `chatml.check_conversation`: an optional system message,
+then user turns each answered by the assistant, whose tool calls are answered
+by tool results before it goes on, ending with an assistant reply. Contents are
+strings without the control strings and tags (`<|im_start|>`, `<think>`,
+...), which would change the conversation's structure once rendered; every
+user and system content, and every reply without a call, is non-empty. A
+record that breaks any of this is a bad line (`file:line: what is wrong`),
+reported or skipped as for text. So is a conversation the tokenizer's chat
+layout cannot render (tools or reasoning with the plain ChatML template of an
+old tokenizer), when the layout is given. `iter_chat_records` yields
+`chatml.Conversation`s; `iter_conversations` the messages as OpenAI dicts.
 
 Preference pairs (`iter_preferences`, for DPO) are `.jsonl` too, one pair per
 line, as two conversations that share every message but the final assistant

@@ -2,11 +2,15 @@
 
 The directory holds `model.gguf` (`nanolm.export.gguf`, q8_0 unless asked
 otherwise) and a `Modelfile` that says how to talk to it:
-- TEMPLATE: nanolm's ChatML in Go's text/template (`chatml.OLLAMA_TEMPLATE`),
-  so ollama renders every conversation exactly as `render_chat` does, with
-  the generation prompt (one difference is ollama's, before any template
-  runs: it joins consecutive messages of one role with a blank line, which
-  nanolm would render as separate turns);
+- TEMPLATE: the chat layout of the model's tokenizer in Go's text/template
+  (`ChatFormat.ollama_template`), so ollama renders every conversation of
+  system, user and assistant turns (reasoning included) exactly as nanolm
+  does, with the generation prompt (thinking as ollama's `think` option
+  says); tools and calls are written in ollama's own JSON spelling (no
+  spaces), which differs from nanolm's `json.dumps` by whitespace only. One
+  difference is ollama's, before any template runs: it joins consecutive
+  messages of one role with a blank line, which nanolm would render as
+  separate turns;
 - PARAMETER stop for `<|im_end|>` (the end of a turn) and `<|endoftext|>`;
 - the sampling defaults of `nanolm.config.SamplingParams` (or the ones given)
   as ollama's options: temperature, top_k, top_p, num_predict (nanolm's
@@ -35,9 +39,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanolm.config import SamplingParams
+from nanolm.data.chatml import QWEN3, ChatFormat
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, check_new_directory, write_text_atomic
 from nanolm.progress import fmt_bytes
+from nanolm.tokenizer import Tokenizer
 
 GGUF_FILE = "model.gguf"
 MODELFILE = "Modelfile"
@@ -67,9 +73,9 @@ def _value(x: float | int) -> str:
 
 
 def modelfile_text(*, context_length: int, sampling: SamplingParams, system: str | None = None,
-                   gguf_file: str = GGUF_FILE, name: str = "") -> str:
-    """The Modelfile for `gguf_file` beside it (see the module docstring)."""
-    from nanolm.data.chatml import OLLAMA_TEMPLATE
+                   gguf_file: str = GGUF_FILE, name: str = "", fmt: ChatFormat = QWEN3) -> str:
+    """The Modelfile for `gguf_file` beside it (see the module docstring); fmt: the chat layout of the model's
+    tokenizer."""
     from nanolm.tokenizer import EOT_ID, IM_END_ID, SPECIAL_TOKENS
 
     if system is not None:
@@ -77,7 +83,7 @@ def modelfile_text(*, context_length: int, sampling: SamplingParams, system: str
     lines = [f"# {name or 'a nanolm model'}, written by `nanolm export ollama`; "
              f"load it with: ollama create <name> -f Modelfile",
              f"FROM ./{gguf_file}",
-             f"TEMPLATE {_TRIPLE_QUOTE}{OLLAMA_TEMPLATE}{_TRIPLE_QUOTE}"]
+             f"TEMPLATE {_TRIPLE_QUOTE}{fmt.ollama_template}{_TRIPLE_QUOTE}"]
     if system is not None:
         lines.append(f"SYSTEM {_TRIPLE_QUOTE}{system}{_TRIPLE_QUOTE}")
     lines += [f'PARAMETER stop "{SPECIAL_TOKENS[IM_END_ID]}"', f'PARAMETER stop "{SPECIAL_TOKENS[EOT_ID]}"']
@@ -118,7 +124,8 @@ def export_ollama(checkpoint: str | Path, out_dir: Path, *, which: str = "best",
         what = write_gguf(model, ckpt_dir, tmp / GGUF_FILE, outtype=outtype, quiet=quiet)
         write_text_atomic(tmp / MODELFILE, modelfile_text(context_length=model.config.max_seq_len,
                                                           sampling=sampling, system=system,
-                                                          name=run_name(ckpt_dir)))
+                                                          name=run_name(ckpt_dir),
+                                                          fmt=Tokenizer.load(ckpt_dir).chat_format))
     if not quiet:
         print(f"wrote {out_dir / GGUF_FILE} ({what}, {fmt_bytes((out_dir / GGUF_FILE).stat().st_size)}) "
               f"and {out_dir / MODELFILE}")
