@@ -63,6 +63,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -444,6 +445,11 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                     "preference data must be .jsonl (one pair per line)"
                 raise UserError(f"{f}: {what}; leave this file out, or prepare it with --format text")
     tok = Tokenizer.load(tokenizer_path)
+    if (chat or dpo) and tok.chat_format.tools and tok.missing_tags():
+        warnings.warn(f"{tok.path}: lacks {', '.join(tok.missing_tags())} as added tokens; the chat template writes "
+                      "them, so each is spelled in several tokens (longer sequences, a tag the model must learn to "
+                      "spell). Add them to the tokenizer (tokenizers' add_tokens, then resize the model's "
+                      "embeddings) or train one with `nanolm tokenizer train`", stacklevel=2)
     dtype = token_dtype(tok.vocab_size)
     options: dict[str, Any] = {"val_fraction": val_fraction, "skip_bad": skip_bad, "shard_tokens": shard_tokens}
     if chat or dpo:
