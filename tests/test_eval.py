@@ -104,14 +104,14 @@ def test_shards_of_another_tokenizer_are_refused(run, other):
 
 def test_chat_shards_score_only_the_replies(run, tokenizer_dir, tmp_path):
     # Short enough (under 30 tokens) that every conversation fits a block of seq_len + 1 = 33 whole.
-    convs = [{"messages": [{"role": "user", "content": f"{i} + 1?"},
-                           {"role": "assistant", "content": f"{i + 1}."}]} for i in range(20)]
+    convs = [{"messages": [{"role": "user", "content": f"{i}+1"},
+                           {"role": "assistant", "content": f"{i + 1}"}]} for i in range(20)]
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(json.dumps(c) + "\n" for c in convs))
     prepare([src], tokenizer_dir, tmp_path / "chat", format="chat", val_fraction=0, workers=0, quiet=True)
     r = evaluate(run, [tmp_path / "chat"], quiet=True)
     mask = np.fromfile(tmp_path / "chat" / "train-00000.mask", dtype=np.uint8)
-    assert r["tokens"] == int(mask.sum())  # each reply token and its <|im_end|>, nothing else
+    assert r["tokens"] == int((mask & 1).sum())  # each reply token and its <|im_end|>, nothing else
 
 
 def test_argument_errors(run, corpus, data_dir, tmp_path):
