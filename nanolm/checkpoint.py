@@ -205,6 +205,7 @@ _DIMS = {"embed_tokens.weight": ("vocab_size", "d_model"), "lm_head.weight": ("v
          "mlp.down_proj.weight": ("d_model", "n_hidden"), "mlp.gate.weight": ("n_experts", "d_model"),
          "experts.0.gate_proj.weight": ("moe_n_hidden", "d_model"),
          "shared_expert.gate_proj.weight": ("n_shared_experts x moe_n_hidden", "d_model"),
+         "q_norm.weight": ("head_dim",), "k_norm.weight": ("head_dim",),
          "norm.weight": ("d_model",), "layernorm.weight": ("d_model",)}
 
 

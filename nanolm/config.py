@@ -38,7 +38,8 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+    """A Llama-style decoder: RoPE (optionally YaRN-scaled), RMSNorm, SwiGLU, grouped-query attention
+    (optionally with Qwen3's QK-norm), dense or mixture-of-experts MLPs."""
 
     vocab_size: int = 6400
     d_model: int = 512
@@ -48,7 +49,18 @@ class ModelConfig:
     n_hidden: int = 0  # SwiGLU hidden size; 0 = 8/3 * d_model rounded up to a multiple of 64
     max_seq_len: int = 512  # longest context the model is trained and served at
     rope_theta: float = 1e6
+    # YaRN (Peng et al. 2023) stretches RoPE to a context rope_factor times the one the model was trained at,
+    # computed as transformers computes it: dimensions that turn more than rope_beta_fast times over the
+    # original context keep their frequency, those that turn fewer than rope_beta_slow times are divided by
+    # rope_factor, a linear ramp blends the ones between, and cos/sin are scaled by rope_attention_factor.
+    rope_scaling: str = "none"  # none: plain RoPE; yarn
+    rope_factor: float = 1.0  # yarn: how many times the trained context is stretched, e.g. 4 for 512 -> 2048
+    rope_original_max_len: int = 0  # yarn: the context length the model was trained at
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin scale; 0 = 0.1 ln(rope_factor) + 1, as in the paper
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm each head's queries and keys before RoPE (Qwen3, MiniMind-3)
     dropout: float = 0.0
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -74,6 +86,7 @@ class ModelConfig:
         _check(self.n_hidden >= 0, f"model.n_hidden must be >= 0 (0 = automatic), got {self.n_hidden}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        self._check_rope_scaling()
         _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
         _check(self.init_std >= 0, f"model.init_std must be >= 0, got {self.init_std}")
         if self.n_hidden == 0:
@@ -90,6 +103,26 @@ class ModelConfig:
             if self.moe_n_hidden == 0:
                 self.moe_n_hidden = self.n_hidden
 
+    def _check_rope_scaling(self) -> None:
+        _check(self.rope_scaling in ROPE_SCALINGS,
+               f"model.rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
+        if self.rope_scaling == "none":
+            for name, default in _YARN_DEFAULTS.items():
+                _check(getattr(self, name) == default, f"model.{name}={getattr(self, name)} applies only with "
+                       f"model.rope_scaling yarn; set that, or leave model.{name} at {default}")
+            return
+        _check(self.rope_factor >= 1,
+               f"model.rope_factor must be >= 1 (how many times the context is stretched), got {self.rope_factor}")
+        _check(0 < self.rope_original_max_len <= self.max_seq_len,
+               f"model.rope_original_max_len must be in [1, model.max_seq_len={self.max_seq_len}] (the context the "
+               f"model was trained at) with model.rope_scaling yarn, got {self.rope_original_max_len}")
+        _check(self.rope_beta_fast > self.rope_beta_slow > 0,
+               f"model.rope_beta_fast ({self.rope_beta_fast}) must exceed model.rope_beta_slow "
+               f"({self.rope_beta_slow}), and both be > 0 (YaRN's defaults: 32 and 1)")
+        _check(self.rope_attention_factor >= 0,
+               f"model.rope_attention_factor must be >= 0 (0 = 0.1 ln(rope_factor) + 1), got "
+               f"{self.rope_attention_factor}")
+
     def is_moe_layer(self, i: int) -> bool:
         return self.use_moe and (i + 1) % self.moe_every == 0
 
@@ -103,6 +136,10 @@ class ModelConfig:
         return self.d_model // self.n_head
 
 
+ROPE_SCALINGS = ("none", "yarn")
+# The YaRN fields, which plain RoPE leaves at these values.
+_YARN_DEFAULTS = {"rope_factor": 1.0, "rope_original_max_len": 0, "rope_beta_fast": 32.0, "rope_beta_slow": 1.0,
+                  "rope_attention_factor": 0.0}
 DATA_MODES = ("curriculum", "mixture")
 # Keys of one data set on the command line (`--data DIR:epochs=2,name=wiki`).
 _SET_KEYS = ("epochs", "tokens", "weight", "name")
