@@ -117,6 +117,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA run or checkpoint to apply to the model, unmerged")
     p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
     p.add_argument("--device", default="auto")
+    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                   help="stretch the context of a model trained without YaRN FACTOR times with YaRN RoPE scaling "
+                        "(from the window it was trained on, e.g. 4: 512 -> 2048 tokens)")
 
 
 def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) -> argparse.ArgumentParser:
@@ -139,7 +142,8 @@ def _engine_from_args(args: argparse.Namespace):
 
     params = _from_fields(args, SamplingParams)  # checked before the model loads
     device = resolve_device(args.device)
-    model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter)
+    model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter,
+                            yarn=args.yarn)
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}]", file=sys.stderr)
     return Engine(model, device), Tokenizer.load(src), params, src
 
@@ -195,7 +199,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from nanolm.infer.server import serve
     args.api_key = args.api_key or os.environ.get("NANOLM_API_KEY") or None  # "" is no key, as unset
     serve(args.checkpoint, _from_fields(args, ServeConfig), sampling=_from_fields(args, SamplingParams),
-          adapter=args.adapter, which="last" if args.last else "best", device=args.device)
+          adapter=args.adapter, which="last" if args.last else "best", device=args.device, yarn=args.yarn)
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:

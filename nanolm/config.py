@@ -123,6 +123,20 @@ class ModelConfig:
                f"model.rope_attention_factor must be >= 0 (0 = 0.1 ln(rope_factor) + 1), got "
                f"{self.rope_attention_factor}")
 
+    def with_yarn(self, factor: float, trained_len: int | None = None) -> "ModelConfig":
+        """This model with its context stretched `factor` times by YaRN, for a model trained without it:
+        rope_original_max_len is `trained_len` (the window it was trained on; default max_seq_len) and
+        max_seq_len becomes trained_len * factor, rounded down. The weights are unchanged."""
+        _check(self.rope_scaling == "none",
+               f"the model already uses YaRN (model.rope_factor={self.rope_factor:g}, model.rope_original_max_len="
+               f"{self.rope_original_max_len}); it cannot be stretched again")
+        _check(math.isfinite(factor) and factor > 1, f"the YaRN factor must be > 1, got {factor:g}")
+        trained_len = self.max_seq_len if trained_len is None else trained_len
+        _check(0 < trained_len <= self.max_seq_len,
+               f"the trained length must be in [1, model.max_seq_len={self.max_seq_len}], got {trained_len}")
+        return dataclasses.replace(self, rope_scaling="yarn", rope_factor=float(factor),
+                                   rope_original_max_len=trained_len, max_seq_len=math.floor(trained_len * factor))
+
     def is_moe_layer(self, i: int) -> bool:
         return self.use_moe and (i + 1) % self.moe_every == 0
 

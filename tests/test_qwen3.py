@@ -4,7 +4,8 @@ QK-norm is checked against a hand-written attention and through every path
 that computes attention (training forward, KV-cache prefill and decode, rows
 of different lengths, the engine's fused projections, LoRA); YaRN's
 frequencies and attention factor against transformers' own function, bit for
-bit.
+bit; a model stretched with YaRN at load time generates past its trained
+context through the scaled tables.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from nanolm import checkpoint as ckpt
-from nanolm.config import ModelConfig, SamplingParams
+from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.fuse import FusedAttention, fuse_projections
@@ -242,6 +243,69 @@ def test_yarn_config_is_validated_with_one_line_messages():
         tiny(rope_scaling="yarn", rope_factor=2.0, rope_original_max_len=16, rope_attention_factor=-1.0)
     cfg = ModelConfig.from_dict({"rope_scaling": "yarn", "rope_factor": "4", "rope_original_max_len": "128"})
     assert (cfg.rope_factor, cfg.rope_original_max_len, cfg.max_seq_len) == (4.0, 128, 512)
+
+
+def test_with_yarn_stretches_a_trained_context():
+    cfg = tiny(max_seq_len=32)
+    long = cfg.with_yarn(4)
+    assert (long.rope_scaling, long.rope_factor, long.rope_original_max_len, long.max_seq_len) == ("yarn", 4.0, 32, 128)
+    assert cfg.with_yarn(2.5, trained_len=20).max_seq_len == 50
+    with pytest.raises(UserError, match=r"the model already uses YaRN \(model.rope_factor=4"):
+        long.with_yarn(2)
+    with pytest.raises(UserError, match=r"the YaRN factor must be > 1, got 1"):
+        cfg.with_yarn(1.0)
+    with pytest.raises(UserError, match=r"the trained length must be in \[1, model.max_seq_len=32\], got 33"):
+        cfg.with_yarn(2.0, trained_len=33)
+
+
+def yarn_run(tmp_path, tokenizer_dir, seq_len: int = 32):
+    """A run of a tiny QK-norm model with max_seq_len 32, trained (as its config says) on `seq_len` windows."""
+    cfg = tiny(max_seq_len=32)
+    model = random_model(cfg)
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run, 1, model, None, Config(model=cfg, train=TrainConfig(seq_len=seq_len)), {},
+                         tokenizer_dir=tokenizer_dir)
+    return run, model
+
+
+def test_a_model_loaded_with_yarn_generates_past_its_trained_context(tmp_path, tokenizer_dir):
+    run, plain = yarn_run(tmp_path, tokenizer_dir)
+    long, _ = ckpt.load_model(run, yarn=4)
+    assert (long.config.max_seq_len, long.config.rope_original_max_len, long.config.rope_factor) == (128, 32, 4.0)
+    assert long.rope_cos.shape == (128, 8)
+    prompt = list(range(1, 21))
+    params = SamplingParams(max_new_tokens=100, temperature=0)
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len=32"):
+        plain(torch.tensor([list(range(33))]))
+    got = Engine(long).generate_all(prompt, params)
+    assert len(got) == 100  # 20 + 100 tokens, far past the 32 it was trained at: the KV cache follows max_seq_len
+    assert len(Engine(plain).generate_all(prompt, params)) == 12  # the plain model stops at its context
+
+    # Within the first 32 positions the two differ only by the RoPE tables: the plain model given the YaRN
+    # tables computes exactly what the YaRN model does, and without them it does not.
+    x = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        scaled = long(x)
+        assert (scaled - plain(x)).abs().max() > 1e-2
+        plain.rope_cos, plain.rope_sin = long.rope_cos[:32], long.rope_sin[:32]
+        assert torch.equal(plain(x), scaled)
+
+
+def test_yarn_starts_from_the_trained_window_and_refuses_twice(tmp_path, tokenizer_dir):
+    run, _ = yarn_run(tmp_path, tokenizer_dir, seq_len=16)  # context 32, trained on 16-token windows
+    model, _ = ckpt.load_model(run, yarn=4)
+    assert (model.config.rope_original_max_len, model.config.max_seq_len) == (16, 64)
+    stretched = ckpt.save_model(tmp_path / "long", model, tokenizer_from=tokenizer_dir)
+    with pytest.raises(UserError, match=r"^--yarn 2: .*long: the model already uses YaRN"):
+        ckpt.load_model(stretched, yarn=2)
+    assert ckpt.load_model(stretched)[0].config == model.config  # the YaRN settings are saved with the model
+
+
+def test_cli_inference_commands_take_yarn():
+    from nanolm.cli import build_parser
+    for command in ("generate", "chat", "serve"):
+        assert build_parser().parse_args([command, "run", "--yarn", "4"]).yarn == 4.0
+    assert build_parser().parse_args(["generate", "run"]).yarn is None
 
 
 def test_qk_norm_weights_train_without_decay():
