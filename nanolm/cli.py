@@ -222,7 +222,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanolm.config import SamplingParams, ServeConfig
+    from nanolm.config import PRESETS, SamplingParams, ServeConfig
     from nanolm.export.ollama import DEFAULT_OUTTYPE
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
                                 "from raw text to chat.")
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a model (one loop for every stage)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tr.add_argument("--preset", default=None, help="tiny, minimind-26m, minimind-104m, gpt2-124m")
+    tr.add_argument("--preset", default=None, help=", ".join(PRESETS))
     tr.add_argument("--config", default=None, help="a TOML or JSON file with model/data/optim/train sections")
     tr.add_argument("--data", nargs="+", default=None, metavar="DIR",
                     help="prepared data: one directory (data.path), or data sets (data.sets), each DIR or "

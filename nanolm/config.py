@@ -637,6 +637,34 @@ def _preset_minimind_26m_moe() -> Config:
     )
 
 
+# MiniMind-3 (jingyaogong/minimind, model/model_minimind.py): Qwen3's layout at d_model 768, 8 layers, 8 query and
+# 4 key/value heads of 96, QK-norm, SwiGLU of ceil(768 pi / 64) * 64 = 2432, 32768 positions at RoPE theta 1e6,
+# RMSNorm eps 1e-6, tied embeddings; 63.9 M parameters. Trained here on 768-token windows (MiniMind's setting
+# for its mini pretraining and SFT data); its optimiser is AdamW at 5e-4 decaying to a tenth.
+_MINIMIND_3 = dict(vocab_size=6400, d_model=768, n_layer=8, n_head=8, n_kv_head=4, n_hidden=2432, max_seq_len=32768,
+                   rope_theta=1e6, norm_eps=1e-6, qk_norm=True, tie_embeddings=True)
+
+
+def _preset_minimind_3() -> Config:
+    return Config(
+        model=ModelConfig(**_MINIMIND_3),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(compile=True, batch_size=32, seq_len=768, max_steps=10000),
+    )
+
+
+def _preset_minimind_3_moe() -> Config:
+    # MiniMind-3-MoE: the same with every MLP replaced by 4 routed experts of the dense width, top-1, no shared
+    # expert, renormalised top-k weights (Qwen3-MoE's block) and MiniMind's balance-loss weight 5e-4;
+    # 198.4 M parameters, 63.9 M active per token.
+    return Config(
+        model=ModelConfig(**_MINIMIND_3, use_moe=True, n_experts=4, top_k=1, n_shared_experts=0, moe_n_hidden=2432,
+                          norm_topk=True, aux_loss_coef=5e-4),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(batch_size=32, seq_len=768, max_steps=10000),
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _preset_tiny,
     "minimind-26m": _preset_minimind_26m,
@@ -644,6 +672,8 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gpt2-124m": _preset_gpt2_124m,
     "minimind-moe": _preset_minimind_moe,
     "minimind-26m-moe": _preset_minimind_26m_moe,
+    "minimind-3": _preset_minimind_3,
+    "minimind-3-moe": _preset_minimind_3_moe,
 }
 
 

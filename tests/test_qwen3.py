@@ -1,11 +1,12 @@
-"""Qwen3's decoder in nanolm: QK-norm and YaRN RoPE scaling.
+"""Qwen3's decoder in nanolm: QK-norm, YaRN RoPE scaling, the MiniMind-3 presets.
 
 QK-norm is checked against a hand-written attention and through every path
 that computes attention (training forward, KV-cache prefill and decode, rows
 of different lengths, the engine's fused projections, LoRA); YaRN's
 frequencies and attention factor against transformers' own function, bit for
 bit; a model stretched with YaRN at load time generates past its trained
-context through the scaled tables.
+context through the scaled tables; the presets have MiniMind-3's parameter
+counts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from nanolm import checkpoint as ckpt
-from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig
+from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig, preset
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.fuse import FusedAttention, fuse_projections
@@ -306,6 +307,36 @@ def test_cli_inference_commands_take_yarn():
     for command in ("generate", "chat", "serve"):
         assert build_parser().parse_args([command, "run", "--yarn", "4"]).yarn == 4.0
     assert build_parser().parse_args(["generate", "run"]).yarn is None
+
+
+# ----------------------------------------------------------------------------- presets
+
+@pytest.mark.parametrize("name,total,active", [("minimind-3", 63_912_192, 63_912_192),
+                                               ("minimind-3-moe", 198_416_640, 63_936_768)])
+def test_minimind_3_presets_have_minimind_3s_shape_and_size(name, total, active):
+    cfg = preset(name)
+    m = cfg.model
+    assert (m.vocab_size, m.d_model, m.n_layer, m.n_head, m.n_kv_head, m.head_dim, m.n_hidden) == \
+        (6400, 768, 8, 8, 4, 96, 2432)
+    assert (m.max_seq_len, m.rope_theta, m.norm_eps, m.qk_norm, m.tie_embeddings, m.rope_scaling) == \
+        (32768, 1e6, 1e-6, True, True, "none")
+    if m.use_moe:
+        assert (m.n_experts, m.top_k, m.n_shared_experts, m.moe_n_hidden, m.norm_topk) == (4, 1, 0, 2432, True)
+    with torch.device("meta"):
+        p = count_params(Transformer(m))
+    assert (p["total"], p["active"], p["embedding"]) == (total, active, 6400 * 768)
+    # MiniMind-3's own count: one layer is its attention (q, k, v, o, QK-norm), its MLP (or 4 experts + router)
+    # and two norms; then the tied embedding and the final norm.
+    attn = 768 * 96 * (8 + 4 + 4) + 8 * 96 * 768 + 2 * 96
+    mlp = 4 * 3 * 768 * 2432 + 768 * 4 if m.use_moe else 3 * 768 * 2432
+    assert total == 8 * (attn + mlp + 2 * 768) + 6400 * 768 + 768
+
+
+def test_cli_lists_every_preset():
+    from nanolm.cli import build_parser
+    train = next(a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions
+                 if a.dest == "preset")
+    assert "minimind-3, minimind-3-moe" in train.help
 
 
 def test_qk_norm_weights_train_without_decay():
