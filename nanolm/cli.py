@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers), gguf (llama.cpp) "
                                        "or ollama")
     exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, or Qwen2-MoE for MoE models)",
+    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, Qwen3 with QK-norm; MoE: Qwen2-MoE, "
+                                            "Qwen3-MoE with QK-norm)",
                                       "output directory"),
                                      ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file"),
                                      ("ollama", "a directory of model.gguf and a Modelfile for `ollama create`",
@@ -337,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
     ex.set_defaults(func=_cmd_export)
 
-    im = sub.add_parser("import", help="bring a transformers Llama checkpoint into nanolm")
+    im = sub.add_parser("import", help="bring a transformers Llama, Qwen3 or Qwen3-MoE checkpoint into nanolm")
     imsub = im.add_subparsers(dest="format", required=True, metavar="FORMAT")
     ih = imsub.add_parser("hf", help="a local transformers directory (config.json + safetensors)")
     ih.add_argument("hf_dir")
