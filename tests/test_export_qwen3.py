@@ -10,6 +10,7 @@ llama.cpp runs the GGUF export of each as its qwen3 / qwen3moe architecture.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,120 @@ def test_adapter_is_pure_and_inverse_for_qwen3_moe_with_yarn():
     # transformers < 5 reads only rope_scaling, >= 5 rope_scaling first: it alone decides.
     only_scaling = {k: v for k, v in hf_cfg.items() if k != "rope_parameters"}
     assert from_hf(hf_sd, only_scaling)[1] == mc
+
+
+# ----------------------------------------------------------------------------- GGUF for llama.cpp
+
+GGUF_MOE = {"top2": {"use_moe": True, "n_experts": 4, "top_k": 2, "n_shared_experts": 0, "moe_n_hidden": 32},
+            "top1-yarn": {"use_moe": True, "n_experts": 4, "top_k": 1, "n_shared_experts": 0, "moe_n_hidden": 32,
+                          **YARN}}
+
+
+def gguf_run(tmp_path: Path, tokenizer_dir: Path, **over) -> tuple[Path, Transformer]:
+    # d_model 64 and n_hidden 96: every row a multiple of 32 long, so q8_0 quantises every matrix.
+    return make_run(tmp_path, tokenizer_dir, n_layer=2, n_hidden=96, **over)
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    gguf = pytest.importorskip("gguf")
+    r = gguf.GGUFReader(path)
+    return ({k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")},
+            {t.name: t for t in r.tensors})
+
+
+def gguf_values(t) -> torch.Tensor:
+    gguf = pytest.importorskip("gguf")
+    shape = tuple(int(d) for d in reversed(t.shape))
+    return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
+
+
+def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits (T, V) on `ids`, with an f32 KV cache (its default is f16)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True, n_threads=2,
+                          type_k=0, type_v=0, verbose=False)
+    try:
+        llm.eval(ids)
+        return torch.tensor(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+
+
+GGUF_CASES = {**{k: v for k, v in DENSE.items()}, **{"moe-" + k: v for k, v in GGUF_MOE.items()}}
+
+
+@pytest.mark.parametrize("over", GGUF_CASES.values(), ids=GGUF_CASES.keys())
+def test_gguf_of_a_qk_norm_model_is_qwen3_and_llama_cpp_computes_nanolms_logits(over, tmp_path, tokenizer_dir):
+    pytest.importorskip("gguf")
+    from nanolm.export.gguf import export_gguf
+
+    run, model = gguf_run(tmp_path, tokenizer_dir, **over)
+    mc = model.config
+    out = export_gguf(run, tmp_path / "m.gguf", outtype="f32", quiet=True)
+    meta, tensors = read_gguf(out)
+    arch = "qwen3moe" if mc.use_moe else "qwen3"
+    assert meta["general.architecture"] == arch
+    assert (meta[f"{arch}.attention.key_length"], meta[f"{arch}.attention.value_length"],
+            meta[f"{arch}.rope.dimension_count"], meta[f"{arch}.context_length"]) == (16, 16, 16, 64)
+    sd = model.state_dict()
+    for i in range(2):
+        for ours, theirs in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm"), ("q_proj", "attn_q"),
+                             ("k_proj", "attn_k")):
+            # NEOX RoPE: q and k rows as they are, not interleaved as for llama
+            assert torch.equal(gguf_values(tensors[f"blk.{i}.{theirs}.weight"]),
+                               sd[f"layers.{i}.self_attn.{ours}.weight"])
+    assert ("output.weight" in tensors) == (not mc.tie_embeddings)
+    if mc.use_moe:
+        assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"],
+                meta["qwen3moe.expert_feed_forward_length"]) == (4, mc.top_k, 32)
+        assert tensors["blk.0.ffn_gate_exps.weight"].shape.tolist() == [64, 32, 4]
+    if mc.rope_scaling == "yarn":
+        assert (meta[f"{arch}.rope.scaling.type"], meta[f"{arch}.rope.scaling.factor"],
+                meta[f"{arch}.rope.scaling.original_context_length"],
+                meta[f"{arch}.rope.scaling.yarn_beta_fast"], meta[f"{arch}.rope.scaling.yarn_beta_slow"]) == \
+            ("yarn", 4.0, 16, mc.rope_beta_fast, 1.0)
+        if mc.rope_attention_factor:  # llama.cpp's own default factor times this is the model's
+            assert meta[f"{arch}.rope.scaling.attn_factor"] == pytest.approx(1.0 / (1 + 0.1 * math.log(4)), rel=1e-7)
+        else:
+            assert f"{arch}.rope.scaling.attn_factor" not in meta
+    else:
+        assert not any(".rope.scaling." in k for k in meta)
+
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(0)).tolist()  # the whole context
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0]  # (T, V)
+    got = llama_cpp_logits(out, ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_gguf_of_a_yarn_llama_keeps_the_interleaved_rows_and_runs_in_llama_cpp(tmp_path, tokenizer_dir):
+    """Without QK-norm the model stays "llama" (normal RoPE, q/k rows interleaved): YaRN's ramp is over the same
+    pairs there, and an explicit attention factor reaches llama.cpp too."""
+    pytest.importorskip("gguf")
+    from nanolm.export.gguf import export_gguf, rope_interleave
+
+    run, model = gguf_run(tmp_path, tokenizer_dir, qk_norm=False, **YARN, rope_attention_factor=1.0)
+    out = export_gguf(run, tmp_path / "m.gguf", outtype="f32", quiet=True)
+    meta, tensors = read_gguf(out)
+    assert meta["general.architecture"] == "llama" and meta["llama.rope.scaling.type"] == "yarn"
+    assert torch.equal(gguf_values(tensors["blk.0.attn_q.weight"]),
+                       rope_interleave(model.state_dict()["layers.0.self_attn.q_proj.weight"], 4))
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0]
+    assert (llama_cpp_logits(out, ids) - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"use_moe": True, "n_experts": 2, "top_k": 1, "n_shared_experts": 1}, r"model.n_shared_experts=1 with"),
+    ({"use_moe": True, "n_experts": 2, "top_k": 1, "n_shared_experts": 0, "norm_topk": False},
+     r"model.norm_topk=false with"),
+])
+def test_gguf_refuses_qk_norm_moe_llama_cpp_cannot_run(over, says, tmp_path, tokenizer_dir):
+    pytest.importorskip("gguf")
+    from nanolm.export.gguf import export_gguf
+
+    run, _ = gguf_run(tmp_path, tokenizer_dir, **over)
+    with pytest.raises(UserError, match=rf"^{says} model.qk_norm: llama.cpp's MoE with QK-norm \(qwen3moe\)"):
+        export_gguf(run, tmp_path / "m.gguf", quiet=True)
+    assert not (tmp_path / "m.gguf").exists()

@@ -75,11 +75,15 @@ class Yarn:
                    cfg.rope_attention_factor)
 
     @property
+    def default_scale(self) -> float:
+        """The paper's attention factor 0.1 ln(factor) + 1 (1 for factor <= 1), transformers' and llama.cpp's
+        default."""
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    @property
     def scale(self) -> float:
         """What cos and sin are multiplied by (transformers' attention_scaling)."""
-        if self.attention_factor:
-            return self.attention_factor
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        return self.attention_factor or self.default_scale
 
     def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
         """The scaled frequencies (hs/2,) float32: transformers' `_compute_yarn_parameters`, operation by
