@@ -205,6 +205,7 @@ _DIMS = {"embed_tokens.weight": ("vocab_size", "d_model"), "lm_head.weight": ("v
          "mlp.down_proj.weight": ("d_model", "n_hidden"), "mlp.gate.weight": ("n_experts", "d_model"),
          "experts.0.gate_proj.weight": ("moe_n_hidden", "d_model"),
          "shared_expert.gate_proj.weight": ("n_shared_experts x moe_n_hidden", "d_model"),
+         "q_norm.weight": ("head_dim",), "k_norm.weight": ("head_dim",),
          "norm.weight": ("d_model",), "layernorm.weight": ("d_model",)}
 
 
@@ -299,15 +300,23 @@ def base_of(ckpt: Path) -> Path:
 
 
 def load_model(path: str | Path, which: str = "best", device: torch.device | str = "cpu",
-               adapter: str | Path | None = None) -> tuple[nn.Module, Path]:
+               adapter: str | Path | None = None, yarn: float | None = None) -> tuple[nn.Module, Path]:
     """A model ready for inference, and its checkpoint directory; its config is `model.config`.
 
     `path` is a run or checkpoint directory. A LoRA checkpoint is loaded onto
     the base it was trained from, unmerged; `adapter` applies a LoRA run's
-    adapter on top of a full model given by `path`.
+    adapter on top of a full model given by `path`. `yarn` stretches the
+    context of a model trained without YaRN that many times: from the window it
+    was trained on (`trained_seq_len`) to that times `yarn`.
     """
     src = resolve_checkpoint(path, which)
-    model = build_model(read_model_config(src), base_of(src) if is_adapter(src) else src)
+    cfg = read_model_config(src)
+    if yarn is not None:
+        try:
+            cfg = cfg.with_yarn(yarn, trained_seq_len(src))
+        except UserError as e:
+            raise UserError(f"--yarn {yarn:g}: {src}: {e}") from None
+    model = build_model(cfg, base_of(src) if is_adapter(src) else src)
     if is_adapter(src):
         load_adapter(src, model)
     if adapter is not None:

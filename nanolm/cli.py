@@ -117,6 +117,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA run or checkpoint to apply to the model, unmerged")
     p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
     p.add_argument("--device", default="auto")
+    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                   help="stretch the context of a model trained without YaRN FACTOR times with YaRN RoPE scaling "
+                        "(from the window it was trained on, e.g. 4: 512 -> 2048 tokens)")
 
 
 def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) -> argparse.ArgumentParser:
@@ -139,7 +142,8 @@ def _engine_from_args(args: argparse.Namespace):
 
     params = _from_fields(args, SamplingParams)  # checked before the model loads
     device = resolve_device(args.device)
-    model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter)
+    model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter,
+                            yarn=args.yarn)
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}]", file=sys.stderr)
     return Engine(model, device), Tokenizer.load(src), params, src
 
@@ -195,7 +199,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from nanolm.infer.server import serve
     args.api_key = args.api_key or os.environ.get("NANOLM_API_KEY") or None  # "" is no key, as unset
     serve(args.checkpoint, _from_fields(args, ServeConfig), sampling=_from_fields(args, SamplingParams),
-          adapter=args.adapter, which="last" if args.last else "best", device=args.device)
+          adapter=args.adapter, which="last" if args.last else "best", device=args.device, yarn=args.yarn)
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
@@ -218,7 +222,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanolm.config import SamplingParams, ServeConfig
+    from nanolm.config import PRESETS, SamplingParams, ServeConfig
     from nanolm.export.ollama import DEFAULT_OUTTYPE
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
                                 "from raw text to chat.")
@@ -281,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a model (one loop for every stage)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tr.add_argument("--preset", default=None, help="tiny, minimind-26m, minimind-104m, gpt2-124m")
+    tr.add_argument("--preset", default=None, help=", ".join(PRESETS))
     tr.add_argument("--config", default=None, help="a TOML or JSON file with model/data/optim/train sections")
     tr.add_argument("--data", nargs="+", default=None, metavar="DIR",
                     help="prepared data: one directory (data.path), or data sets (data.sets), each DIR or "
@@ -313,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers), gguf (llama.cpp) "
                                        "or ollama")
     exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, or Qwen2-MoE for MoE models)",
+    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, Qwen3 with QK-norm; MoE: Qwen2-MoE, "
+                                            "Qwen3-MoE with QK-norm)",
                                       "output directory"),
                                      ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file"),
                                      ("ollama", "a directory of model.gguf and a Modelfile for `ollama create`",
@@ -333,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
     ex.set_defaults(func=_cmd_export)
 
-    im = sub.add_parser("import", help="bring a transformers Llama checkpoint into nanolm")
+    im = sub.add_parser("import", help="bring a transformers Llama, Qwen3 or Qwen3-MoE checkpoint into nanolm")
     imsub = im.add_subparsers(dest="format", required=True, metavar="FORMAT")
     ih = imsub.add_parser("hf", help="a local transformers directory (config.json + safetensors)")
     ih.add_argument("hf_dir")

@@ -38,7 +38,8 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+    """A Llama-style decoder: RoPE (optionally YaRN-scaled), RMSNorm, SwiGLU, grouped-query attention
+    (optionally with Qwen3's QK-norm), dense or mixture-of-experts MLPs."""
 
     vocab_size: int = 6400
     d_model: int = 512
@@ -48,7 +49,18 @@ class ModelConfig:
     n_hidden: int = 0  # SwiGLU hidden size; 0 = 8/3 * d_model rounded up to a multiple of 64
     max_seq_len: int = 512  # longest context the model is trained and served at
     rope_theta: float = 1e6
+    # YaRN (Peng et al. 2023) stretches RoPE to a context rope_factor times the one the model was trained at,
+    # computed as transformers computes it: dimensions that turn more than rope_beta_fast times over the
+    # original context keep their frequency, those that turn fewer than rope_beta_slow times are divided by
+    # rope_factor, a linear ramp blends the ones between, and cos/sin are scaled by rope_attention_factor.
+    rope_scaling: str = "none"  # none: plain RoPE; yarn
+    rope_factor: float = 1.0  # yarn: how many times the trained context is stretched, e.g. 4 for 512 -> 2048
+    rope_original_max_len: int = 0  # yarn: the context length the model was trained at
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin scale; 0 = 0.1 ln(rope_factor) + 1, as in the paper
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm each head's queries and keys before RoPE (Qwen3, MiniMind-3)
     dropout: float = 0.0
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -74,6 +86,7 @@ class ModelConfig:
         _check(self.n_hidden >= 0, f"model.n_hidden must be >= 0 (0 = automatic), got {self.n_hidden}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        self._check_rope_scaling()
         _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
         _check(self.init_std >= 0, f"model.init_std must be >= 0, got {self.init_std}")
         if self.n_hidden == 0:
@@ -90,6 +103,40 @@ class ModelConfig:
             if self.moe_n_hidden == 0:
                 self.moe_n_hidden = self.n_hidden
 
+    def _check_rope_scaling(self) -> None:
+        _check(self.rope_scaling in ROPE_SCALINGS,
+               f"model.rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
+        if self.rope_scaling == "none":
+            for name, default in _YARN_DEFAULTS.items():
+                _check(getattr(self, name) == default, f"model.{name}={getattr(self, name)} applies only with "
+                       f"model.rope_scaling yarn; set that, or leave model.{name} at {default}")
+            return
+        _check(self.rope_factor >= 1,
+               f"model.rope_factor must be >= 1 (how many times the context is stretched), got {self.rope_factor}")
+        _check(0 < self.rope_original_max_len <= self.max_seq_len,
+               f"model.rope_original_max_len must be in [1, model.max_seq_len={self.max_seq_len}] (the context the "
+               f"model was trained at) with model.rope_scaling yarn, got {self.rope_original_max_len}")
+        _check(self.rope_beta_fast > self.rope_beta_slow > 0,
+               f"model.rope_beta_fast ({self.rope_beta_fast}) must exceed model.rope_beta_slow "
+               f"({self.rope_beta_slow}), and both be > 0 (YaRN's defaults: 32 and 1)")
+        _check(self.rope_attention_factor >= 0,
+               f"model.rope_attention_factor must be >= 0 (0 = 0.1 ln(rope_factor) + 1), got "
+               f"{self.rope_attention_factor}")
+
+    def with_yarn(self, factor: float, trained_len: int | None = None) -> "ModelConfig":
+        """This model with its context stretched `factor` times by YaRN, for a model trained without it:
+        rope_original_max_len is `trained_len` (the window it was trained on; default max_seq_len) and
+        max_seq_len becomes trained_len * factor, rounded down. The weights are unchanged."""
+        _check(self.rope_scaling == "none",
+               f"the model already uses YaRN (model.rope_factor={self.rope_factor:g}, model.rope_original_max_len="
+               f"{self.rope_original_max_len}); it cannot be stretched again")
+        _check(math.isfinite(factor) and factor > 1, f"the YaRN factor must be > 1, got {factor:g}")
+        trained_len = self.max_seq_len if trained_len is None else trained_len
+        _check(0 < trained_len <= self.max_seq_len,
+               f"the trained length must be in [1, model.max_seq_len={self.max_seq_len}], got {trained_len}")
+        return dataclasses.replace(self, rope_scaling="yarn", rope_factor=float(factor),
+                                   rope_original_max_len=trained_len, max_seq_len=math.floor(trained_len * factor))
+
     def is_moe_layer(self, i: int) -> bool:
         return self.use_moe and (i + 1) % self.moe_every == 0
 
@@ -103,6 +150,10 @@ class ModelConfig:
         return self.d_model // self.n_head
 
 
+ROPE_SCALINGS = ("none", "yarn")
+# The YaRN fields, which plain RoPE leaves at these values.
+_YARN_DEFAULTS = {"rope_factor": 1.0, "rope_original_max_len": 0, "rope_beta_fast": 32.0, "rope_beta_slow": 1.0,
+                  "rope_attention_factor": 0.0}
 DATA_MODES = ("curriculum", "mixture")
 # Keys of one data set on the command line (`--data DIR:epochs=2,name=wiki`).
 _SET_KEYS = ("epochs", "tokens", "weight", "name")
@@ -586,6 +637,34 @@ def _preset_minimind_26m_moe() -> Config:
     )
 
 
+# MiniMind-3 (jingyaogong/minimind, model/model_minimind.py): Qwen3's layout at d_model 768, 8 layers, 8 query and
+# 4 key/value heads of 96, QK-norm, SwiGLU of ceil(768 pi / 64) * 64 = 2432, 32768 positions at RoPE theta 1e6,
+# RMSNorm eps 1e-6, tied embeddings; 63.9 M parameters. Trained here on 768-token windows (MiniMind's setting
+# for its mini pretraining and SFT data); its optimiser is AdamW at 5e-4 decaying to a tenth.
+_MINIMIND_3 = dict(vocab_size=6400, d_model=768, n_layer=8, n_head=8, n_kv_head=4, n_hidden=2432, max_seq_len=32768,
+                   rope_theta=1e6, norm_eps=1e-6, qk_norm=True, tie_embeddings=True)
+
+
+def _preset_minimind_3() -> Config:
+    return Config(
+        model=ModelConfig(**_MINIMIND_3),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(compile=True, batch_size=32, seq_len=768, max_steps=10000),
+    )
+
+
+def _preset_minimind_3_moe() -> Config:
+    # MiniMind-3-MoE: the same with every MLP replaced by 4 routed experts of the dense width, top-1, no shared
+    # expert, renormalised top-k weights (Qwen3-MoE's block) and MiniMind's balance-loss weight 5e-4;
+    # 198.4 M parameters, 63.9 M active per token.
+    return Config(
+        model=ModelConfig(**_MINIMIND_3, use_moe=True, n_experts=4, top_k=1, n_shared_experts=0, moe_n_hidden=2432,
+                          norm_topk=True, aux_loss_coef=5e-4),
+        optim=OptimConfig(lr=5e-4, min_lr=5e-5, warmup_steps=200),
+        train=TrainConfig(batch_size=32, seq_len=768, max_steps=10000),
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _preset_tiny,
     "minimind-26m": _preset_minimind_26m,
@@ -593,6 +672,8 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gpt2-124m": _preset_gpt2_124m,
     "minimind-moe": _preset_minimind_moe,
     "minimind-26m-moe": _preset_minimind_26m_moe,
+    "minimind-3": _preset_minimind_3,
+    "minimind-3-moe": _preset_minimind_3_moe,
 }
 
 

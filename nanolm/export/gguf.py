@@ -19,7 +19,12 @@ Architectures:
   nanolm's MoE block. llama's graph ignores shared-expert tensors and
   qwen2moe/deepseek never renormalise, so neither could carry those models.
   MoE models that mix dense and MoE blocks (model.moe_every > 1) are refused:
-  none of llama.cpp's MoE architectures has that layer pattern.
+  none of llama.cpp's MoE architectures has that layer pattern;
+- models with QK-norm (Qwen3, MiniMind-3) are "qwen3", whose attention
+  RMS-normalises each head's q and k (`attn_q_norm`, `attn_k_norm`) before
+  RoPE exactly as nanolm does; MoE models with QK-norm are "qwen3moe", which
+  routes as llama's Mixtral path (softmax, top-k, renormalised) with no shared
+  expert, so only such models (every block MoE) can be written as it.
 
 RoPE layout: nanolm (like HF Llama) rotates the two halves of each head,
 pairing dimension i with i + hs/2; llama.cpp's "llama" and "bailingmoe" graphs
@@ -28,7 +33,19 @@ i by the angle pos * theta^(-2i/hs), so reordering the rows of W_q and W_k
 within each head (row i -> 2i, row i + hs/2 -> 2i + 1) makes ggml compute
 the same rotated q and k up to one common permutation of each head's
 coordinates, which leaves every q.k score unchanged. This is the permutation
-llama.cpp's convert_hf_to_gguf.py applies to HF Llama checkpoints.
+llama.cpp's convert_hf_to_gguf.py applies to HF Llama checkpoints. "qwen3" and
+"qwen3moe" use NEOX RoPE, which rotates halves as nanolm does, so their q/k
+rows are written as they are (and the QK-norm weight, applied per head before
+RoPE, needs no reordering either way).
+
+YaRN: `rope.scaling.type` "yarn", `rope.scaling.factor`,
+`rope.scaling.original_context_length` and the ramp's
+`rope.scaling.yarn_beta_fast` / `yarn_beta_slow`; llama.cpp computes the same
+ramp over the same pair boundaries (floor / ceil, clamped at head_dim - 1) and
+scales cos/sin by 0.1 ln(factor) + 1 times `rope.scaling.attn_factor`, which is
+written (as the model's attention factor divided by that default) only for a
+model whose attention factor is not the default (llama.cpp of llama-cpp-python
+0.3.36 reads that key, not `yarn_attn_factor`, for it).
 
 Tensor types (`tensor_type`): norms and the MoE router stay float32 (as
 llama.cpp's converter and its quantizer keep them); the other matrices are
@@ -62,6 +79,7 @@ import torch.nn as nn
 from nanolm.config import ModelConfig
 from nanolm.errors import UserError
 from nanolm.io import atomic_file, fsync_dir
+from nanolm.model.transformer import Yarn
 from nanolm.progress import Progress, fmt_bytes
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -97,8 +115,11 @@ class MoELayout:
 
 
 def gguf_architecture(cfg: ModelConfig) -> str:
-    """The llama.cpp architecture a model is written as ("llama" or "bailingmoe"); refuses what neither computes."""
-    return _moe_layout(cfg).arch if cfg.use_moe else "llama"
+    """The llama.cpp architecture a model is written as ("llama", "bailingmoe", "qwen3" or "qwen3moe"); refuses
+    what none of them computes."""
+    if not cfg.use_moe:
+        return "qwen3" if cfg.qk_norm else "llama"
+    return _moe_layout(cfg).arch
 
 
 def _moe_layout(cfg: ModelConfig) -> MoELayout:
@@ -106,32 +127,51 @@ def _moe_layout(cfg: ModelConfig) -> MoELayout:
         raise UserError(f"model.moe_every={cfg.moe_every}: GGUF export of a MoE model needs every block to be MoE "
                         "(llama.cpp's MoE architectures have no dense/MoE layer pattern); "
                         "export it with `nanolm export hf` instead")
+    if cfg.qk_norm:
+        if cfg.n_shared_experts or not cfg.norm_topk:
+            field = (f"model.n_shared_experts={cfg.n_shared_experts}" if cfg.n_shared_experts else
+                     "model.norm_topk=false")
+            raise UserError(f"{field} with model.qk_norm: llama.cpp's MoE with QK-norm (qwen3moe) has no shared "
+                            "expert and always renormalises the top-k weights; GGUF export needs n_shared_experts 0 "
+                            "and norm_topk true")
+        return MoELayout("qwen3moe", 0)
     if cfg.n_shared_experts == 0 and cfg.norm_topk:
         return MoELayout("llama", 0)
     return MoELayout("bailingmoe", max(cfg.n_shared_experts, 1))
+
+
+def _interleaves(arch: str) -> bool:
+    """Whether the architecture's RoPE pairs dimensions 2i, 2i+1 (ggml's normal mode), so q/k rows are reordered;
+    qwen3 and qwen3moe use NEOX mode, nanolm's rotate-half."""
+    return arch in ("llama", "bailingmoe")
 
 
 def gguf_tensors(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """(llama.cpp name, float32 tensor) for every weight the GGUF file holds, in file order.
 
     Shapes are PyTorch's (out, in); GGUF lists dimensions in the reverse order,
-    which is llama.cpp's {in, out}. q and k projections are RoPE-interleaved.
-    Tied embeddings are written once (llama falls back to token_embd for the
-    output), except for bailingmoe, which requires an `output` tensor.
+    which is llama.cpp's {in, out}. q and k projections are RoPE-interleaved for
+    llama and bailingmoe. Tied embeddings are written once (llama and qwen3 fall
+    back to token_embd for the output), except for bailingmoe, which requires
+    an `output` tensor.
     """
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     arch = gguf_architecture(cfg)
+    order = rope_interleave if _interleaves(arch) else lambda w, n_heads: w
     out: list[tuple[str, torch.Tensor]] = [("token_embd.weight", sd["embed_tokens.weight"])]
     for i in range(cfg.n_layer):
         p, b = f"layers.{i}.", f"blk.{i}."
         out += [
             (b + "attn_norm.weight", sd[p + "input_layernorm.weight"]),
-            (b + "attn_q.weight", rope_interleave(sd[p + "self_attn.q_proj.weight"], cfg.n_head)),
-            (b + "attn_k.weight", rope_interleave(sd[p + "self_attn.k_proj.weight"], cfg.n_kv_head)),
+            (b + "attn_q.weight", order(sd[p + "self_attn.q_proj.weight"], cfg.n_head)),
+            (b + "attn_k.weight", order(sd[p + "self_attn.k_proj.weight"], cfg.n_kv_head)),
             (b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"]),
             (b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"]),
             (b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]),
         ]
+        if cfg.qk_norm:
+            out += [(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]),
+                    (b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])]
         if cfg.is_moe_layer(i):
             out += _moe_tensors(sd, p + "mlp.", b, cfg)
         else:
@@ -253,16 +293,29 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.d_model)
     writer.add_block_count(cfg.n_layer)
-    # llama's MoE graph sizes its experts by feed_forward_length.
-    writer.add_feed_forward_length(cfg.moe_n_hidden if cfg.use_moe else cfg.n_hidden)
+    # llama's MoE graph sizes its experts by feed_forward_length; qwen3moe by expert_feed_forward_length.
+    writer.add_feed_forward_length(cfg.moe_n_hidden if cfg.use_moe and arch != "qwen3moe" else cfg.n_hidden)
     writer.add_head_count(cfg.n_head)
     writer.add_head_count_kv(cfg.n_kv_head)
     writer.add_rope_freq_base(float(cfg.rope_theta))
     writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
     writer.add_rope_dimension_count(cfg.head_dim)
+    if arch in ("qwen3", "qwen3moe"):  # as llama.cpp's converter writes Qwen3's head size
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if cfg.rope_scaling == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(cfg.rope_factor))
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope_original_max_len)
+        writer.add_rope_scaling_yarn_beta_fast(float(cfg.rope_beta_fast))
+        writer.add_rope_scaling_yarn_beta_slow(float(cfg.rope_beta_slow))
+        if cfg.rope_attention_factor:  # llama.cpp multiplies its own 0.1 ln(factor) + 1 by this
+            writer.add_rope_scaling_attn_factors(cfg.rope_attention_factor / Yarn.of(cfg).default_scale)
     if cfg.use_moe:
         writer.add_expert_count(cfg.n_experts)
         writer.add_expert_used_count(cfg.top_k)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_n_hidden)
         if arch == "bailingmoe":
             writer.add_expert_feed_forward_length(cfg.moe_n_hidden)
             writer.add_expert_shared_count(_moe_layout(cfg).n_shared)

@@ -2,8 +2,8 @@
 
 `export_hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load with no custom code (no
-`trust_remote_code`); `import_hf` turns such a directory (or another Llama
-checkpoint) into a nanolm checkpoint that `nanolm train --init-from` starts
+`trust_remote_code`); `import_hf` turns such a directory (or another Llama,
+Qwen3 or Qwen3-MoE checkpoint) into a nanolm checkpoint that `nanolm train --init-from` starts
 from. Every renaming and reshaping of weights lives in `to_hf` / `from_hf`,
 pure functions on state dicts and config dicts; the rest of this file moves
 files. `transformers` itself is not needed by either direction.
@@ -13,13 +13,17 @@ Which architecture
   the same module names (under `model.`), RMSNorm, SwiGLU, grouped-query
   attention, rotate-half RoPE, no biases. The conversion prefixes the keys and
   drops the tied head, which HF also stores once.
-- A MoE model becomes `Qwen2MoeForCausalLM`. Qwen2-MoE is the one MoE family in
-  transformers with nanolm's exact layer: Llama attention (Qwen3-MoE adds
-  QK-norm; DeepSeek-V2/V3 use latent attention), softmax-then-top-k routing
-  with optional renormalisation (`norm_topk_prob`), routed plus shared experts
-  (Mixtral has no shared expert) and dense layers interleaved
-  (`decoder_sparse_step` = moe_every, with the same `(i + 1) % step == 0`
-  rule). The remaining differences are bridged exactly:
+- A dense model with QK-norm (`model.qk_norm`, MiniMind-3) becomes
+  `Qwen3ForCausalLM`: Llama's layer plus `self_attn.q_norm` / `k_norm`, an
+  RMSNorm of size head_dim applied to each head before RoPE, as nanolm does.
+  `head_dim` is always written (Qwen3's default is 128, not hidden / heads).
+- A MoE model without QK-norm becomes `Qwen2MoeForCausalLM`. Qwen2-MoE is the
+  one MoE family in transformers with nanolm's exact layer: Llama attention
+  (Qwen3-MoE adds QK-norm; DeepSeek-V2/V3 use latent attention),
+  softmax-then-top-k routing with optional renormalisation (`norm_topk_prob`),
+  routed plus shared experts (Mixtral has no shared expert) and dense layers
+  interleaved (`decoder_sparse_step` = moe_every, with the same
+  `(i + 1) % step == 0` rule). The remaining differences are bridged exactly:
   * Qwen2 attention has q/k/v biases: they are written as zeros with
     `qkv_bias: true`, which every transformers version reads (and vLLM and
     llama.cpp, whose Qwen2-MoE always has the biases); `qkv_bias: false`
@@ -37,12 +41,28 @@ Which architecture
     and pools the MoE layers where nanolm sums them, so the coefficient is
     scaled by n_moe_layers / top_k (it matters only to training in
     transformers, with `output_router_logits`).
+- A MoE model with QK-norm and no shared expert becomes `Qwen3MoeForCausalLM`:
+  Qwen3 attention and Qwen2-MoE's routing without the shared expert (so no
+  biases or stand-ins), experts one by one and `router_aux_loss_coef` as for
+  Qwen2-MoE. With a shared expert no transformers model computes it (Qwen2-MoE
+  has no QK-norm), and the export is refused.
 
-Import reads `llama` checkpoints nanolm can express (SiLU, plain RoPE, no
-biases, head_dim = hidden_size / num_attention_heads) and `qwen2_moe` ones of
-the exported form (zero q/k/v biases, zero shared-expert gate); anything else
-is a UserError naming the config field. Weights come only from safetensors
-files, single or sharded; nothing is unpickled.
+RoPE: `rope_theta` and `rope_parameters` are written for every architecture
+(transformers < 5 reads the first, >= 5 the second); a YaRN model also gets
+`rope_scaling`, which both read, with rope_type "yarn", factor,
+original_max_position_embeddings, beta_fast, beta_slow and attention_factor
+when it is not the default. transformers computes the same frequencies from
+them (nanolm's are its, bit for bit).
+
+Import reads `llama`, `qwen3` and `qwen3_moe` checkpoints nanolm can express
+(SiLU, plain RoPE or transformers' YaRN, no biases, head_dim = hidden_size /
+num_attention_heads, full attention in every layer), among them MiniMind-3's
+transformers release (Qwen3 / Qwen3-MoE written by its convert_model.py,
+rope_scaling null), and `qwen2_moe` ones of the exported form (zero q/k/v
+biases, zero shared-expert gate); anything else is a UserError naming the
+config field. Experts may be stored one by one or fused into 3-D
+`experts.gate_up_proj` / `experts.down_proj` tensors. Weights come only from
+safetensors files, single or sharded; nothing is unpickled.
 
 Tokenizer: nanolm needs `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` at ids
 0, 1, 2. An HF tokenizer that does not have them (Llama's SentencePiece
@@ -75,7 +95,11 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-SUPPORTED_TYPES = ("llama", "qwen2_moe")
+SUPPORTED_TYPES = ("llama", "qwen3", "qwen2_moe", "qwen3_moe")
+# The YaRN settings nanolm reads from rope_scaling / rope_parameters, besides rope_type and rope_theta (truncate
+# only as true, mscale and mscale_all_dim only as null: transformers' default YaRN).
+YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate",
+             "mscale", "mscale_all_dim"}
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -96,11 +120,44 @@ def _moe_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)]
 
 
+# model_type -> architecture, for each (use_moe, qk_norm) a nanolm model can have.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The transformers model_type a nanolm model is exported as; UserError for a model none of them computes."""
+    if not cfg.use_moe:
+        return "qwen3" if cfg.qk_norm else "llama"
+    if not cfg.qk_norm:
+        return "qwen2_moe"
+    if cfg.n_shared_experts:
+        raise UserError(f"model.n_shared_experts={cfg.n_shared_experts} with model.qk_norm: Qwen3-MoE, the one "
+                        "transformers MoE with QK-norm and nanolm's routing, has no shared expert (Qwen2-MoE has one "
+                        "but no QK-norm); export a model with n_shared_experts 0, or use `nanolm export gguf`")
+    return "qwen3_moe"
+
+
+def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The RoPE fields of config.json: transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters
+    (or rope_scaling first when it is set); all are written, with the same values."""
+    if cfg.rope_scaling == "none":
+        return {"rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    yarn: dict[str, Any] = {"rope_type": "yarn", "factor": cfg.rope_factor,
+                            "original_max_position_embeddings": cfg.rope_original_max_len,
+                            "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow}
+    if cfg.rope_attention_factor:  # else transformers computes the same default, 0.1 ln(factor) + 1
+        yarn["attention_factor"] = cfg.rope_attention_factor
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": yarn,
+            "rope_parameters": {**yarn, "rope_theta": cfg.rope_theta}}
+
+
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     dtype_name = str(dtype).removeprefix("torch.")
+    model_type = hf_model_type(cfg)
     out: dict[str, Any] = {
-        "architectures": ["Qwen2MoeForCausalLM" if cfg.use_moe else "LlamaForCausalLM"],
-        "model_type": "qwen2_moe" if cfg.use_moe else "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.n_hidden,
@@ -110,9 +167,7 @@ def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers < 5 reads rope_theta, >= 5 rope_parameters; both are written.
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **_rope_config(cfg),
         "attention_dropout": 0.0,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -124,25 +179,29 @@ def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": dtype_name,  # transformers < 5
         "dtype": dtype_name,
     }
-    if not cfg.use_moe:
+    if model_type == "llama":
         out.update({"head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+        return out
+    out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer})
+    if model_type == "qwen2_moe":
+        out["qkv_bias"] = True  # zero biases, see the module docstring
+    else:  # Qwen3's default head_dim is 128 whatever the width, so it is always written
+        out.update({"head_dim": cfg.head_dim, "attention_bias": False})
+    if model_type == "qwen3":
         return out
     n_moe = len(_moe_layers(cfg))
     out.update({
-        "qkv_bias": True,
         "decoder_sparse_step": cfg.moe_every,
         "mlp_only_layers": [],
         "num_experts": cfg.n_experts,
         "num_experts_per_tok": cfg.top_k,
         "moe_intermediate_size": cfg.moe_n_hidden,
-        "shared_expert_intermediate_size": cfg.n_shared_experts * cfg.moe_n_hidden or 1,
         "norm_topk_prob": cfg.norm_topk,
         "router_aux_loss_coef": cfg.aux_loss_coef * n_moe / cfg.top_k,
         "output_router_logits": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": cfg.n_layer,
     })
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = cfg.n_shared_experts * cfg.moe_n_hidden or 1
     return out
 
 
@@ -164,8 +223,9 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
         raise ValueError(f"to_hf: the state dict does not match the model config (missing: {missing[:3]}, "
                          f"unexpected: {unexpected[:3]}, shapes: {wrong[:3]}); merge LoRA adapters first")
     dtype = sd["embed_tokens.weight"].dtype
+    hf_config = _hf_config(cfg, dtype)  # refuses what no transformers model computes, before any work
     out = {_hf_name(k): t for k, t in sd.items()}
-    if cfg.use_moe:
+    if hf_config["model_type"] == "qwen2_moe":
         C, hs = cfg.d_model, cfg.head_dim
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
         for i in range(cfg.n_layer):
@@ -183,7 +243,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
                 out[mlp + "shared_expert.up_proj.weight"] = zeros(1, C)
                 out[mlp + "shared_expert.down_proj.weight"] = zeros(C, 1)
             out[mlp + "shared_expert_gate.weight"] = zeros(1, C)
-    return out, _hf_config(cfg, dtype)
+    return out, hf_config
 
 
 def _round(x: float) -> float:
@@ -205,8 +265,8 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
     def unsupported(name: str, value: Any, supported: str) -> UserError:
         return UserError(f"{where_cfg}: {name} = {json.dumps(value)} is not supported; {supported}")
 
-    def get_int(name: str, default: int | None = None) -> int:
-        v = hf_config.get(name, default)
+    def get_int(name: str, default: int | None = None, value: Any = None) -> int:
+        v = hf_config.get(name, default) if value is None else value
         if isinstance(v, bool) or not isinstance(v, int):
             raise UserError(f"{where_cfg}: {name} must be an integer, got {json.dumps(v)}; "
                             f"is this a transformers config.json?")
@@ -221,28 +281,54 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
 
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM) and qwen2_moe "
-                          "(Qwen2MoeForCausalLM, as nanolm exports it)")
+        raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM), qwen3 "
+                          "(Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM) and qwen2_moe (Qwen2MoeForCausalLM, "
+                          "as nanolm exports it)")
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
         raise unsupported("hidden_act", act, "nanolm's MLP is SwiGLU (hidden_act \"silu\")")
-    if hf_config.get("rope_scaling"):
-        raise unsupported("rope_scaling", hf_config["rope_scaling"], "nanolm uses plain RoPE (rope_scaling null)")
     theta = hf_config.get("rope_theta", 10000.0)  # transformers' default base
-    rope = hf_config.get("rope_parameters")
+    # transformers >= 5 takes rope_scaling when it is set, else rope_parameters; < 5 reads rope_scaling only.
+    rope_key = "rope_scaling" if hf_config.get("rope_scaling") else "rope_parameters"
+    rope = hf_config.get(rope_key)
+    rope_fields: dict[str, Any] = {}
     if rope is not None:
-        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or \
-                set(rope) - {"rope_type", "rope_theta"}:
-            raise unsupported("rope_parameters", rope, "nanolm uses plain RoPE "
-                              "({\"rope_type\": \"default\", \"rope_theta\": ...})")
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+        extra = set(rope) - ({"rope_type", "type", "rope_theta"} | (YARN_KEYS if kind == "yarn" else set())) \
+            if isinstance(rope, dict) else set()
+        # truncate false (gpt-oss) and mscale (DeepSeek) change YaRN's formula; nanolm computes transformers'
+        # default one.
+        if kind not in ("default", "yarn") or extra or rope.get("truncate", True) is not True or \
+                rope.get("mscale") or rope.get("mscale_all_dim"):
+            raise unsupported(rope_key, rope, "nanolm uses plain RoPE ({\"rope_type\": \"default\"}) or YaRN "
+                              "({\"rope_type\": \"yarn\", \"factor\": ..., \"original_max_position_embeddings\": ..., "
+                              "optionally beta_fast, beta_slow, attention_factor})")
         theta = rope.get("rope_theta", theta)
+        if kind == "yarn":
+            def number(key: str, default: float | None) -> float:
+                return get_float(f"{rope_key}.{key}", default, rope.get(key))
+
+            attention = rope.get("attention_factor")
+            rope_fields = dict(
+                rope_scaling="yarn", rope_factor=number("factor", None),
+                # transformers' default for a missing original length: max_position_embeddings
+                rope_original_max_len=get_int(f"{rope_key}.original_max_position_embeddings",
+                                              hf_config.get("max_position_embeddings"),
+                                              rope.get("original_max_position_embeddings")),
+                rope_beta_fast=number("beta_fast", 32.0), rope_beta_slow=number("beta_slow", 1.0),
+                rope_attention_factor=0.0 if attention is None else number("attention_factor", None))
     for name in ("attention_bias", "mlp_bias"):
         if hf_config.get(name):
             raise unsupported(name, hf_config[name], f"nanolm's linear layers have no bias ({name} false)")
     if hf_config.get("use_sliding_window"):
         raise unsupported("use_sliding_window", True, "nanolm attends to the whole context (false)")
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or set(layer_types) - {"full_attention"}):
+        raise unsupported("layer_types", layer_types, "nanolm attends to the whole context in every layer "
+                          "(\"full_attention\")")
     d_model, n_head = get_int("hidden_size"), get_int("num_attention_heads")
-    head_dim = hf_config.get("head_dim")
+    # Qwen3Config's head_dim defaults to 128 whatever the width; the others' to hidden_size / heads.
+    head_dim = hf_config.get("head_dim", 128 if model_type == "qwen3" else None)
     if n_head > 0 and head_dim is not None and head_dim != d_model // n_head:
         raise unsupported("head_dim", head_dim, f"nanolm needs head_dim = hidden_size / num_attention_heads "
                           f"({d_model} / {n_head})")
@@ -253,11 +339,12 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
         n_kv_head=n_head if kv is None else get_int("num_key_value_heads"),
         n_hidden=get_int("intermediate_size"),
         max_seq_len=get_int("max_position_embeddings", 2048), rope_theta=get_float("rope_theta", 0.0, theta),
-        norm_eps=get_float("rms_norm_eps", 1e-6), dropout=0.0,
+        **rope_fields,
+        norm_eps=get_float("rms_norm_eps", 1e-6), qk_norm=model_type in ("qwen3", "qwen3_moe"), dropout=0.0,
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         init_std=get_float("initializer_range", 0.02),
     )
-    moe = model_type == "qwen2_moe"
+    moe = model_type in ("qwen2_moe", "qwen3_moe")
     if moe:
         if hf_config.get("mlp_only_layers"):
             raise unsupported("mlp_only_layers", hf_config["mlp_only_layers"], "nanolm places MoE layers by "
@@ -266,10 +353,14 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
         top_k = get_int("num_experts_per_tok")
         n_moe = sum(1 for i in range(n_layer) if step > 0 and (i + 1) % step == 0)
         moe_hidden = get_int("moe_intermediate_size")
-        shared = get_int("shared_expert_intermediate_size")
+        # Qwen3-MoE has no shared expert; in Qwen2-MoE a width that is no multiple of the expert width is the
+        # zero stand-in for "no shared expert".
+        shared = get_int("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+        # transformers >= 5 saves Qwen3-MoE's expert count as num_local_experts.
+        n_experts = "num_local_experts" if "num_experts" not in hf_config and "num_local_experts" in hf_config \
+            else "num_experts"
         fields.update(
-            use_moe=True, n_experts=get_int("num_experts"), top_k=top_k, moe_n_hidden=moe_hidden, moe_every=step,
-            # A width that is no multiple of the expert width is the zero stand-in for "no shared expert".
+            use_moe=True, n_experts=get_int(n_experts), top_k=top_k, moe_n_hidden=moe_hidden, moe_every=step,
             n_shared_experts=shared // moe_hidden if moe_hidden > 0 and shared % moe_hidden == 0 else 0,
             norm_topk=bool(hf_config.get("norm_topk_prob", False)),
             aux_loss_coef=_round(get_float("router_aux_loss_coef", 0.001) * top_k / max(n_moe, 1)),
@@ -282,12 +373,24 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
     sd = {k: t for k, t in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # transformers ignores a stored copy of the tied head too
-    if moe:
-        def take(key: str) -> torch.Tensor:
-            if key not in sd:
-                raise UserError(f"{where_w}: missing tensor {key}; the checkpoint is incomplete")
-            return sd.pop(key)
+    def take(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise UserError(f"{where_w}: missing tensor {key}; the checkpoint is incomplete")
+        return sd.pop(key)
 
+    # Experts fused into 3-D tensors (transformers >= 5 in memory, MiniMind's conversion script) become the
+    # per-expert tensors of the checkpoint layout.
+    for fused in [k for k in sd if k.endswith(".mlp.experts.gate_up_proj")]:
+        experts = fused.removesuffix("gate_up_proj")
+        gate_up, down = take(fused), take(experts + "down_proj")  # (E, 2 moe_hidden, C): gate rows, then up rows
+        if gate_up.dim() != 3 or gate_up.shape[1] % 2 or down.dim() != 3 or down.shape[0] != gate_up.shape[0]:
+            raise UserError(f"{where_w}: {fused} {tuple(gate_up.shape)} and {experts}down_proj {tuple(down.shape)} "
+                            "are not (experts, 2 x width, hidden) and (experts, hidden, width)")
+        for j in range(gate_up.shape[0]):
+            gate, up = gate_up[j].chunk(2)
+            sd[f"{experts}{j}.gate_proj.weight"], sd[f"{experts}{j}.up_proj.weight"] = gate.clone(), up.clone()
+            sd[f"{experts}{j}.down_proj.weight"] = down[j].clone()  # (C, moe_hidden)
+    if model_type == "qwen2_moe":
         if hf_config.get("qkv_bias", True):
             for i in range(cfg.n_layer):
                 for proj in ("q_proj", "k_proj", "v_proj"):

@@ -6,7 +6,8 @@ were three (two) makes a minimind-26m token ~10% faster in bf16. `fuse_projectio
 model that only decodes from then on (the Engine's own copy), each attention and SwiGLU MLP by a
 subclass that overrides only the step that computes the projections (`Attention.project`,
 `MLP.hidden`); the attention itself (KV cache, masks, SDPA), the activation and the output
-projections stay the architecture's own code, and RoPE is its apply_rope, run once for q and k.
+projections stay the architecture's own code, and RoPE is its apply_rope, run once for q and k (after
+the attention's own QK-norm modules, when it has them).
 
 A fused module keeps the stacked matrix as its only copy of those weights (no separate q/k/v or
 gate/up remain, so nothing can wrap or update them behind the fused product), and it is an ordinary
@@ -78,7 +79,8 @@ def _load_stock_layout(module: nn.Module, state_dict: dict[str, torch.Tensor], p
 class FusedAttention(Attention):
     """Attention whose q, k and v come from one product and whose q and k turn in one RoPE.
 
-    qkv_weight: ((nh + 2 nkv) * hs, C), the rows of q_proj, k_proj and v_proj in that order.
+    qkv_weight: ((nh + 2 nkv) * hs, C), the rows of q_proj, k_proj and v_proj in that order. The
+    QK-norm modules (q_norm, k_norm), when the attention has them, are the attention's own.
     """
 
     stacks = {"qkv_weight": ("q_proj", "k_proj", "v_proj")}
@@ -88,16 +90,21 @@ class FusedAttention(Attention):
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
         self.dropout = attn.dropout
         self.qkv_weight = _stacked(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.o_proj = attn.o_proj
         self.train(attn.training)
         self.register_load_state_dict_pre_hook(_load_stock_layout)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with RoPE applied to q and k."""
+        """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with QK-norm (if any) then RoPE applied
+        to q and k."""
         B, T, _ = x.shape
         qkv = decode_linear(x, self.qkv_weight).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
-        qk = apply_rope(qkv[:, :self.n_head + self.n_kv_head], cos, sin)  # (B, nh+nkv, T, hs)
+        qk = qkv[:, :self.n_head + self.n_kv_head]  # (B, nh+nkv, T, hs)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :self.n_head]), self.k_norm(qk[:, self.n_head:])], dim=1)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
         return q, k, qkv[:, self.n_head + self.n_kv_head:]
 

@@ -32,7 +32,7 @@ same function with one matmul instead of n_shared (DeepSeek-V2/V3 store them
 the same way, as `shared_experts`).
 
 HuggingFace export targets (nanolm attention is Llama attention: no q/k/v
-bias, no QK-norm, rotate-half RoPE):
+bias, rotate-half RoPE, and QK-norm only with model.qk_norm):
 - Qwen2-MoE (`Qwen2MoeForCausalLM`), any setting: `mlp.gate`, `mlp.experts.{i}.*`,
   `mlp.shared_expert.*` map by name; config num_experts, num_experts_per_tok=top_k,
   moe_intermediate_size=n_hidden, shared_expert_intermediate_size=n_shared_experts*n_hidden,
@@ -46,8 +46,9 @@ bias, no QK-norm, rotate-half RoPE):
   over the top-k logits equals renormalised top-k softmax probabilities; keys become
   `block_sparse_moe.gate`, `block_sparse_moe.experts.{i}.w1` (gate_proj), `w3` (up_proj),
   `w2` (down_proj).
-- Qwen3-MoE has the same MoE block without shared experts but QK-norm in attention,
-  so a nanolm model cannot be expressed in it.
+- Qwen3-MoE (`Qwen3MoeForCausalLM`), for models with QK-norm and n_shared_experts=0:
+  Qwen2-MoE's routing and expert names without the shared expert, and Qwen3's QK-norm
+  attention (nanolm/export/hf.py).
 Recent transformers versions fuse expert weights into 3-D tensors in memory but
 still read and write per-expert keys in checkpoints.
 

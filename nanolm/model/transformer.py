@@ -1,13 +1,25 @@
 """The Llama-style decoder: architecture only.
 
 Token embedding -> n_layer x [RMSNorm -> grouped-query attention with RoPE ->
-residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (optionally
-tied to the embedding).
+residual, RMSNorm -> SwiGLU MLP (or MoE) -> residual] -> RMSNorm -> LM head
+(optionally tied to the embedding).
 
-Module names follow HuggingFace's Llama (`layers.N.self_attn.q_proj`, ...) and
-RoPE uses the same rotate-half convention, so export to `transformers` is a
-renaming of keys, not a permutation of weights. Optimizers, data, logging and
-distribution live elsewhere; this file knows tensors only.
+Two options make it Qwen3's (and MiniMind-3's) decoder:
+- `qk_norm`: each head's queries and keys go through an RMSNorm over the head
+  dimension before RoPE, one learned weight of size head_dim for q and one for
+  k per layer, shared by the heads (`self_attn.q_norm`, `self_attn.k_norm`).
+  It keeps the attention logits bounded whatever the scale of the projections.
+  Without it a model has no such modules, so older checkpoints load unchanged.
+- `rope_scaling = "yarn"`: the RoPE frequencies of YaRN (`Yarn`), computed in
+  float32 exactly as transformers computes them, with cos/sin scaled by the
+  attention factor, so a model trained at one context length runs at a longer
+  one (`ModelConfig.with_yarn` stretches a trained model at load time).
+
+Module names follow HuggingFace's Llama / Qwen3 (`layers.N.self_attn.q_proj`,
+...) and RoPE uses the same rotate-half convention, so export to
+`transformers` is a renaming of keys, not a permutation of weights.
+Optimizers, data, logging and distribution live elsewhere; this file knows
+tensors only.
 
 Shapes: B batch, T new tokens, S cached+new tokens, C d_model, nh heads,
 nkv key/value heads, hs head size, V vocabulary.
@@ -38,13 +50,73 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape (max_len, head_dim) in the rotate-half layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (hs/2,)
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's RoPE scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), as transformers has it.
+
+    Dimension pair i turns original_max_len * f_i / (2 pi) times over the trained context. Pairs that turn more
+    than beta_fast times keep their frequency f_i (they already saw every angle), pairs that turn fewer than
+    beta_slow times are interpolated to f_i / factor (positions squeezed into the trained range), and a linear
+    ramp over the pair index blends the ones between. cos and sin are multiplied by the attention factor,
+    0.1 ln(factor) + 1 unless given, which sharpens the attention that the longer context flattens.
+    """
+
+    factor: float
+    original_max_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0  # 0 = 0.1 ln(factor) + 1
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Yarn | None":
+        if cfg.rope_scaling != "yarn":
+            return None
+        return cls(cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_beta_fast, cfg.rope_beta_slow,
+                   cfg.rope_attention_factor)
+
+    @property
+    def default_scale(self) -> float:
+        """The paper's attention factor 0.1 ln(factor) + 1 (1 for factor <= 1), transformers' and llama.cpp's
+        default."""
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    @property
+    def scale(self) -> float:
+        """What cos and sin are multiplied by (transformers' attention_scaling)."""
+        return self.attention_factor or self.default_scale
+
+    def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
+        """The scaled frequencies (hs/2,) float32: transformers' `_compute_yarn_parameters`, operation by
+        operation in the same order and precision, so an exported model's frequencies are bit-identical."""
+        def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times
+            return head_dim * math.log(self.original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        # Clamped at head_dim - 1, not hs/2 - 1, as transformers and llama.cpp do (it matters only when the
+        # slow boundary falls past the last pair, where the ramp then never reaches 1).
+        low = max(math.floor(pair_turning(self.beta_fast)), 0)
+        high = min(math.ceil(pair_turning(self.beta_slow)), head_dim - 1)
+        if low == high:
+            high += 0.001  # a step instead of a ramp, without dividing by zero
+        base = theta ** (torch.arange(0, head_dim, 2).to(torch.float32) / head_dim)  # (hs/2,) 1 / f_i
+        kept = 1 - torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        return 1.0 / (self.factor * base) * (1 - kept) + 1.0 / base * kept
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of shape (max_len, head_dim) in the rotate-half layout, YaRN-scaled when `yarn` is given.
+
+    The angles and their cos/sin are computed in float64 and rounded once to float32.
+    """
+    if yarn is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (hs/2,)
+        scale = 1.0
+    else:
+        inv_freq, scale = yarn.inv_freq(head_dim, theta).double(), yarn.scale
     t = torch.arange(max_len, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # (max_len, hs/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, hs)
-    return emb.cos().float(), emb.sin().float()
+    return (emb.cos() * scale).float(), (emb.sin() * scale).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -85,10 +157,11 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE: project (q/k/v heads, rotated) -> attention -> o_proj.
+    """Grouped-query self-attention with RoPE: project (q/k/v heads, QK-normed, rotated) -> attention -> o_proj.
 
     `project` is a method of its own so that a module applied from outside (the fused products of
-    infer/fuse.py) overrides only the projections.
+    infer/fuse.py) overrides only the projections. Every path (training, prefill, decoding, rows of
+    different lengths) goes through it, so QK-norm and RoPE are applied the same way in all of them.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -98,15 +171,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        # QK-norm (Qwen3): one weight over the head dimension, shared by the heads.
+        self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with RoPE applied to q and k."""
+        """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with QK-norm (if any) then RoPE applied
+        to q and k."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -214,7 +293,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, Yarn.of(cfg))
         # Not saved in checkpoints: they are derived from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -290,7 +369,8 @@ def count_params(model: nn.Module) -> dict[str, int]:
     """Total, trainable and active-per-token parameters (shared tensors counted once), and the embedding's share.
 
     Active = what one token's forward uses: for MoE layers, the router, the
-    shared expert and top_k of the routed experts.
+    shared expert and top_k of the routed experts. Norm weights count, QK-norm's
+    (2 head_dim per layer) among them.
     """
     seen: set[int] = set()
     total = trainable = 0
@@ -313,6 +393,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     Each weight of a matrix multiply costs 2 FLOPs per token forward; the LM head
     counts even when tied (the lookup is free, the projection is not).
     For MoE layers only the active experts count (MFU measures useful work).
+    Norms (QK-norm included) and RoPE are elementwise and not counted.
     Attention scores and the weighted sum cost 2 * 2 * n_layer * seq_len * d_model
     forward (causal masking is not subtracted, as in the PaLM/nanoGPT convention).
     """

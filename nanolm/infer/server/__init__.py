@@ -79,9 +79,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling: SamplingParams | None = None,
-          adapter: str | Path | None = None, which: str = "best", device: str = "auto") -> None:
+          adapter: str | Path | None = None, which: str = "best", device: str = "auto",
+          yarn: float | None = None) -> None:
     """Load a checkpoint and serve it until interrupted, with `config`'s settings (default: ServeConfig(), which
-    listens on loopback only) and `sampling`'s defaults for what a request leaves out."""
+    listens on loopback only) and `sampling`'s defaults for what a request leaves out; `yarn` stretches its
+    context that many times (see `load_model`)."""
     _require_extra("fastapi", "uvicorn")
     import uvicorn
 
@@ -92,7 +94,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
     sock = _bind(config.host, config.port)  # first, so a busy port fails before the model loads
     try:
         dev = resolve_device(device)
-        model, src = load_model(checkpoint, which, dev, adapter=adapter)
+        model, src = load_model(checkpoint, which, dev, adapter=adapter, yarn=yarn)
         if not config.model_name:
             config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
         app = create_app(Engine(model, dev), Tokenizer.load(src), config, sampling)
