@@ -11,13 +11,14 @@ from nanolm.infer.engine import DecodeBatch, Token
 
 class Signals:
     """What a test watches and holds: `gate` (each step waits for it), `tokens` made, `closed` (set when a row
-    leaves the batch: ended or cancelled)."""
+    leaves the batch: ended or cancelled), `prompts` (each row's prompt ids, as added)."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.gate.set()
         self.closed = threading.Event()
         self.tokens = 0
+        self.prompts: list[list[int]] = []
 
 
 class Watched:
@@ -41,10 +42,11 @@ class Watched:
 class ScriptBatch:
     """Every row replays `script` (at most its max_new_tokens), each step once `signals.gate` is open and `delay`
     s have passed, then ends on a stop id as a model would; a row whose budget the script fills ends with
-    "length"."""
+    "length". With `replies` (a deque of scripts), each new row replays the next one instead, and `script` once
+    they are used up."""
 
-    def __init__(self, script: list[int], signals: Signals, delay: float = 0.0) -> None:
-        self.script, self.signals, self.delay = script, signals, delay
+    def __init__(self, script: list[int], signals: Signals, delay: float = 0.0, replies=None) -> None:
+        self.script, self.signals, self.delay, self.replies = script, signals, delay, replies
         self.rows: dict[int, list] = {}  # row -> [ids iterator, budget, produced]
         self.cancelled: set[int] = set()
         self.next_id = 0
@@ -56,7 +58,9 @@ class ScriptBatch:
         ids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
         for row in ids:
-            self.rows[row] = [iter(self.script), params.max_new_tokens, 0]
+            script = self.replies.popleft() if self.replies else self.script
+            self.rows[row] = [iter(script), params.max_new_tokens, 0]
+            self.signals.prompts.append(list(prompt))
         return ids
 
     def cancel(self, row: int) -> None:

@@ -50,6 +50,7 @@ MAX_EXPRESSION_CHARS = 1000
 MAX_DIGITS = 100  # a calculator result (or any step of it) has at most this many digits
 _LIMIT = 10**MAX_DIGITS
 _INTEGRAL_FLOAT_LIMIT = 10**15  # floats with an integral value below this print as integers
+MAX_TOOL_ROUNDS = 5  # a chat lets the model continue after tool results at most this many times per user turn
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
