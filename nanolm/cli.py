@@ -159,8 +159,14 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 def _cmd_chat(args: argparse.Namespace) -> None:
     from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.tools import Toolbox
+    if args.max_tool_rounds < 0:
+        raise UserError(f"--max-tool-rounds {args.max_tool_rounds}: must be >= 0 (0: no continuation after tool "
+                        "results)")
+    tools = Toolbox.from_specs(args.tools)  # a bad tools.json fails before the model loads
     engine, tok, params, _ = _engine_from_args(args)
-    run_chat(ChatSession(engine, tok, params, system=args.system))
+    run_chat(ChatSession(engine, tok, params, system=args.system, tools=tools, thinking=args.think,
+                         max_tool_rounds=args.max_tool_rounds))
 
 
 def _cmd_lora_merge(args: argparse.Namespace) -> None:
@@ -224,6 +230,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from nanolm.config import PRESETS, SamplingParams, ServeConfig
     from nanolm.export.ollama import DEFAULT_OUTTYPE
+    from nanolm.infer.tools import MAX_TOOL_ROUNDS
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
                                 "from raw text to chat.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -305,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = _inference_parser(sub, "chat", _cmd_chat,
                           help="multi-turn chat in the terminal (or scripted: one user turn per stdin line)")
     c.add_argument("--system", default="", help="system prompt")
+    c.add_argument("--tools", action="append", default=[], metavar="builtin|FILE",
+                   help="offer the model tools: `builtin` (calculator, current_time, which the chat runs) or a "
+                        "tools.json (a JSON array of OpenAI tool objects, whose results you type in); repeatable")
+    c.add_argument("--think", action="store_true",
+                   help="let the model reason in a <think> block before it answers (shown apart)")
+    c.add_argument("--max-tool-rounds", type=int, default=MAX_TOOL_ROUNDS, metavar="N",
+                   help="the most times the model continues after tool results in one turn (default %(default)s)")
 
     lo = sub.add_parser("lora", help="LoRA adapters: merge into a full model")
     losub = lo.add_subparsers(dest="lora_cmd", required=True, metavar="ACTION")

@@ -11,13 +11,14 @@ from nanolm.infer.engine import DecodeBatch, Token
 
 class Signals:
     """What a test watches and holds: `gate` (each step waits for it), `tokens` made, `closed` (set when a row
-    leaves the batch: ended or cancelled)."""
+    leaves the batch: ended or cancelled), `prompts` (each row's prompt ids, as added)."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.gate.set()
         self.closed = threading.Event()
         self.tokens = 0
+        self.prompts: list[list[int]] = []
 
 
 class Watched:
@@ -41,11 +42,13 @@ class Watched:
 class ScriptBatch:
     """Every row replays `script` (at most its max_new_tokens), each step once `signals.gate` is open and `delay`
     s have passed, then ends on a stop id as a model would; a row whose budget the script fills ends with
-    "length"."""
+    "length". With `replies` (a deque of scripts), each new row replays the next one instead, and `script` once
+    they are used up. Asked for log-probabilities, the k-th token of a reply (from 0) has logprob -(k + 1) / 100,
+    its own id as the one alternative, so a test can tell which tokens it was given."""
 
-    def __init__(self, script: list[int], signals: Signals, delay: float = 0.0) -> None:
-        self.script, self.signals, self.delay = script, signals, delay
-        self.rows: dict[int, list] = {}  # row -> [ids iterator, budget, produced]
+    def __init__(self, script: list[int], signals: Signals, delay: float = 0.0, replies=None) -> None:
+        self.script, self.signals, self.delay, self.replies = script, signals, delay, replies
+        self.rows: dict[int, list] = {}  # row -> [ids iterator, budget, produced, logprobs]
         self.cancelled: set[int] = set()
         self.next_id = 0
 
@@ -56,7 +59,9 @@ class ScriptBatch:
         ids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
         for row in ids:
-            self.rows[row] = [iter(self.script), params.max_new_tokens, 0]
+            script = self.replies.popleft() if self.replies else self.script
+            self.rows[row] = [iter(script), params.max_new_tokens, 0, logprobs]
+            self.signals.prompts.append(list(prompt))
         return ids
 
     def cancel(self, row: int) -> None:
@@ -84,7 +89,8 @@ class ScriptBatch:
             state[2] += 1
             self.signals.tokens += 1
             finish = "length" if state[2] >= state[1] else None
-            out.append(Token(row, tid, finish))
+            lp = None if state[3] is None else -state[2] / 100
+            out.append(Token(row, tid, finish, lp, None if lp is None else [(tid, lp)][:state[3]]))
             if finish:
                 self._leave(row)
         return out

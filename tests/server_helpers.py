@@ -4,6 +4,7 @@ conftest.py."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from contextlib import contextmanager
@@ -22,25 +23,32 @@ uvicorn = pytest.importorskip("uvicorn")  # skips the module that imports this o
 CTX = 96
 
 
-def tiny_model(vocab_size: int = 400) -> Transformer:
+def tiny_model(vocab_size: int = 400, max_seq_len: int = CTX) -> Transformer:
     # Untied, larger random weights: varied output (including split multi-byte characters), not one token repeated.
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=vocab_size, d_model=32, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=CTX,
-                                   tie_embeddings=False, init_std=0.2))
+    return Transformer(ModelConfig(vocab_size=vocab_size, d_model=32, n_layer=1, n_head=4, n_kv_head=2,
+                                   max_seq_len=max_seq_len, tie_embeddings=False, init_std=0.2))
 
 
 class ScriptedEngine(Watched, Engine):
     """Every row replays fixed token ids, one step each `delay` s, then ends as the real engine does on a stop
-    token; `tokens` counts what it gave, `closed` is set when a row leaves."""
+    token; `tokens` counts what it gave, `closed` is set when a row leaves, `prompts` holds each row's prompt.
+    With `replies` (scripts), row k replays the k-th of them (then `script`): a conversation's replies in turn."""
 
-    def __init__(self, script: list[int], delay: float = 0.0) -> None:
-        super().__init__(tiny_model())
+    def __init__(self, script: list[int], delay: float = 0.0, replies: list[list[int]] | None = None,
+                 max_seq_len: int = CTX) -> None:
+        super().__init__(tiny_model(max_seq_len=max_seq_len))
         self.script = script
         self.delay = delay
+        self.replies = collections.deque(replies or [])
         self.watch()
 
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.signals.prompts
+
     def batch(self) -> ScriptBatch:
-        return ScriptBatch(self.script, self.signals, self.delay)
+        return ScriptBatch(self.script, self.signals, self.delay, self.replies)
 
 
 class SlowEngine(Watched, Engine):

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from nanolm.config import ServeConfig
+from nanolm.data.chatml import Message
 
 httpx = pytest.importorskip("httpx")
 from server_helpers import ScriptedEngine, running  # noqa: E402  (skips without uvicorn)
@@ -154,8 +155,20 @@ def check_speed(stats: str, answer: dict) -> None:
     assert int(m.group(1)) == answer["usage"]["completion_tokens"]
 
 
-def test_a_seeded_conversation_shows_the_apis_answers(browser, base):
+@pytest.fixture(scope="module")
+def roomy(tok):
+    """A server of the tiny model with room for a two-turn conversation: the Qwen3 layout's think blocks take
+    more of the context than plain ChatML's turns, and 96 tokens no longer hold it."""
+    from server_helpers import tiny_model
+
+    from nanolm.infer.engine import Engine
+    with running(create_app(Engine(tiny_model(max_seq_len=192)), tok, ServeConfig(model_name="tiny"))) as url:
+        yield url
+
+
+def test_a_seeded_conversation_shows_the_apis_answers(browser, roomy):
     d = browser
+    base = roomy
     open_page(d, base, "tiny")
     system = {"role": "system", "content": "Be brief."}
     sampling = {"temperature": 0.9, "top_p": 0.9, "max_tokens": 8, "seed": 7, "repetition_penalty": 4.0}
@@ -255,6 +268,28 @@ def test_stop_ends_a_long_reply_and_frees_the_server(browser, tok):
         while httpx.get(url + "/health", timeout=30).json()["admitted"] != 0:
             assert time.monotonic() < deadline, "the stopped request still holds its place"
             time.sleep(0.05)
+
+
+def test_a_reply_stopped_before_any_text_is_left_out_of_the_conversation(browser, tok):
+    """The chat format has no empty reply to render (the server refuses one), so the next turn is sent without
+    the stopped exchange and is answered."""
+    d = browser
+    eng = ScriptedEngine(tok.encode(SENTENCE))
+    with running(create_app(eng, tok, ServeConfig(model_name="gated"))) as url:
+        open_page(d, url, "gated")
+        eng.gate.clear()  # no token comes until the test opens the gate
+        try:
+            say(d, "go")
+            until(d, lambda d: len(messages(d)) == 2 and el(d, "stop").is_displayed())
+            el(d, "stop").click()
+            assert reply(d, 1) == ("", "stopped")
+        finally:
+            eng.gate.set()
+        eng.prompts.clear()
+        say(d, "again")
+        assert reply(d, 2)[0] == SENTENCE and error(d) is None
+        assert eng.prompts[-1] == tok.encode(tok.chat_format.render([Message("user", "again")],
+                                                                    add_generation_prompt=True))
 
 
 def test_model_output_is_shown_as_text_and_never_runs(browser, tok):

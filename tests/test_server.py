@@ -199,7 +199,7 @@ OK_MSG = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": "hi"}, "messages"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": OK_MSG, "temperature": -0.1}, "temperature"),
     (CHAT, {"messages": OK_MSG, "temperature": 2.5}, "temperature"),
     (CHAT, {"messages": OK_MSG, "temperature": "hot"}, "temperature"),

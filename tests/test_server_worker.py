@@ -64,6 +64,11 @@ def test_a_job_posts_its_text_then_how_it_ended(tok):
     evs = asyncio.run(run_job(engine, tok, 50, stops=["not"]))
     assert texts(evs) == "To be, or " and evs[-1][:3] == ("end", 0, "stop") and engine.closed.wait(10)
     assert engine.tokens < len(script)  # the stop string ended the generation
+    # The budget ends the row while "be" is held (it may begin "be, or", which would cut before the "e" found):
+    # the held text is cut at "e", and the finish is "stop", not "length".
+    short = tok.encode("To be")
+    evs = asyncio.run(run_job(ScriptEngine(short), tok, len(short), stops=["e", "be, or"]))
+    assert texts(evs) == "To b" and evs[-1][:3] == ("end", 0, "stop")
     evs = asyncio.run(run_job(ScriptEngine(script), tok, 4, n=3))  # three choices, each its own events
     assert [texts(evs, i) for i in range(3)] == [tok.decode(script[:4])] * 3
     assert sorted(e[1:4] for e in evs if e[0] == "end") == [(i, "length", 4) for i in range(3)]

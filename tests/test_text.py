@@ -183,6 +183,17 @@ def test_stop_strings_hold_back_a_possible_start_and_release_it():
         StopStrings(["a", ""])
 
 
+def test_a_longer_stop_string_begun_earlier_cuts_first():
+    """The whole text "aca" is cut at "aca" (index 0), not at the "c" that completes first in the stream."""
+    s = StopStrings(["c", "aca"])
+    assert s.push("ac") == "" and not s.stopped  # "c" is there, but "aca" begun before it may still complete
+    assert s.push("a") == "" and s.stopped
+    s = StopStrings(["c", "aca"])
+    assert s.push("ac") == "" and s.push("b") == "a" and s.stopped  # "aca" did not complete: cut at "c"
+    s = StopStrings(["c", "aca"])
+    assert s.push("ac") == "" and s.flush() == "a" and s.stopped  # the text ended: cut at "c"
+
+
 def test_text_stream_stops_inside_a_token_and_across_split_characters(tok):
     one = byte_ids(tok)
     ids = tok.encode("To be, or not to be") + [one[b] for b in "话说".encode("utf-8")]

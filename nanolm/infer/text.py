@@ -71,9 +71,11 @@ class StopStrings:
     """Cuts streamed text before the first stop string; the stop string itself never comes out.
 
     `push` returns what is safe to show now: the text up to an end that may
-    begin a stop string, which is held back until the next piece decides it.
-    Only that held end (shorter than the longest stop string) is searched
-    again, so the work per piece does not grow with the text.
+    begin a stop string, which is held back until the next piece decides it
+    (also past a shorter stop string found after that start: the longer one,
+    if it completes, cuts first). Only that held end (shorter than the
+    longest stop string) is searched again, so the work per piece does not
+    grow with the text.
     """
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
@@ -90,16 +92,34 @@ class StopStrings:
             return piece
         text = self._held + piece
         cut = find_stop(text, self.stops)
-        if cut is not None:
-            self.stopped, self._held = True, ""
-            return text[:cut]
-        safe = len(text) - stop_prefix_len(text, self.stops)
+        if cut is None:
+            safe = len(text) - stop_prefix_len(text, self.stops)
+        else:
+            # A longer stop string begun before the one found may yet complete, and cut earlier: wait for it.
+            begun = self._begun_before(text, cut)
+            if begun is None:
+                self.stopped, self._held = True, ""
+                return text[:cut]
+            safe = begun
         self._held = text[safe:]
         return text[:safe]
 
+    def _begun_before(self, text: str, cut: int) -> int | None:
+        """The first index before `cut` where the end of `text` begins some stop string it does not complete."""
+        longest = max(len(s) for s in self.stops)
+        for at in range(max(0, len(text) - longest + 1), cut):
+            end = text[at:]
+            if any(len(s) > len(end) and s.startswith(end) for s in self.stops):
+                return at
+        return None
+
     def flush(self) -> str:
-        """The held end, at the end of the text: no stop string can complete any more."""
+        """The held end, at the end of the text, cut at a stop string it holds: none can complete any more."""
         held, self._held = self._held, ""
+        cut = find_stop(held, self.stops)
+        if cut is not None:
+            self.stopped = True
+            return held[:cut]
         return held
 
 

@@ -1,9 +1,13 @@
 """An OpenAI-compatible HTTP API over the generation engine: `nanolm serve`.
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages rendered
-in ChatML, nanolm/data/chatml.py) and `POST /v1/completions` (a prompt
-continued), each streaming (server-sent events in OpenAI's chunk shapes) or
-not, so the official `openai` client and tools built on it work unchanged.
+in the tokenizer's chat format, nanolm/data/chatml.py, with `tools`,
+`tool_choice`, assistant `tool_calls`, `tool` results and thinking switched by
+`chat_template_kwargs.enable_thinking`; replies read back into `content`,
+`reasoning_content` and `tool_calls`, `choices`) and `POST /v1/completions`
+(a prompt continued), each streaming (server-sent events in OpenAI's chunk
+shapes) or not, so the official `openai` client and tools built on it work
+unchanged.
 `GET /` is a chat web page (`page`, files in static/) that streams its
 replies from the same API.
 
@@ -15,6 +19,7 @@ that goes away, mid-stream or while waiting, cancels its request, which frees
 its rows at the next step. `schemas` is the wire format: the request
 models and OpenAI's error body `{"error": {"message", "type", "param",
 "code"}}`, which every failure a client causes gets with a 4xx, never a 500.
+`choices` reads each choice's reply into OpenAI's message or stream deltas.
 `routes` is the FastAPI app: the routes are plain functions over one shared
 `ServerState`. What one request may cost is bounded before any work is done
 for it: a body over `max_body_bytes` gets 413 without being read into memory,

@@ -5,7 +5,10 @@ worker, the limits, the served model's name); `build_app` puts it on the app
 and registers the routes, the error handlers and the API-key middleware. A
 route reads the state from its request, validates the body (`schemas`),
 bounds its cost, submits a `worker.Job` and answers from the job's events:
-one JSON body, or server-sent events in OpenAI's chunk shapes.
+one JSON body, or server-sent events in OpenAI's chunk shapes. A chat
+request's messages and tools go through the chat format
+(`ServerState.chat_prompt`: a message or conversation it cannot render is a
+400 with its message), and each choice's reply is read by `choices.Choice`.
 
 Every failure a client causes is a 4xx with OpenAI's error body, never a 500.
 Imported only when a server is built: FastAPI comes with the `serve` extra.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
+import re
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -28,14 +33,16 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from nanolm.config import SamplingParams, ServeConfig
-from nanolm.data.chatml import ROLE_NAMES, render_chat
+from nanolm.data.chatml import TOOL_CALL, ChatError, check_conversation, message_from_dict, tools_from_value
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_vocab
+from nanolm.infer.server.choices import ChatPlan, Choice
 from nanolm.infer.server.page import chat_page, static_file
 from nanolm.infer.server.schemas import (ChatRequest, CompletionLogprobs, CompletionRequest, Usage, chat_logprobs,
                                          error_body, sse, validation_error)
 from nanolm.infer.server.worker import Job, Worker, events
+from nanolm.infer.tools import tool_name
 from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 # A completion without max_tokens stops after this many tokens, as OpenAI's /v1/completions does; a chat
@@ -135,6 +142,48 @@ class ServerState:
                            param, "context_length_exceeded")
         return self.tokenizer.encode(text)
 
+    def chat_prompt(self, req: ChatRequest) -> tuple[str, ChatPlan]:
+        """The prompt text of a chat request, in the tokenizer's chat format with the tools it offers, and how
+        its replies are read; 400 with the chat format's message for a conversation it cannot render.
+
+        tool_choice "none" leaves the tools out; "required" and a named function prefill the reply with the
+        opening of a call (`<tool_call>\n`, or up to the named function's arguments), which the reply is read
+        from. A forced call is written without reasoning: its prompt closes the think block.
+        """
+        fmt = self.tokenizer.chat_format
+        forced = req.forced_call()
+        try:
+            messages = [message_from_dict(f"messages[{i}]", m.as_dict()) for i, m in enumerate(req.messages)]
+            check_conversation("messages", messages, complete=False)
+            tools = tools_from_value("tools", req.tools) if req.tools and req.tool_choice != "none" else ()
+            fmt.check("the request", messages, tools, str(self.tokenizer.path))
+        except ChatError as e:
+            message = str(e)
+            param = _CHAT_PARAM.match(message)
+            raise ApiError(400, message, "tools" if message.startswith("the request has tools")
+                           else param.group() if param else "messages") from None
+        if forced is not None and not tools:
+            raise ApiError(400, f"tool_choice: {json.dumps(req.tool_choice)} asks for a tool call, but the request "
+                                "offers no tools; give tools, or leave tool_choice out", "tool_choice")
+        names = [tool_name(t) for t in req.tools or ()]
+        if forced and forced not in names:
+            raise ApiError(400, f"tool_choice.function.name: {forced!r} is not one of the tools offered "
+                                f"({', '.join(names)}); name one of them", "tool_choice")
+        if forced and ('"' in forced or "\\" in forced):
+            raise ApiError(400, f"tool_choice.function.name: {forced!r} holds a quote or backslash; use a plain "
+                                "name", "tool_choice")
+        thinking = req.thinking()
+        if thinking and not fmt.tools:
+            raise ApiError(400, f"chat_template_kwargs.enable_thinking: the tokenizer {self.tokenizer.path} carries "
+                                "the plain ChatML template of nanolm before tools and reasoning, which has no think "
+                                "block; leave thinking off, or serve a model whose tokenizer has <think>",
+                           "chat_template_kwargs")
+        prefill = "" if forced is None else f"{TOOL_CALL}\n" + (f'{{"name": "{forced}", "arguments": ' if forced
+                                                                  else "")
+        thinking = thinking and not prefill
+        text = fmt.render(messages, tools, add_generation_prompt=True, thinking=thinking) + prefill
+        return text, ChatPlan(thinking=thinking, calls=bool(tools), prefill=prefill)
+
     def sampling_params(self, req: BaseModel, max_tokens: int | None) -> SamplingParams:
         """The request's sampling fields, and the server's defaults for those it leaves out; a reply without
         max_tokens gets the server's max_new_tokens, both at most the rest of the context (the engine's cut)."""
@@ -165,11 +214,15 @@ def _state(request: Request) -> ServerState:
     return request.app.state.nanolm
 
 
+# The field a chat format error names at its start: "messages[2].tool_calls[0].arguments is not valid JSON ..."
+_CHAT_PARAM = re.compile(r"(messages|tools)(\[\d+\]|\.[A-Za-z_]+)*")
+
+
 # --- answering from a job's events -------------------------------------------------------------------
 
-# (choice index, text or None, finish_reason or None, the token log-probabilities that came with it) -> one
-# chunk of the stream
-Chunk = Callable[..., dict[str, Any]]
+# (choice index, text or None, finish_reason or None, the token log-probabilities that came with it) -> the
+# chunks of the stream it makes (a chat reply's text may make none yet, or several)
+Chunks = Callable[..., list[dict[str, Any]]]
 
 
 async def _collect(request: Request, job: Job, usage: Usage) -> list[tuple[str, str, list]] | None:
@@ -192,10 +245,11 @@ async def _collect(request: Request, job: Job, usage: Usage) -> list[tuple[str, 
     return None if any(d is None for d in done) else done  # type: ignore[return-value]
 
 
-def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]], chunk: Chunk,
-            include_usage: bool) -> StreamingResponse:
-    """Server-sent events: the `first` chunks, one per text piece of any choice, one per choice with its finish
-    reason, a usage chunk if asked for, then [DONE]. With include_usage every chunk carries "usage": null."""
+def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]], chunks: Chunks,
+            include_usage: bool, head: dict[str, Any]) -> StreamingResponse:
+    """Server-sent events: the `first` chunks, the chunks of each text piece of any choice, those of each
+    choice's end (the last with its finish reason), a usage chunk (`head`'s fields, no choices) if asked for,
+    then [DONE]. With include_usage every chunk carries "usage": null."""
     def shaped(c: dict[str, Any]) -> bytes:
         if include_usage:
             c["usage"] = None
@@ -208,18 +262,18 @@ def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]
         async with aclosing(events(request, job)) as stream:
             async for event in stream:
                 if event[0] == "text":
-                    yield shaped(chunk(event[1], event[2], None, event[3]))
+                    for c in chunks(event[1], event[2], None, event[3]):
+                        yield shaped(c)
                 elif event[0] == "end":
                     _, i, finish, tokens, last = event
                     usage.completion_tokens += tokens
-                    yield shaped(chunk(i, None, finish, last))
+                    for c in chunks(i, None, finish, last):
+                        yield shaped(c)
                     open_choices -= 1
                     if open_choices:
                         continue
                     if include_usage:
-                        tail = chunk(0, None, None, [])
-                        tail["choices"], tail["usage"] = [], usage.as_dict()
-                        yield sse(tail)
+                        yield sse({**head, "choices": [], "usage": usage.as_dict()})
                     yield b"data: [DONE]\n\n"
                 else:
                     yield sse(error_body(event[1], "server_error"))
@@ -228,12 +282,14 @@ def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _respond(request: Request, job: Job, usage: Usage, req: Any, first: list[dict[str, Any]], chunk: Chunk,
+async def _respond(request: Request, job: Job, usage: Usage, req: Any, head: dict[str, Any],
+                   first: list[dict[str, Any]], chunks: Chunks,
                    whole: Callable[[list[tuple[str, str, list]]], dict[str, Any]]) -> Response:
-    """The answer to a generation request: a stream of chunks, or `whole(choices)` once every choice is done."""
+    """The answer to a generation request: a stream of chunks, or `whole(choices)` once every choice is done.
+    head: the fields every chunk starts with (id, object, created, model)."""
     if req.stream:
-        return _stream(request, job, usage, first, chunk,
-                       bool(req.stream_options and req.stream_options.include_usage))
+        return _stream(request, job, usage, first, chunks,
+                       bool(req.stream_options and req.stream_options.include_usage), head)
     done = await _collect(request, job, usage)
     if done is None:
         return Response(status_code=499)  # nobody is there to read it
@@ -265,30 +321,41 @@ async def get_model(request: Request, model: str) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     req = await state.parse(request, ChatRequest)
-    messages = [{"role": ROLE_NAMES[m.role], "content": m.content} for m in req.messages]
-    prompt_ids = state.encode_prompt(render_chat(messages, add_generation_prompt=True), "messages")
+    text, plan = state.chat_prompt(req)
+    prompt_ids = state.encode_prompt(text, "messages")
     usage = Usage(len(prompt_ids))
     job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages")
     rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
+    head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name}
     token_bytes = state.tokenizer.token_bytes()
     wants_lp = job.logprobs is not None
+    streamed = [Choice(state.tokenizer, plan) for _ in range(job.n)]
 
-    def chunk(i: int, content: str | None, finish: str | None, lps: list, delta: dict | None = None) -> dict[str, Any]:
-        delta = delta if delta is not None else ({} if content is None else {"content": content})
-        return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                "choices": [{"index": i, "delta": delta,
-                             "logprobs": chat_logprobs(token_bytes, lps) if wants_lp and lps else None,
-                             "finish_reason": finish}]}
+    def chunk(i: int, delta: dict[str, Any], finish: str | None, lps: list) -> dict[str, Any]:
+        return {**head, "choices": [{"index": i, "delta": delta,
+                                     "logprobs": chat_logprobs(token_bytes, lps) if wants_lp and lps else None,
+                                     "finish_reason": finish}]}
+
+    def chunks(i: int, text: str | None, finish: str | None, lps: list) -> list[dict[str, Any]]:
+        choice = streamed[i]
+        out = [chunk(i, delta, None, tokens) for delta, tokens in choice.deltas(text, lps, end=finish is not None)]
+        if finish is not None:
+            out.append(chunk(i, {}, choice.finish_reason(finish), choice.last_tokens()))
+        return out
 
     def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion", "created": now, "model": name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": chat_logprobs(token_bytes, lps) if wants_lp else None,
-                             "finish_reason": finish} for i, (text, finish, lps) in enumerate(choices)],
+        out = []
+        for i, (text, finish, lps) in enumerate(choices):
+            choice = Choice(state.tokenizer, plan)
+            choice.read(text, lps)
+            out.append({"index": i, "message": choice.message(),
+                        "logprobs": chat_logprobs(token_bytes, choice.content_tokens) if wants_lp else None,
+                        "finish_reason": choice.finish_reason(finish)})
+        return {"id": rid, "object": "chat.completion", "created": now, "model": name, "choices": out,
                 "usage": usage.as_dict()}
 
-    first = [chunk(i, None, None, [], {"role": "assistant", "content": ""}) for i in range(job.n)]
-    return await _respond(request, job, usage, req, first, chunk, whole)
+    first = [chunk(i, {"role": "assistant", "content": ""}, None, []) for i in range(job.n)]
+    return await _respond(request, job, usage, req, head, first, chunks, whole)
 
 
 async def completions(request: Request) -> Response:
@@ -304,11 +371,12 @@ async def completions(request: Request) -> Response:
     offsets = [CompletionLogprobs(token_bytes) for _ in range(job.n)]
     wants_lp = job.logprobs is not None
 
-    def chunk(i: int, text: str | None, finish: str | None, lps: list) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                "choices": [{"index": i, "text": text or "",
-                             "logprobs": offsets[i].block(lps) if wants_lp and lps else None,
-                             "finish_reason": finish}]}
+    head = {"id": rid, "object": "text_completion", "created": now, "model": name}
+
+    def chunks(i: int, text: str | None, finish: str | None, lps: list) -> list[dict[str, Any]]:
+        return [{**head, "choices": [{"index": i, "text": text or "",
+                                      "logprobs": offsets[i].block(lps) if wants_lp and lps else None,
+                                      "finish_reason": finish}]}]
 
     def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": now, "model": name,
@@ -316,7 +384,7 @@ async def completions(request: Request) -> Response:
                              "finish_reason": finish} for i, (text, finish, lps) in enumerate(choices)],
                 "usage": usage.as_dict()}
 
-    return await _respond(request, job, usage, req, [], chunk, whole)
+    return await _respond(request, job, usage, req, head, [], chunks, whole)
 
 
 ROUTES: list[tuple[str, str, Callable[..., Any]]] = [

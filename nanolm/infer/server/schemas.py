@@ -2,7 +2,8 @@
 
 Requests are validated strictly ("0.5" is not a number, 1 is not a bool) and
 each failure becomes one OpenAI error body naming the field (`param`), so a
-client can act on it. Imported only when a server is built: pydantic comes
+client can act on it. What a chat message says (its tool calls, its order in
+the conversation) is the chat format's to check, in the route. Imported only when a server is built: pydantic comes
 with the `serve` extra.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from nanolm.config import SEED_RANGE, SamplingParams
 from nanolm.data.chatml import ROLE_NAMES
@@ -70,8 +71,22 @@ class _Common(_Strict):
 
 
 class Message(_Strict):
+    """One message of a chat request; what it says is checked by the chat format (`chatml.message_from_dict`)."""
+
     role: str
-    content: Any  # a string, or OpenAI's list of {"type": "text", "text": ...} parts
+    content: Any  # a string, OpenAI's list of {"type": "text", "text": ...} parts, or null beside tool_calls
+    tool_calls: Any = None  # an assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # a tool result's call; accepted, not needed (results answer calls in order)
+    name: str | None = None
+    reasoning_content: Any = None  # an assistant's reasoning
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_may_be_left_out_beside_calls(cls, data: Any) -> Any:
+        # OpenAI: content is "required unless tool_calls is specified".
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     @field_validator("role")
     @classmethod
@@ -82,13 +97,26 @@ class Message(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _text(cls, v: Any) -> str:
-        if isinstance(v, str):
+    def _text(cls, v: Any) -> str | None:
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                         and isinstance(p.get("text"), str) for p in v):
             return "".join(p["text"] for p in v)
         raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message in OpenAI's form, for `chatml.message_from_dict`."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            d["tool_calls"] = self.tool_calls
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
+        return d
+
+
+# What a request may hold beside its messages to steer the chat template, as vLLM takes it.
+THINKING_KWARGS = ("enable_thinking", "open_thinking")  # Qwen3's name, MiniMind's
 
 
 class ChatRequest(_Common):
@@ -96,6 +124,11 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None  # OpenAI tool objects; checked by the chat format (`chatml.tools_from_value`)
+    # "none" (the tools are not offered), "auto" (the default), "required" (a call), or
+    # {"type": "function", "function": {"name": ...}} (a call of that function); `forced_call` reads it
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # {"enable_thinking": true} lets the model reason first
 
     @field_validator("messages")
     @classmethod
@@ -103,6 +136,35 @@ class ChatRequest(_Common):
         if not v:
             raise ValueError("must hold at least one message")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+            return v
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": "..."}}')
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _thinking_is_a_bool(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in THINKING_KWARGS:
+            if v is not None and name in v and not isinstance(v[name], bool):
+                raise ValueError(f"{name} must be true or false")
+        return v
+
+    def forced_call(self) -> str | None:
+        """What tool_choice forces: None (nothing: "auto" or "none"), "" (some call: "required"), or a name."""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return "" if self.tool_choice == "required" else None
+
+    def thinking(self) -> bool:
+        """Whether the request switches thinking on (`chat_template_kwargs`: enable_thinking or open_thinking)."""
+        kwargs = self.chat_template_kwargs or {}
+        return any(kwargs.get(name) is True for name in THINKING_KWARGS)
 
     @field_validator("top_logprobs")
     @classmethod

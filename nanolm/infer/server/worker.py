@@ -97,6 +97,7 @@ class Job:
         finish = "stop" if text.stopped else out.finish
         if finish is not None and not text.stopped:
             piece += text.finish()  # the rest held back for stop strings or an unfinished character
+            finish = "stop" if text.stopped else finish  # a stop string the held rest held
         if piece:
             self._post(("text", i, piece, self._lps[i]))
             self._lps[i] = []

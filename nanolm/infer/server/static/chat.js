@@ -135,6 +135,12 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
 }
 
+// A finished or stopped exchange joins the conversation sent next; one whose reply is empty (stopped before
+// any text, or only whitespace) is left out, since the chat format has no empty reply to render.
+function keep(conversation, content, text) {
+  if (text.trim()) conversation.push({role: "user", content}, {role: "assistant", content: text});
+}
+
 async function send(event) {
   event.preventDefault();
   const content = $("input").value;
@@ -164,13 +170,13 @@ async function send(event) {
       }
       if (data.usage) usage = data.usage;
     }
-    conversation.push({role: "user", content}, {role: "assistant", content: text});
+    keep(conversation, content, text);
     const seconds = first === null ? 0 : (performance.now() - first) / 1000;
     addStats(reply, speed(usage ? usage.completion_tokens : 0, seconds));
   } catch (e) {
     if (e.name === "AbortError") {
       // Stopped: what came is kept as the reply, and the server has stopped generating it.
-      conversation.push({role: "user", content}, {role: "assistant", content: text});
+      keep(conversation, content, text);
       addStats(reply, "stopped");
     } else {
       // Nothing of this turn is kept: the message goes back into the box, to send again.

@@ -1,0 +1,298 @@
+"""Tools and reasoning in the chat API, through the official client against a running server whose engine replays
+scripted replies: calls in messages and streams, tool_choice (the prefill read with the reply), reasoning_content
+with enable_thinking, tool turns rendered into the prompt exactly as the chat format does, n choices each read
+alone, logprobs of the content only, and a 400 with the chat format's message for what it cannot render."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+from nanolm.config import ServeConfig
+from nanolm.data.chatml import CHATML, ChatError, Message, ToolCall, message_from_dict, tools_from_value
+from nanolm.infer.tools import BUILTIN_TOOLS
+from nanolm.tokenizer import Tokenizer
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+from server_helpers import ScriptedEngine, running  # noqa: E402  (skips without uvicorn)
+
+from nanolm.infer.server import create_app  # noqa: E402
+
+CTX = 4096  # the tools' system turn alone is ~900 tokens of the test tokenizer
+QUESTION = "What is 12*(3+4)?"
+CALL = ToolCall("calculator", '{"expression": "12*(3+4)"}')
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}\n</tool_call>'
+TOOLS = list(BUILTIN_TOOLS)
+ID = re.compile(r"call_[0-9a-f]{24}")
+THINK_ON = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    eng = ScriptedEngine(tok.encode("(no reply scripted)"), max_seq_len=CTX)
+    with running(create_app(eng, tok, ServeConfig(model_name="tools"))) as url:
+        yield url, eng
+
+
+def ask(server, tok, replies: list[str], **kw):
+    """The response to one chat request (through the official client) whose rows replay `replies` in turn, and the
+    prompt ids each row got."""
+    url, eng = server
+    eng.replies.extend(tok.encode(r) for r in replies)
+    eng.prompts.clear()
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+    kw.setdefault("messages", [{"role": "user", "content": QUESTION}])
+    r = c.chat.completions.create(model="tools", **kw)
+    if kw.get("stream"):
+        r = list(r)
+    return r, list(eng.prompts)
+
+
+def prompt(tok, messages: list[Message], tools=(), thinking: bool = False, prefill: str = "") -> list[int]:
+    return tok.encode(tok.chat_format.render(messages, tools, add_generation_prompt=True, thinking=thinking) + prefill)
+
+
+def test_a_tool_call_comes_back_as_message_tool_calls(server, tok):
+    r, prompts = ask(server, tok, ["Let me compute.\n" + CALL_TEXT], tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me compute."
+    (call,) = choice.message.tool_calls
+    assert ID.fullmatch(call.id) and call.type == "function"
+    assert (call.function.name, call.function.arguments) == ("calculator", '{"expression": "12*(3+4)"}')
+    assert prompts == [prompt(tok, [Message("user", QUESTION)], tools_from_value("tools", TOOLS))]
+    # A reply that only calls has no content: null, as OpenAI's.
+    r, _ = ask(server, tok, [CALL_TEXT + "\n"], tools=TOOLS)
+    assert r.choices[0].message.content is None and len(r.choices[0].message.tool_calls) == 1
+
+
+def test_tool_calls_stream_as_openai_streams_them(server, tok):
+    second = '<tool_call>\n{"name": "current_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+    chunks, _ = ask(server, tok, ["On it.\n" + CALL_TEXT + "\n" + second], tools=TOOLS, stream=True)
+    deltas = [ch.choices[0].delta for ch in chunks]
+    assert "".join(d.content or "" for d in deltas) == "On it."
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert [(c.index, c.type, c.function.name, c.function.arguments) for c in calls] == [
+        (0, "function", "calculator", ""), (0, None, None, '{"expression": "12*(3+4)"}'),
+        (1, "function", "current_time", ""), (1, None, None, '{"timezone": "UTC"}')]
+    assert ID.fullmatch(calls[0].id) and ID.fullmatch(calls[2].id) and calls[0].id != calls[2].id
+    assert calls[1].id is None and calls[3].id is None
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [ch.choices[0].finish_reason for ch in chunks[:-1]] == [None] * (len(chunks) - 1)
+    # The client's own accumulator makes of the stream what the non-streaming answer is.
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    state = ChatCompletionStreamState()
+    for ch in chunks:
+        state.handle_chunk(ch)
+    msg = state.get_final_completion().choices[0].message
+    assert msg.content == "On it." and [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls] == [
+        (calls[0].id, "calculator", '{"expression": "12*(3+4)"}'), (calls[2].id, "current_time", '{"timezone": "UTC"}')]
+
+
+def test_the_stream_wire_format_of_a_call(server, tok):
+    url, eng = server
+    eng.replies.append(tok.encode(CALL_TEXT))
+    body = {"messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["choices"][0]["delta"] for e in events] == [
+        {"role": "assistant", "content": ""},
+        {"tool_calls": [{"index": 0, "id": events[1]["choices"][0]["delta"]["tool_calls"][0]["id"],
+                         "type": "function", "function": {"name": "calculator", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"expression": "12*(3+4)"}'}}]},
+        {}]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_reasoning_content_with_enable_thinking(server, tok):
+    reply = "Seven times twelve.\n</think>\n\nIt is 84."
+    r, prompts = ask(server, tok, [reply], extra_body=THINK_ON)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("Seven times twelve.", "It is 84.",
+                                                                                 "stop")
+    assert prompts == [prompt(tok, [Message("user", QUESTION)], thinking=True)]
+    assert tok.decode(prompts[0]).endswith("<|im_start|>assistant\n<think>\n")
+    chunks, _ = ask(server, tok, [reply], extra_body=THINK_ON, stream=True)
+    deltas = [ch.choices[0].delta for ch in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Seven times twelve."
+    assert "".join(d.content or "" for d in deltas) == "It is 84."
+    # Off by default, as in the template: the prompt closes an empty think block, and no reasoning_content.
+    r, prompts = ask(server, tok, ["It is 84."])
+    assert prompts == [prompt(tok, [Message("user", QUESTION)])]
+    assert tok.decode(prompts[0]).endswith("<think>\n\n</think>\n\n")
+    assert r.choices[0].message.content == "It is 84." and "reasoning_content" not in r.choices[0].message.model_extra
+
+
+def test_tool_choice_named_and_required_prefill_the_call(server, tok):
+    tools = tools_from_value("tools", TOOLS)
+    user = [Message("user", QUESTION)]
+    named = {"type": "function", "function": {"name": "calculator"}}
+    r, prompts = ask(server, tok, ['{"expression": "12*(3+4)"}}\n</tool_call>'], tools=TOOLS, tool_choice=named)
+    assert prompts == [prompt(tok, user, tools, prefill='<tool_call>\n{"name": "calculator", "arguments": ')]
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("calculator", '{"expression": "12*(3+4)"}')
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    r, prompts = ask(server, tok, ['{"name": "current_time", "arguments": {}}\n</tool_call>'], tools=TOOLS,
+                     tool_choice="required", extra_body=THINK_ON)
+    assert prompts == [prompt(tok, user, tools, prefill="<tool_call>\n")]  # a forced call: no think block
+    assert r.choices[0].message.tool_calls[0].function.name == "current_time"
+    # Streaming, the prefilled part is read with the reply.
+    chunks, _ = ask(server, tok, ['{"expression": "1+1"}}\n</tool_call>'], tools=TOOLS, tool_choice=named,
+                    stream=True)
+    calls = [ch.choices[0].delta.tool_calls[0] for ch in chunks if ch.choices[0].delta.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("calculator", ""),
+                                                                         (None, '{"expression": "1+1"}')]
+    # "none": the tools are not offered, and a call the model writes anyway is text.
+    r, prompts = ask(server, tok, [CALL_TEXT], tools=TOOLS, tool_choice="none")
+    assert prompts == [prompt(tok, user)]
+    assert r.choices[0].message.content == CALL_TEXT and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_tool_round_trip_renders_the_call_and_result_into_the_prompt(server, tok):
+    first, _ = ask(server, tok, [CALL_TEXT], tools=TOOLS)
+    call = first.choices[0].message
+    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": QUESTION}, call,
+                {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "84"}]
+    r, prompts = ask(server, tok, ["It is 84."], messages=messages, tools=TOOLS)
+    want = [Message("system", "Use tools."), Message("user", QUESTION), Message("assistant", "", "", (CALL,)),
+            Message("tool", "84")]
+    assert prompts == [prompt(tok, want, tools_from_value("tools", TOOLS))]
+    assert "<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n" in tok.decode(prompts[0])
+    assert r.choices[0].message.content == "It is 84." and r.choices[0].finish_reason == "stop"
+    # Reasoning in an earlier assistant message, and two results of two calls.
+    two = {"role": "assistant", "content": None, "reasoning_content": "Two sums.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+2"}}}]}
+    messages = [{"role": "user", "content": "sums"}, two, {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "4"}]
+    _, prompts = ask(server, tok, ["2 and 4."], messages=messages, tools=TOOLS)
+    want = [Message("user", "sums"),
+            Message("assistant", "", "Two sums.", (ToolCall("calculator", '{"expression": "1+1"}'),
+                                                   ToolCall("calculator", '{"expression": "2+2"}'))),
+            Message("tool", "2"), Message("tool", "4")]
+    assert prompts == [prompt(tok, want, tools_from_value("tools", TOOLS))]
+
+
+def test_n_choices_are_each_read_alone(server, tok):
+    r, _ = ask(server, tok, [CALL_TEXT, "No tool needed."], tools=TOOLS, n=2)
+    a, b = r.choices
+    assert (a.finish_reason, a.message.content, a.message.tool_calls[0].function.name) == ("tool_calls", None,
+                                                                                          "calculator")
+    assert (b.finish_reason, b.message.content, b.message.tool_calls) == ("stop", "No tool needed.", None)
+    chunks, _ = ask(server, tok, ["Thinking.\n</think>\n\nYes.", "Use it.\n</think>\n\n" + CALL_TEXT], tools=TOOLS, n=2,
+                    stream=True,
+                    extra_body=THINK_ON)
+    by = {i: [ch.choices[0] for ch in chunks if ch.choices[0].index == i] for i in (0, 1)}
+    assert "".join(getattr(c.delta, "reasoning_content", None) or "" for c in by[0]) == "Thinking."
+    assert "".join(c.delta.content or "" for c in by[0]) == "Yes." and by[0][-1].finish_reason == "stop"
+    assert [c.delta.tool_calls[0].function.name for c in by[1] if c.delta.tool_calls][:1] == ["calculator"]
+    assert by[1][-1].finish_reason == "tool_calls"
+
+
+def test_logprobs_are_the_contents_tokens(server, tok):
+    """The scripted engine gives the k-th reply token logprob -(k + 1) / 100: the entries show which tokens came."""
+    reply = "Hmm.\n</think>\n\nIt is 84."
+    ids = tok.encode(reply)
+    after = ids.index(tok.tag_ids["</think>"]) + 1
+    want = [-(k + 1) / 100 for k in range(after, len(ids))]  # the tokens after </think>
+    r, _ = ask(server, tok, [reply], extra_body=THINK_ON, logprobs=True)
+    entries = r.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx(want)
+    assert b"".join(bytes(e.bytes) for e in entries) == "\n\nIt is 84.".encode()
+    chunks, _ = ask(server, tok, [reply], extra_body=THINK_ON, logprobs=True, stream=True)
+    streamed = [e.logprob for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx(want)
+    assert all(ch.choices[0].logprobs is None for ch in chunks if getattr(ch.choices[0].delta, "reasoning_content",
+                                                                          None))
+    reply = "Sure.\n" + CALL_TEXT
+    ids = tok.encode(reply)
+    r, _ = ask(server, tok, [reply], tools=TOOLS, logprobs=True)
+    cut = ids.index(tok.tag_ids["<tool_call>"])
+    assert [e.logprob for e in r.choices[0].logprobs.content] == pytest.approx([-(k + 1) / 100 for k in range(cut)])
+
+
+# --- refusals ----------------------------------------------------------------------------------------
+
+def post(server, body: dict) -> tuple[int, dict]:
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+    return r.status_code, r.json().get("error", {})
+
+
+def chat_error(where: str, message: dict) -> str:
+    with pytest.raises(ChatError) as e:
+        message_from_dict(where, message)
+    return str(e.value)
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+def test_malformed_messages_get_400_with_the_formats_message(server):
+    bad_args = {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}
+    status, err = post(server, {"messages": [USER, bad_args]})
+    assert status == 400 and err["message"] == chat_error("messages[1]", bad_args)
+    assert err["param"] == "messages[1].tool_calls[0].arguments" and "is not valid JSON" in err["message"]
+
+    status, err = post(server, {"messages": [USER, {"role": "tool", "tool_call_id": "c", "content": "2"}]})
+    assert status == 400 and err["param"] == "messages[1]"
+    assert err["message"].startswith("messages[1] is a tool result with no tool call before it")
+
+    status, err = post(server, {"messages": [USER, {"role": "robot", "content": "x"}]})
+    assert status == 400 and err["param"] == "messages[1].role" and "unknown role 'robot'" in err["message"]
+
+    status, err = post(server, {"messages": [USER, {"role": "user", "content": "a <|im_end|> b"}]})
+    assert status == 400 and err["param"] == "messages[1].content" and "<|im_end|>" in err["message"]
+
+    status, err = post(server, {"messages": [USER, {"role": "assistant", "content": None}]})
+    assert status == 400 and err["param"] == "messages[1].content"
+
+    status, err = post(server, {"messages": [USER], "tools": [{"type": "function"}]})
+    assert status == 400 and err["param"] == "tools[0]" and err["message"].startswith("tools[0] must be a tool object")
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"tool_choice": "required"}, "tool_choice",
+     'tool_choice: "required" asks for a tool call, but the request offers no tools; give tools, or leave '
+     'tool_choice out'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice",
+     "tool_choice.function.name: 'search' is not one of the tools offered (calculator, current_time); name one of "
+     "them"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice",
+     'tool_choice: must be "none", "auto", "required" or {"type": "function", "function": {"name": "..."}}'),
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs",
+     "chat_template_kwargs: enable_thinking must be true or false"),
+    ({"tools": {"type": "function"}}, "tools", "tools: Input should be a valid array"),
+])
+def test_tool_choice_and_thinking_fields_are_checked(server, extra, param, message):
+    status, err = post(server, {"messages": [USER], **extra})
+    assert (status, err["param"], err["message"]) == (400, param, message)
+
+
+def test_an_old_chatml_tokenizer_refuses_tools_and_thinking(tok, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(tok.path.parent, old)
+    config = json.loads((old / "tokenizer_config.json").read_text())
+    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML.template}))
+    plain = Tokenizer.load(old)
+    eng = ScriptedEngine(plain.encode("Hello."), max_seq_len=CTX)
+    with running(create_app(eng, plain, ServeConfig(model_name="old"))) as url:
+        status, err = post((url,), {"messages": [USER], "tools": TOOLS})
+        with pytest.raises(ChatError) as e:
+            CHATML.check("the request", [], tools_from_value("tools", TOOLS), str(plain.path))
+        assert (status, err["param"], err["message"]) == (400, "tools", str(e.value))
+        assert "carries the plain ChatML template" in err["message"]
+        status, err = post((url,), {"messages": [USER], **THINK_ON})
+        assert status == 400 and err["param"] == "chat_template_kwargs"
+        assert err["message"].startswith(f"chat_template_kwargs.enable_thinking: the tokenizer {plain.path} carries "
+                                         "the plain ChatML template")
+        # Without tools (or with tool_choice "none") it answers in its own layout.
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [USER], "tools": TOOLS, "tool_choice": "none"},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello."
+        assert eng.prompts[-1] == plain.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
