@@ -1,7 +1,7 @@
 """A built-in tool-use set: arithmetic questions answered through the calculator, for SFT, docs and the quickstart.
 
 `build_calculator_conversations` writes conversations in which the assistant
-calls the built-in `calculator` (nanolm/tools.py), the calculator's own result
+calls the built-in `calculator` (nanolm/infer/tools.py), the calculator's own result
 comes back as the tool turn, and the reply quotes that result: no answer is
 written by hand, each is computed by running the call the conversation makes.
 Questions are arithmetic word problems and bare expressions, in Chinese and
@@ -68,7 +68,7 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *,
     """Write n tool-use conversations to `out` (.jsonl, OpenAI `{"messages": [...], "tools": [...]}` records)
     and return it. The same n and seed always give the same file. run: the calculator (default the built-in
     one); its result is what the tool turn holds and the reply quotes."""
-    from nanolm.tools import BUILTIN_TOOLS, calculator
+    from nanolm.infer.tools import BUILTIN_TOOLS, calculator  # the tools the chat runs, so the data matches them
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError(f"n={n!r}: must be a positive integer (the number of conversations)")
