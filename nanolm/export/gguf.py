@@ -229,6 +229,8 @@ class GGUFVocab:
     types: list[int]
     merges: list[str]
     chat_template: str
+    eot_id: int  # <|endoftext|>: BOS for llama.cpp's sake, and padding
+    im_end_id: int  # <|im_end|>: the end of a chat turn
 
 
 def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
@@ -238,7 +240,6 @@ def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
     tokenizer's) become "[PAD<id>]" tokens of type UNUSED, as llama.cpp's
     converter writes them.
     """
-    from nanolm.data.chatml import CHAT_TEMPLATE
     from nanolm.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
     if not (ckpt_dir / TOKENIZER_FILE).is_file():
@@ -264,15 +265,9 @@ def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
         types.append(kind)
     # tokenizers writes merges as "a b" strings (older) or [a, b] pairs (0.20+); GGUF stores "a b".
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    template = CHAT_TEMPLATE
-    config_file = tok.path.parent / CONFIG_FILE
-    if config_file.is_file():
-        try:
-            template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template") or CHAT_TEMPLATE
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise UserError(f"{config_file}: not a valid tokenizer config ({e}); retrain the tokenizer or "
-                            "delete the file to use nanolm's ChatML template") from None
-    return GGUFVocab(tokens, types, merges, template)
+    # The template the tokenizer carries (its chat layout's when it has none), as transformers reads it.
+    template = tok.chat_template or tok.chat_format.template
+    return GGUFVocab(tokens, types, merges, template, tok.eot_id, tok.im_end_id)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -323,8 +318,6 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
             writer.add_expert_weights_scale(1.0)
             writer.add_leading_dense_block_count(0)
 
-    from nanolm.tokenizer import EOT_ID, IM_END_ID
-
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
     writer.add_tokenizer_pre(TOKENIZER_PRE)
     writer.add_token_list(vocab.tokens)
@@ -332,10 +325,10 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
     writer.add_token_merges(vocab.merges)
     # nanolm has no BOS and prepends nothing; llama.cpp wants an id, so BOS names <|endoftext|> (as Qwen2 does)
     # and add_bos_token=False keeps llama.cpp from prepending it.
-    writer.add_bos_token_id(EOT_ID)
-    writer.add_eos_token_id(IM_END_ID)  # a chat turn ends with <|im_end|>
-    writer.add_eot_token_id(IM_END_ID)
-    writer.add_pad_token_id(EOT_ID)
+    writer.add_bos_token_id(vocab.eot_id)
+    writer.add_eos_token_id(vocab.im_end_id)  # a chat turn ends with <|im_end|>
+    writer.add_eot_token_id(vocab.im_end_id)
+    writer.add_pad_token_id(vocab.eot_id)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
     writer.add_chat_template(vocab.chat_template)

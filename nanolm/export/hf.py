@@ -511,12 +511,14 @@ def export_hf(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ada
     merge_lora(model)  # no-op without adapters; transformers gets plain weights
     sd = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in model_state(model).items()}
     hf_sd, hf_cfg = to_hf(sd, cfg)
+    hf_cfg.update(eos_token_id=tok.im_end_id, pad_token_id=tok.eot_id)  # the tokenizer's own ids
 
     with atomic_directory(out_dir) as tmp:
         save_file(hf_sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json_atomic(tmp / HF_CONFIG, hf_cfg)
         # A chat turn ends with <|im_end|>, a document with <|endoftext|>: generate stops at either.
-        write_json_atomic(tmp / GENERATION_CONFIG, {"eos_token_id": [IM_END_ID, EOT_ID], "pad_token_id": EOT_ID})
+        write_json_atomic(tmp / GENERATION_CONFIG, {"eos_token_id": [tok.im_end_id, tok.eot_id],
+                                                    "pad_token_id": tok.eot_id})
         tok.save(tmp)
         tok_cfg = _read_json(tmp / CONFIG_FILE, "tokenizer config")
         tok_cfg["model_max_length"] = cfg.max_seq_len
@@ -532,7 +534,7 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     training settings) and, when nanolm can use it, the tokenizer. Train from it with
     `nanolm train --config <out_dir>/config.json --init-from <out_dir> ...`.
     Warns (and copies no tokenizer) when the HF tokenizer lacks nanolm's
-    special tokens at ids 0, 1, 2. Returns out_dir.
+    ChatML tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`). Returns out_dir.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not hf_dir.is_dir():
@@ -556,7 +558,7 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
                 problem = f"its {tok.vocab_size} tokens exceed the model's vocab_size {model_cfg.vocab_size}"
     if problem:
         warnings.warn(f"{out_dir}: imported the weights without a tokenizer ({problem}); nanolm needs "
-                      f"{', '.join(SPECIAL_TOKENS)} at ids 0, 1, 2. The weights belong to the original tokenizer: "
+                      f"{', '.join(SPECIAL_TOKENS)} as special tokens. The weights belong to the original tokenizer: "
                       f"fine-tuning them in nanolm with another one starts the embeddings over", stacklevel=2)
 
     return write_model_dir(out_dir, sd, model_cfg, tokenizer_from=None if problem else hf_dir,
