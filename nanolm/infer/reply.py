@@ -26,9 +26,11 @@ last when nothing follows). Other whitespace, the model's own, is content as
 written; a reply without tags is its text unchanged. So the message
 (`ReplyParser.message`) is `chatml.parse_reply`'s but for that whitespace:
 parse_reply strips the content at both ends, this keeps what the model wrote
-there. One more difference: a `<think>` written inside the reasoning stays
-in it as text (parse_reply keeps only what follows the last one, which a
-stream cannot take back).
+there. Two more differences, both about text a stream cannot take back: a
+`<think>` written inside the reasoning stays in it as text (parse_reply
+keeps only what follows the last one), and a think block the model opened
+itself (thinking off) and never closed is reasoning to the end
+(parse_reply reads it as content).
 
 `TokenKinds` tells the same parts apart by token id (the tags are single
 tokens in nanolm's tokenizers), so the server can give log-probabilities for
