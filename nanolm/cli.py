@@ -22,6 +22,10 @@ def _cmd_data(args: argparse.Namespace) -> None:
         from nanolm.data.preferences import build_idiom_preferences
         out = build_idiom_preferences(corpora.fetch("idioms"), Path(args.out), args.n, args.seed)
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
+    elif args.data_cmd == "tools":
+        from nanolm.data.tooluse import build_calculator_conversations
+        out = build_calculator_conversations(Path(args.out), args.n, args.seed)
+        print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
     else:
         for name in args.names:
             print(corpora.fetch(name))
@@ -261,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--out", required=True, help="the JSONL file to write")
     pf.add_argument("--n", type=int, default=2000, help="number of pairs")
     pf.add_argument("--seed", type=int, default=0)
+    tl = dsub.add_parser("tools", help="a tool-use SFT set: arithmetic questions answered through the built-in "
+                                       "calculator, its result fed back and quoted")
+    tl.add_argument("--out", required=True, help="the JSONL file to write")
+    tl.add_argument("--n", type=int, default=2000, help="number of conversations")
+    tl.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")

@@ -2,8 +2,10 @@
 
 fetch the built-in corpora -> train a tokenizer -> prepare shards -> pretrain
 a tiny model within the time budget -> print a Chinese and an English
-continuation -> fine-tune it on the built-in chat corpora -> hold a short
-scripted conversation -> say where every artefact lies. It is also the shortest
+continuation -> fine-tune it on the built-in chat corpora and the built-in
+tool-use set (arithmetic through the calculator) -> hold a short scripted
+conversation, then one with the built-in tools, where the model's calculator
+call is run and its result fed back -> say where every artefact lies. It is also the shortest
 complete example of the library's API: each step is one call.
 """
 
@@ -27,6 +29,8 @@ TEXT_CORPORA = ("sanguo", "shakespeare", "sotu")
 CHAT_CORPORA = ("idioms", "chatterbot")
 SAMPLE_PROMPTS = ("话说天下大势，", "To be, or not to be,", "My fellow citizens,")
 CHAT_SCRIPT = ("「一帆风顺」是什么意思？", "What is AI?")
+TOOL_SCRIPT = ("What is 37 times 24?", "48 加 76 等于多少？")
+TOOL_CONVERSATIONS = 1500  # the built-in tool-use set's share of the fine-tuning data
 
 
 def _banner(i: int, n: int, title: str) -> None:
@@ -94,7 +98,9 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     from nanolm.config import SamplingParams
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
+    from nanolm.data.tooluse import build_calculator_conversations
     from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.tools import Toolbox
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
     from nanolm.tokenizer import Tokenizer, compression_report, split_by_script, train_tokenizer
@@ -116,6 +122,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     if chat_max_chars:
         # 30,895 idioms would drown chatterbot's 2,492 conversations; a smaller share keeps both in view.
         chat_files = _truncated_copies(chat_files, out / "corpora" / "chat", chat_max_chars)
+    if chat_files:  # the built-in tool-use set: arithmetic answered through the calculator, results computed
+        chat_files.append(build_calculator_conversations(out / "corpora" / "tools.jsonl", TOOL_CONVERSATIONS))
     for f in [*text_files, *chat_files]:
         print(f"  {f} ({f.stat().st_size / 2**20:.1f} MiB)")
 
@@ -131,7 +139,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     seq_len = load_config(preset_name).train.seq_len
     prepare(text_files, tok_dir, data_dir, val_fraction=0.02, workers=2)
     if chat_files:
-        prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=seq_len + 1, val_fraction=0.02, workers=2)
+        prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=seq_len + 1,
+                val_fraction=0.02, workers=2)
 
     reserve = 25.0  # seconds kept for the final evaluations, checkpoints and samples
     sft_share = 0.3 if chat_files else 0.0
@@ -159,7 +168,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
                  "metrics": run_dir / "metrics.jsonl"}
     final = run_dir
     if chat_files:
-        _banner(6, n, "supervised fine-tuning on the chat corpora")
+        _banner(6, n, "supervised fine-tuning on the chat corpora and the tool-use set")
         # A few minutes from a barely-trained tiny model: larger steps than the SFT default (a tenth of the
         # pretraining lr), which suits long fine-tuning runs of well-trained models.
         pre_lr = load_config(preset_name).optim.lr
@@ -169,8 +178,13 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
 
         _banner(7, n, "a scripted chat")
         model, sft_ckpt = load_model(sft_run, "best")
-        session = ChatSession(Engine(model), Tokenizer.load(sft_ckpt), params)
-        run_chat(session, stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"), interactive=False)
+        engine, sft_tok = Engine(model), Tokenizer.load(sft_ckpt)
+        run_chat(ChatSession(engine, sft_tok, params), stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"),
+                 interactive=False)
+        print("\n  with the built-in tools (nanolm chat --tools builtin): the model's calculator calls are run")
+        greedy = SamplingParams(max_new_tokens=60, temperature=0.0)
+        run_chat(ChatSession(engine, sft_tok, greedy, tools=Toolbox.from_specs(["builtin"]), max_tool_rounds=1),
+                 stdin=io.StringIO("\n".join(TOOL_SCRIPT) + "\n"), interactive=False)
         artefacts.update({"sft data": sft_dir, "sft run": sft_run, "sft ckpt": sft_ckpt})
         final = sft_run
 

@@ -24,6 +24,8 @@ def test_quickstart_end_to_end(tmp_path):
     assert "> 话说天下大势，" in r.stdout and "> To be, or not to be," in r.stdout
     assert "stopped at step" in r.stdout and "val loss" in r.stdout
     assert "user: 「一帆风顺」是什么意思？\nassistant: " in r.stdout and "user: What is AI?\nassistant: " in r.stdout
+    # one tool call end to end: the chat runs the calculator and the result it feeds back is computed
+    assert "user: What is 37 times 24?\n" in r.stdout and "with the built-in tools" in r.stdout
     assert "stage: sft" in r.stdout and "% of positions hold a real token" in r.stdout
     for artefact in ("tokenizer/tokenizer.json", "data/manifest.json", "run/metrics.jsonl", "run/config.json",
                      "sft-data/manifest.json", "sft/metrics.jsonl"):

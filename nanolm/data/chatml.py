@@ -293,29 +293,27 @@ def check_conversation(where: str, messages: Sequence[Message], *, complete: boo
                        names: Sequence[str] | None = None) -> None:
     """ChatError unless messages are in order: an optional system message first, then user turns each
     answered by the assistant, which may call tools whose results (tool messages) come next and are
-    answered in turn. complete: the last message is an assistant reply (training data); otherwise the
-    conversation may end anywhere a reply can follow (a prompt). names: what to call each message in the
-    messages (default `where[i]`)."""
+    answered in turn. complete: training data, held to all of it and ending with an assistant reply;
+    otherwise a prompt, held only to the rules of tools (a result answers a call, a call is answered before
+    anything else) and to having a user turn, ending anywhere but at an unanswered call. names: what to call
+    each message in the messages (default `where[i]`)."""
     names = names or [f"{where}[{i}]" for i in range(len(messages))]
     prev: Message | None = None
     for i, m in enumerate(messages):
         at = names[i]
-        if m.role == "system" and i > 0:
-            raise ChatError(f"{at} is a system message, but a system message may only come first")
-        if m.role == "user" and prev is not None and prev.role == "user":
-            raise ChatError(f"{at} is user after user; user and assistant turns must alternate")
-        if m.role == "user" and prev is not None and prev.tool_calls:
-            raise ChatError(f"{at} is user, but {names[i - 1]} called a tool; give its result as a "
-                            '"tool" message first')
-        if m.role == "assistant":
-            if prev is None or prev.role == "system":
+        if complete:  # a prompt may hold turns in any order the template renders (API clients send such)
+            if m.role == "system" and i > 0:
+                raise ChatError(f"{at} is a system message, but a system message may only come first")
+            if m.role == "user" and prev is not None and prev.role == "user":
+                raise ChatError(f"{at} is user after user; user and assistant turns must alternate")
+            if m.role == "assistant" and (prev is None or prev.role == "system"):
                 raise ChatError(f"{at} is assistant, but the first turn (after an optional system message) "
                                 "must be user")
-            if prev.role == "assistant" and not prev.tool_calls:
+            if m.role == "assistant" and prev.role == "assistant" and not prev.tool_calls:
                 raise ChatError(f"{at} is assistant after assistant; user and assistant turns must alternate")
-            if prev.tool_calls:
-                raise ChatError(f"{at} is assistant, but {names[i - 1]} called a tool; give its result as a "
-                                '"tool" message first')
+        if m.role in ("user", "assistant") and prev is not None and prev.tool_calls:
+            raise ChatError(f"{at} is {m.role}, but {names[i - 1]} called a tool; give its result as a "
+                            '"tool" message first')
         if m.role == "tool":
             calls = 0
             for j in range(i - 1, -1, -1):
