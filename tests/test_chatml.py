@@ -10,6 +10,7 @@ import pytest
 
 from nanolm.data import chatml
 from nanolm.data.chatml import CHATML, QWEN3, ChatError, Message, ToolCall, message_from_dict
+from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "计算算式",
@@ -263,3 +264,39 @@ def test_parse_reply_keeps_a_broken_call_as_text_and_says_why():
     reply, problems = chatml.parse_reply("<tool_call>\n{\"name\": calc}\n</tool_call>")
     assert reply.tool_calls == () and "calc" in reply.content
     assert len(problems) == 1 and problems[0].startswith("a tool call the model wrote is not a JSON call")
+
+
+def test_data_and_a_checkpoint_made_with_an_old_tokenizer_keep_its_template(tokenizer_dir, tmp_path):
+    """A tokenizer as nanolm made them before tools and reasoning: prepare, a checkpoint carrying it, and chat
+    all render plain ChatML, and the checkpoint's tokenizer still says so."""
+    import torch
+
+    from nanolm.checkpoint import load_model, save_checkpoint
+    from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig
+    from nanolm.data.prepare import prepare
+    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.engine import Engine
+    from nanolm.model.transformer import Transformer
+
+    old = _old_tokenizer(tokenizer_dir, tmp_path)
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": TOOL_CONVS[0]}) + "\n", encoding="utf-8")
+    m = prepare([src], tmp_path / "old", tmp_path / "data", format="chat", val_fraction=0, workers=0, quiet=True)
+    assert m["chat"]["template"] == "chatml"
+    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m["dtype"]).astype(np.int64)
+    assert ids.tolist() == old.encode(CHATML.render(msgs(TOOL_CONVS[0]))) + [old.eot_id]
+    # Tool data with it is a bad line that says what to do.
+    src.write_text(json.dumps({"messages": TOOL_CONVS[1]}, ensure_ascii=False) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"chat\.jsonl:1: the conversation has tools|chat\.jsonl:1: the conversation "
+                                        r"has tool calls, but the tokenizer .* carries the plain ChatML template"):
+        prepare([src], tmp_path / "old", tmp_path / "data2", format="chat", val_fraction=0, workers=0, quiet=True)
+    mc = ModelConfig(vocab_size=old.vocab_size, d_model=32, n_layer=1, n_head=2, n_kv_head=1, max_seq_len=64)
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "run", 1, Transformer(mc), None, Config(model=mc, train=TrainConfig(seq_len=64)), {},
+                    tokenizer_dir=tmp_path / "old")
+    model, ckpt = load_model(tmp_path / "run")
+    back = Tokenizer.load(ckpt)
+    assert back.chat_format is CHATML and back.chat_template == CHATML.template
+    session = ChatSession(Engine(model), back, SamplingParams(max_new_tokens=4, seed=0))
+    ids, _ = session.prompt_ids("hi")
+    assert ids == back.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
