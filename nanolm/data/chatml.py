@@ -567,13 +567,30 @@ def render_chat(messages: Sequence[Message | Mapping[str, Any]], add_generation_
 _CALL = re.compile(re.escape(TOOL_CALL) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.S)
 
 
+def parse_tool_call(body: str) -> ToolCall:
+    """The call a `<tool_call>…</tool_call>` block holds (its text between the tags), or ChatError saying why
+    it is not one: the body must be a JSON object `{"name": ..., "arguments": {...}}`."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ChatError(f"a tool call the model wrote is not a JSON call ({getattr(e, 'msg', 'nested too deeply')}):"
+                        f" {body[:80]!r}") from None
+    if not isinstance(obj, dict) or "name" not in obj:
+        raise ChatError(f'a tool call the model wrote is not a JSON call (not a {{"name": ..., "arguments": ...}} '
+                        f"object): {body[:80]!r}")
+    try:
+        return tool_call_from_dict("tool call", obj)
+    except ChatError as e:
+        raise ChatError(f"a tool call the model wrote is not a JSON call ({e}): {body[:80]!r}") from None
+
+
 def parse_reply(text: str, *, thinking: bool = False) -> tuple[Message, list[str]]:
     """The assistant Message a generated reply holds, and the problems met (a call that is not JSON).
 
     text: what the model wrote after the generation prompt, with the closing `<|im_end|>` dropped.
     thinking: the prompt opened a think block, so the reply starts inside it (up to `</think>`).
-    Calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; one that does not parse stays in the
-    content and is reported.
+    Calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (`parse_tool_call`); one that does not
+    parse stays in the content and is reported.
     """
     reasoning = ""
     if thinking or text.lstrip().startswith(THINK):
@@ -586,10 +603,9 @@ def parse_reply(text: str, *, thinking: bool = False) -> tuple[Message, list[str
     at = 0
     for m in _CALL.finditer(text):
         try:
-            obj = json.loads(m.group(1))
-            calls.append(tool_call_from_dict("tool call", obj if "name" in obj else {}))
-        except (json.JSONDecodeError, ChatError, TypeError) as e:
-            problems.append(f"a tool call the model wrote is not a JSON call ({e}): {m.group(1)[:80]!r}")
+            calls.append(parse_tool_call(m.group(1)))
+        except ChatError as e:
+            problems.append(str(e))
             continue
         kept.append(text[at:m.start()])
         at = m.end()

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanolm.data.chatml import THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, Message, ToolCall, parse_reply
+from nanolm.data.chatml import (THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, ChatError, Message, ToolCall,
+                                parse_tool_call)
 from nanolm.infer.text import stop_prefix_len
 from nanolm.tokenizer import Tokenizer
 
@@ -73,12 +74,11 @@ _START, _REASONING, _CONTENT, _CALL = "start", "reasoning", "content", "call"
 
 
 def parse_call(body: str) -> ToolCall | str:
-    """The call that `<tool_call>{body}</tool_call>` holds, or the problem with it, as `chatml.parse_reply`
-    reads it."""
-    msg, problems = parse_reply(f"{TOOL_CALL}{body}{TOOL_CALL_END}")
-    if msg.tool_calls:
-        return msg.tool_calls[0]
-    return problems[0] if problems else "a tool call that is not a JSON call"
+    """The call that `<tool_call>{body}</tool_call>` holds, or the problem with it (`chatml.parse_tool_call`)."""
+    try:
+        return parse_tool_call(body.strip())
+    except ChatError as e:
+        return str(e)
 
 
 class ReplyParser:
