@@ -63,15 +63,15 @@ def make_run(root: Path, tokenizer_dir: Path, seed: int = 0, **over) -> tuple[Pa
     return run, model
 
 
-def load_hf(path: Path):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+def load_hf(path: Path, **kw):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kw)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), info
     assert info["mismatched_keys"] == set() and not info["error_msgs"], info
     return model.eval()
 
 
-def max_logit_diff(ours: torch.nn.Module, hf: torch.nn.Module, seed: int = 0) -> float:
-    x = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(seed))
+def max_logit_diff(ours: torch.nn.Module, hf: torch.nn.Module, seed: int = 0, T: int = 48) -> float:
+    x = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return (ours(x) - hf(x).logits).abs().max().item()
 

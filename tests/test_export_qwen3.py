@@ -18,10 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanolm import checkpoint as ckpt
-from nanolm.config import Config, ModelConfig, TrainConfig
+from nanolm.config import ModelConfig
 from nanolm.errors import UserError
 from nanolm.export.hf import export_hf, from_hf, import_hf, to_hf
 from nanolm.model.transformer import Transformer
+
+import test_export_hf as hf_tests  # noqa: E402
+from test_export_hf import load_hf  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,39 +38,21 @@ MOE = {"every-layer": {"use_moe": True, "n_experts": 4, "top_k": 2, "n_shared_ex
        "yarn": {"use_moe": True, "n_experts": 3, "top_k": 2, "n_shared_experts": 0, **YARN}}
 
 
+QWEN3 = {"qk_norm": True, "norm_eps": 1e-6}
+
+
 def model_cfg(**over) -> ModelConfig:
-    kw = dict(vocab_size=VOCAB, d_model=64, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=64, init_std=0.1,
-              qk_norm=True, norm_eps=1e-6)
-    return ModelConfig(**{**kw, **over})
+    return hf_tests.model_cfg(**{**QWEN3, **over})
 
 
 def make_run(root: Path, tokenizer_dir: Path, seed: int = 0, **over) -> tuple[Path, Transformer]:
-    """A run directory with one checkpoint of a random model (norm weights away from 1), with the tokenizer."""
-    torch.manual_seed(seed)
-    mc = model_cfg(**over)
-    model = Transformer(mc).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    run = root / "run"
-    ckpt.save_checkpoint(run, 1, model, None, Config(model=mc, train=TrainConfig(seq_len=mc.max_seq_len)), {},
-                         tokenizer_dir=tokenizer_dir)
-    return run, model
+    """test_export_hf's random-model run, QK-norm on unless `over` says otherwise."""
+    return hf_tests.make_run(root, tokenizer_dir, seed, **{**QWEN3, **over})
 
 
-def load_hf(path: Path, **kw):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kw)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), info
-    assert info["mismatched_keys"] == set() and not info["error_msgs"], info
-    return model.eval()
-
-
-def max_logit_diff(ours: torch.nn.Module, hf: torch.nn.Module, T: int = 64) -> float:
+def max_logit_diff(ours: torch.nn.Module, hf: torch.nn.Module) -> float:
     """Over a full context: for a YaRN model 64 positions, four times its original 16."""
-    x = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return (ours(x) - hf(x).logits).abs().max().item()
+    return hf_tests.max_logit_diff(ours, hf, T=64)
 
 
 # ----------------------------------------------------------------------------- export to transformers

@@ -166,7 +166,9 @@ def _type(value: Any) -> str:
             list: "an array"}.get(type(value), "an object")
 
 
-def _checked_text(where: str, text: Any) -> str:
+def checked_text(where: str, text: Any) -> str:
+    """text, or ChatError unless it is a string of valid Unicode holding no control string or tag (rendered,
+    one would change the conversation's structure)."""
     if not isinstance(text, str):
         raise ChatError(f"{where} must be a string, got {_type(text)}")
     bad = re.search("[\ud800-\udfff]", text)
@@ -204,7 +206,7 @@ def tool_call_from_dict(where: str, call: Any) -> ToolCall:
         raise ChatError(f"{where} has no function name (a non-empty string)")
     if '"' in name or "\\" in name:
         raise ChatError(f"{where}: the function name {name[:40]!r} holds a quote or backslash; use a plain name")
-    _checked_text(f"{where} name", name)
+    checked_text(f"{where} name", name)
     args = fn.get("arguments", {})
     if isinstance(args, str):
         parsed = _json_value(f"{where}.arguments", args, 'a JSON object such as {"x": 1}')
@@ -214,7 +216,7 @@ def tool_call_from_dict(where: str, call: Any) -> ToolCall:
     if not isinstance(parsed, dict):
         raise ChatError(f"{where}.arguments must be a JSON object (the function's named arguments), "
                         f"got {_type(parsed)}")
-    return ToolCall(name, _checked_text(f"{where}.arguments", text))
+    return ToolCall(name, checked_text(f"{where}.arguments", text))
 
 
 def split_reasoning(content: str) -> tuple[str, str]:
@@ -263,12 +265,12 @@ def message_from_dict(where: str, m: Any) -> Message:
             raise ChatError(f"{where}.reasoning_content must be a string, got {_type(given)}")
         else:
             reasoning, content = split_reasoning(content)
-        _checked_text(f"{where}.reasoning_content", reasoning)
+        checked_text(f"{where}.reasoning_content", reasoning)
         if not content.strip() and not calls:
             raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
     elif role != "tool" and not content.strip():
         raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
-    return Message(role, _checked_text(f"{where}.content", content), reasoning, calls)
+    return Message(role, checked_text(f"{where}.content", content), reasoning, calls)
 
 
 def tools_from_value(where: str, value: Any) -> tuple[str, ...]:
@@ -285,7 +287,7 @@ def tools_from_value(where: str, value: Any) -> tuple[str, ...]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
             raise ChatError(f'{where}[{i}] must be a tool object with a function name, such as {{"type": '
                             '"function", "function": {"name": "add", "parameters": {...}}}')
-        out.append(_checked_text(f"{where}[{i}]", json.dumps(tool, ensure_ascii=False)))
+        out.append(checked_text(f"{where}[{i}]", json.dumps(tool, ensure_ascii=False)))
     return tuple(out)
 
 

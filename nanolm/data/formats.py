@@ -76,8 +76,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
 
-from nanolm.data.chatml import (ChatError, ChatFormat, Conversation, Message, check_conversation,
-                                control_in, tools_from_value)
+from nanolm.data.chatml import (ChatError, ChatFormat, Conversation, Message, check_conversation, checked_text,
+                                tools_from_value)
 from nanolm.data.chatml import message_from_dict as chatml_message
 from nanolm.errors import UserError
 
@@ -183,20 +183,13 @@ _CHAT_SHAPE = ('{"conversations": [{"role": ..., "content": ...}, ...]}, {"messa
 
 
 def _check_content(where: str, content: Any) -> str:
-    """The content of a message, or _BadRecord saying what is wrong with it."""
-    if not isinstance(content, str):
-        raise _BadRecord(f"{where} must be a string, got {_json_type(content)}")
-    if not content.strip():
+    """The content of an Alpaca field, or _BadRecord saying what is wrong with it (`chatml.checked_text`)."""
+    if isinstance(content, str) and not content.strip():
         raise _BadRecord(f"{where} is empty" + (" (only whitespace)" if content else ""))
-    m = _SURROGATE.search(content)
-    if m:
-        raise _BadRecord(f"{where} holds an unpaired surrogate escape \\u{ord(m.group()):04x}, "
-                         "which is not valid Unicode")
-    control = control_in(content)
-    if control:
-        raise _BadRecord(f"{where} contains the control token {control}, which would change the "
-                         "conversation's turns")
-    return content
+    try:
+        return checked_text(where, content)
+    except ChatError as e:
+        raise _BadRecord(str(e)) from None
 
 
 def _alpaca(obj: dict) -> Conversation:
