@@ -95,3 +95,13 @@ def read_masked_docs(out: Path, m: dict, split: str = "train") -> list:
         assert (ids[(mask & 2) > 0] == 1).all()  # an exchange starts at an <|im_start|>
         shards.append([(ids[x:y], mask[x:y] & 1) for x, y in zip(offsets[:-1], offsets[1:])])
     return shards
+
+
+def old_chatml_tokenizer(tokenizer_dir: Path, dest: Path):
+    """A copy of a tokenizer as nanolm wrote them before tools and reasoning: the plain ChatML template."""
+    from nanolm.data.chatml import CHATML
+    from nanolm.tokenizer import Tokenizer
+    tok = Tokenizer.load(tokenizer_dir)
+    tok.config = {**tok.config, "chat_template": CHATML.template}
+    tok.save(dest)
+    return Tokenizer.load(dest)

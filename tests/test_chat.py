@@ -7,11 +7,11 @@ from __future__ import annotations
 import collections
 import io
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
+from chat_helpers import old_chatml_tokenizer
 import torch
 
 from nanolm.config import ModelConfig, SamplingParams
@@ -223,11 +223,7 @@ def test_old_exchanges_with_tool_turns_are_dropped_whole(tok):
 
 
 def test_tools_and_thinking_need_a_tokenizer_with_the_tags(tok, tmp_path):
-    old = tmp_path / "old"
-    shutil.copytree(tok.path.parent, old)
-    config = json.loads((old / "tokenizer_config.json").read_text())
-    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML.template}))
-    plain = Tokenizer.load(old)
+    plain = old_chatml_tokenizer(tok.path.parent, tmp_path / "old")
     assert plain.chat_format is CHATML
     eng = Replies(plain, ["hi"])
     with pytest.raises(UserError, match=r"the chat has tools, but the tokenizer .* carries the plain ChatML "):

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from chat_helpers import old_chatml_tokenizer
 
 from nanolm.data import chatml
 from nanolm.data.chatml import CHATML, QWEN3, ChatError, Message, ToolCall, message_from_dict
@@ -163,11 +164,7 @@ def test_plain_chatml_template_through_transformers(tokenizer_dir, tmp_path):
 
 
 def _old_tokenizer(tokenizer_dir, tmp_path) -> Tokenizer:
-    """A tokenizer as nanolm wrote them before tools and reasoning: the plain ChatML template."""
-    tok = Tokenizer.load(tokenizer_dir)
-    tok.config = {**tok.config, "chat_template": CHATML.template}
-    tok.save(tmp_path / "old")
-    return Tokenizer.load(tmp_path / "old")
+    return old_chatml_tokenizer(tokenizer_dir, tmp_path / "old")
 
 
 def test_an_old_tokenizer_keeps_its_template_and_refuses_tools(tokenizer_dir, tmp_path):

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
+from chat_helpers import old_chatml_tokenizer
 
 from nanolm.config import ServeConfig
 from nanolm.data.chatml import CHATML, ChatError, Message, ToolCall, message_from_dict, tools_from_value
 from nanolm.infer.tools import BUILTIN_TOOLS
-from nanolm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -275,11 +274,7 @@ def test_tool_choice_and_thinking_fields_are_checked(server, extra, param, messa
 
 
 def test_an_old_chatml_tokenizer_refuses_tools_and_thinking(tok, tmp_path):
-    old = tmp_path / "old"
-    shutil.copytree(tok.path.parent, old)
-    config = json.loads((old / "tokenizer_config.json").read_text())
-    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML.template}))
-    plain = Tokenizer.load(old)
+    plain = old_chatml_tokenizer(tok.path.parent, tmp_path / "old")
     eng = ScriptedEngine(plain.encode("Hello."), max_seq_len=CTX)
     with running(create_app(eng, plain, ServeConfig(model_name="old"))) as url:
         status, err = post((url,), {"messages": [USER], "tools": TOOLS})
