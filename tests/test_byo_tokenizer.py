@@ -140,3 +140,43 @@ def test_a_tokenizer_without_the_tags_works_and_prepare_says_what_it_lacks(tmp_p
     with pytest.warns(UserWarning, match=r"tokenizer\.json: lacks <tool_call>, </tool_call>, .* as added tokens"):
         m = prepare([src], d, tmp_path / "data", format="chat", val_fraction=0, workers=0, quiet=True)
     assert m["totals"]["n_docs"] == 3  # spelled in pieces, the mask still placed by bytes
+
+
+def test_a_minimind_3_release_with_its_tokenizer_imports_and_fine_tunes(mm_dir, tmp_path):
+    """A Qwen3 checkpoint saved by transformers beside a MiniMind-layout tokenizer (MiniMind-3's release):
+    `import hf` keeps the tokenizer, and the imported model fine-tunes on tool conversations in nanolm."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    from nanolm.checkpoint import load_model
+    from nanolm.config import load_config
+    from nanolm.export.hf import import_hf
+    from nanolm.train.trainer import train
+
+    tok = Tokenizer.load(mm_dir)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_theta=1e6))
+    src = tmp_path / "minimind-3"
+    hf.save_pretrained(src)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(mm_dir / f, src / f)
+    out = import_hf(src, tmp_path / "imported")
+    model, ckpt = load_model(out)
+    assert model.config.qk_norm and Tokenizer.load(ckpt).tag_ids["<think>"] == 25
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tool_records(8)), encoding="utf-8")
+    prepare([data], ckpt, tmp_path / "data", format="chat", val_fraction=0, workers=0, quiet=True)
+    cfg = load_config(None, config_file=out / "config.json", overrides={
+        "data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "sft"), "train.stage": "sft",
+        "train.init_from": str(out), "train.seq_len": 767, "train.batch_size": 1, "train.max_steps": 4,
+        "train.eval_interval": 4, "train.save_interval": 4, "train.compile": False})
+    res = train(cfg, quiet=True)
+    assert res.step == 4
+    tuned, tuned_ckpt = load_model(tmp_path / "sft", "last")
+    assert Tokenizer.load(tuned_ckpt).fingerprint == tok.fingerprint
+    assert not torch.equal(tuned.embed_tokens.weight, model.embed_tokens.weight)
