@@ -24,7 +24,9 @@ def _cmd_data(args: argparse.Namespace) -> None:
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     elif args.data_cmd == "tools":
         from nanolm.data.tooluse import build_calculator_conversations
-        out = build_calculator_conversations(Path(args.out), args.n, args.seed)
+        from nanolm.infer.tools import BUILTIN_TOOLS, calculator
+        out = build_calculator_conversations(Path(args.out), args.n, args.seed, calculator=calculator,
+                                             tools=BUILTIN_TOOLS)
         print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
     else:
         for name in args.names:

@@ -100,7 +100,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     from nanolm.data.prepare import prepare
     from nanolm.data.tooluse import build_calculator_conversations
     from nanolm.infer.chat import ChatSession, run_chat
-    from nanolm.infer.tools import Toolbox
+    from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
     from nanolm.tokenizer import Tokenizer, compression_report, split_by_script, train_tokenizer
@@ -123,7 +123,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
         # 30,895 idioms would drown chatterbot's 2,492 conversations; a smaller share keeps both in view.
         chat_files = _truncated_copies(chat_files, out / "corpora" / "chat", chat_max_chars)
     if chat_files:  # the built-in tool-use set: arithmetic answered through the calculator, results computed
-        chat_files.append(build_calculator_conversations(out / "corpora" / "tools.jsonl", TOOL_CONVERSATIONS))
+        chat_files.append(build_calculator_conversations(out / "corpora" / "tools.jsonl", TOOL_CONVERSATIONS,
+                                                         calculator=calculator, tools=BUILTIN_TOOLS))
     for f in [*text_files, *chat_files]:
         print(f"  {f} ({f.stat().st_size / 2**20:.1f} MiB)")
 

@@ -15,9 +15,13 @@ from nanolm.infer.tools import BUILTIN_TOOLS, calculator
 from nanolm.tokenizer import Tokenizer
 
 
+def build(out, n, seed):
+    return build_calculator_conversations(out, n, seed, calculator=calculator, tools=BUILTIN_TOOLS)
+
+
 def test_results_are_computed_by_the_calculator_and_quoted(tmp_path):
-    out = build_calculator_conversations(tmp_path / "tools.jsonl", 200, seed=3)
-    assert out.read_bytes() == build_calculator_conversations(tmp_path / "again.jsonl", 200, seed=3).read_bytes()
+    out = build(tmp_path / "tools.jsonl", 200, seed=3)
+    assert out.read_bytes() == build(tmp_path / "again.jsonl", 200, seed=3).read_bytes()
     convs = [c for c, _ in iter_chat_records(out)]
     assert len(convs) == 200
     calls = 0
@@ -35,7 +39,7 @@ def test_results_are_computed_by_the_calculator_and_quoted(tmp_path):
 
 
 def test_the_set_prepares_with_the_mask_on_calls_and_replies(tmp_path, tokenizer_dir):
-    src = build_calculator_conversations(tmp_path / "tools.jsonl", 30, seed=0)
+    src = build(tmp_path / "tools.jsonl", 30, seed=0)
     m = prepare([src], tokenizer_dir, tmp_path / "data", format="chat", max_tokens=2048, val_fraction=0,
                 workers=0, quiet=True)
     assert m["totals"]["n_docs"] == 30 and m["chat"]["truncated"] == 0

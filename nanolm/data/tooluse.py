@@ -1,9 +1,12 @@
 """A built-in tool-use set: arithmetic questions answered through the calculator, for SFT, docs and the quickstart.
 
 `build_calculator_conversations` writes conversations in which the assistant
-calls the built-in `calculator` (nanolm/infer/tools.py), the calculator's own result
-comes back as the tool turn, and the reply quotes that result: no answer is
-written by hand, each is computed by running the call the conversation makes.
+calls the built-in `calculator`, the calculator's own result comes back as the
+tool turn, and the reply quotes that result: no answer is written by hand, each
+is computed by running the call the conversation makes. The calculator and the
+tools offered are given by the caller (`nanolm.infer.tools.calculator` and
+`BUILTIN_TOOLS`, which the chat runs), so this data module imports nothing
+from the inference layer above it.
 Questions are arithmetic word problems and bare expressions, in Chinese and
 English, over random numbers (sums, differences, products, quotients, powers,
 square roots, mixed expressions with parentheses); a share of conversations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
@@ -63,16 +66,14 @@ _DIRECT: list[tuple[str, str]] = [
 DIRECT_SHARE = 0.15
 
 
-def build_calculator_conversations(out: Path, n: int, seed: int = 0, *,
-                                   run: Callable[[dict], str] | None = None) -> Path:
+def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str],
+                                   tools: Sequence[dict]) -> Path:
     """Write n tool-use conversations to `out` (.jsonl, OpenAI `{"messages": [...], "tools": [...]}` records)
-    and return it. The same n and seed always give the same file. run: the calculator (default the built-in
-    one); its result is what the tool turn holds and the reply quotes."""
-    from nanolm.infer.tools import BUILTIN_TOOLS, calculator  # the tools the chat runs, so the data matches them
-
+    and return it. The same n and seed always give the same file. calculator: `{"expression": ...}` -> the
+    result text that the tool turn holds and the reply quotes; tools: the tool objects every record offers
+    (the calculator's among them)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError(f"n={n!r}: must be a positive integer (the number of conversations)")
-    run = run or calculator
     rng = random.Random(seed)
     lines = []
     for i in range(n):
@@ -87,7 +88,7 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *,
             if "sqrt" in expr:
                 nums["c"] = rng.randint(2, 40) ** 2 if rng.random() < 0.7 else rng.randint(2, 999)
             expression = expr.format(**nums)
-            result = run({"expression": expression})
+            result = calculator({"expression": expression})
             if result.startswith("error"):
                 raise AssertionError(f"the calculator could not answer {expression!r}: {result}")
             reply = rng.choice(_REPLIES_ZH if zh else _REPLIES_EN).format(expr=expression, result=result)
@@ -97,7 +98,7 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *,
                         {"role": "assistant", "content": "", "tool_calls": [call]},
                         {"role": "tool", "content": result},
                         {"role": "assistant", "content": reply}]
-        lines.append(json.dumps({"messages": messages, "tools": list(BUILTIN_TOOLS)}, ensure_ascii=False) + "\n")
+        lines.append(json.dumps({"messages": messages, "tools": list(tools)}, ensure_ascii=False) + "\n")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(out, "".join(lines).encode("utf-8"))
