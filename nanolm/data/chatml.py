@@ -621,25 +621,47 @@ def parse_reply(text: str, *, thinking: bool = False) -> tuple[Message, list[str
 def encode_chat(spans: Sequence[Span], ids: Sequence[int], token_lengths: np.ndarray,
                 tokenizer_file: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of a conversation: ids = encode of the spans' text joined; token_lengths[id] = the UTF-8
-    bytes each token stands for (`Tokenizer.token_bytes`). The mask is TARGET on each token whose bytes reach
-    into a span that trains, with EXCHANGE on the first token of each exchange span (see the module doc)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    ends = np.cumsum(token_lengths[ids])
-    starts = ends - token_lengths[ids]
-    mask = np.zeros(len(ids), dtype=np.uint8)
+    bytes each token stands for (`Tokenizer.spelled_lengths`). The mask is TARGET on each token whose bytes
+    reach into a span that trains, with EXCHANGE on the first token of each exchange span (see the module
+    doc). `encode_chats` is the same for many conversations at once."""
+    return encode_chats([spans], [ids], token_lengths, tokenizer_file)[0]
+
+
+def encode_chats(spans: Sequence[Sequence[Span]], ids: Sequence[Sequence[int]], token_lengths: np.ndarray,
+                 tokenizer_file: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`encode_chat` of each conversation, computed over all of them at once (a few numpy calls in all rather
+    than per span: what `nanolm prepare` runs on each batch)."""
+    counts = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(counts.sum()))
+    ends = np.cumsum(token_lengths[flat])  # byte offsets over the batch's texts joined
+    starts = ends - token_lengths[flat]
+    train_a, train_b, marks, conv_ends = [], [], [], []
     at = 0
-    for s in spans:
-        n = len(s.text.encode("utf-8"))
-        if s.trains and n:
-            mask[np.searchsorted(ends, at, side="right"):np.searchsorted(starts, at + n, side="left")] |= TARGET
-        if s.exchange:
-            mask[np.searchsorted(starts, at, side="left")] |= EXCHANGE
-        at += n
-    if (ends[-1] if len(ends) else 0) != at:
+    for conv in spans:
+        for sp in conv:
+            n = len(sp.text.encode("utf-8"))
+            if sp.trains and n:
+                train_a.append(at)
+                train_b.append(at + n)
+            if sp.exchange:
+                marks.append(at)
+            at += n
+        conv_ends.append(at)
+    token_ends = np.cumsum(counts)
+    # Each conversation's tokens must spell its text: its last token ends where its text does.
+    spelled = np.where(counts > 0, ends[np.maximum(token_ends - 1, 0)] if len(flat) else 0, np.r_[0, conv_ends[:-1]])
+    if not np.array_equal(spelled, np.asarray(conv_ends, dtype=np.int64)):
         raise UserError(f"{tokenizer_file}: the tokens of a conversation do not spell its text byte for byte "
                         "(the tokenizer normalizes or is not byte-level), so the loss mask cannot be placed; use "
                         "a byte-level BPE tokenizer, such as one made by `nanolm tokenizer train`")
-    return ids, mask
+    # TARGET on tokens [first, last) of each trained span: +1 / -1 at the edges, summed along the batch.
+    edges = np.zeros(len(flat) + 1, dtype=np.int64)
+    np.add.at(edges, np.searchsorted(ends, np.asarray(train_a, dtype=np.int64), side="right"), 1)
+    np.add.at(edges, np.searchsorted(starts, np.asarray(train_b, dtype=np.int64), side="left"), -1)
+    mask = (np.cumsum(edges[:-1]) > 0).astype(np.uint8)
+    mask[np.searchsorted(starts, np.asarray(marks, dtype=np.int64), side="left")] |= EXCHANGE
+    bounds = np.r_[0, token_ends]
+    return [(flat[x:y], mask[x:y]) for x, y in zip(bounds[:-1], bounds[1:])]
 
 
 def check_spelling(text: str, ids: Sequence[int], token_bytes: Sequence[bytes], tokenizer_file: str) -> None:

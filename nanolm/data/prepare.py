@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.chatml import EOT, Conversation, Span, check_spelling, encode_chat, fit_conversation, fit_pair
+from nanolm.data.chatml import EOT, Conversation, Span, check_spelling, encode_chats, fit_conversation, fit_pair
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
 from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
                                 write_splits)
@@ -204,13 +204,13 @@ def _chat_state(state: dict[str, Any]) -> Tokenizer:
 
 
 def _encode_spans(state: dict[str, Any], spans: list[list[Span]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`chatml.encode_chat` of each conversation's spans, the texts encoded in one batch; the first one is also
+    """`chatml.encode_chats` of the conversations' spans, the texts encoded in one batch; the first one is also
     checked to be spelled byte for byte by its tokens (`chatml.check_spelling`)."""
     texts = ["".join(s.text for s in sp) for sp in spans]
     ids = _encode(state["tok"], texts)
     if texts:
         check_spelling(texts[0], ids[0], _chat_state(state).token_bytes(), state["file"])
-    return [encode_chat(sp, x, state["lengths"], state["file"]) for sp, x in zip(spans, ids)]
+    return encode_chats(spans, ids, state["lengths"], state["file"])
 
 
 class _Documents:
