@@ -39,10 +39,13 @@ tokenizer_config.json (and a GGUF export); `render` is the Python rendering,
 and the two give the same text for any conversation (tests/test_chatml.py
 checks it through `transformers.apply_chat_template`).
 
-Ids and loss mask (`encode_chat`, what `nanolm prepare` stores): the ids are
-`encode(render(...))`, the whole text encoded once; the layout renders it as
-spans that train or not (`ChatFormat.spans`), and a token is a target when its
-bytes reach into a span that trains. What trains is each assistant turn's
+Ids and loss mask (`encode_chat`, and `encode_chats` for a batch: what
+`nanolm prepare` stores): the ids are `encode(render(...))`, the whole text
+encoded once; the layout renders it as spans that train or not
+(`ChatFormat.spans`), and a token is a target when its bytes (the cumulative
+sum of `Tokenizer.spelled_lengths`) reach into a span that trains. That needs
+tokens that spell the text byte for byte, as every byte-level BPE does;
+`check_spelling` checks it, and a tokenizer that does not is refused. What trains is each assistant turn's
 reasoning, content, tool calls and closing `<|im_end|>`; never a system, user
 or tool turn, nor the scaffolding (`<|im_start|>assistant\n<think>\n`, the
 empty block's `\n</think>\n\n` that the generation prompt writes itself, the
