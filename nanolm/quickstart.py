@@ -137,10 +137,12 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
 
     _banner(3, n, "prepare token shards (pretraining text, then chat with loss masks)")
     data_dir, sft_dir = out / "data", out / "sft-data"
-    seq_len = load_config(preset_name).train.seq_len
+    # Chat blocks twice the pretraining window: a conversation offering the built-in tools holds ~300 tokens of
+    # tool list in its system turn (tokens the model attends to but is not trained on), past the tiny preset's 256.
+    sft_len = 2 * load_config(preset_name).train.seq_len
     prepare(text_files, tok_dir, data_dir, val_fraction=0.02, workers=2)
     if chat_files:
-        prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=seq_len + 1,
+        prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=sft_len + 1,
                 val_fraction=0.02, workers=2)
 
     reserve = 25.0  # seconds kept for the final evaluations, checkpoints and samples
@@ -150,7 +152,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     for d in (run_dir, sft_run):
         if (d / "config.json").is_file():
             shutil.rmtree(d)  # a previous quickstart's run: start afresh so the logs tell one story
-    base = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size}
+    base = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size,
+            "model.max_seq_len": sft_len}
     train_time = max(10.0, remaining() - reserve)
     result = _train_within(base, preset_name, max(10.0, train_time * (1 - sft_share)))
 
@@ -174,6 +177,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
         # pretraining lr), which suits long fine-tuning runs of well-trained models.
         pre_lr = load_config(preset_name).optim.lr
         sft = {**base, "data.path": str(sft_dir), "train.out_dir": str(sft_run), "train.stage": "sft",
+               "train.seq_len": sft_len,
                "train.init_from": str(ckpt_dir), "optim.lr": pre_lr / 2, "optim.min_lr": pre_lr / 20}
         _train_within(sft, preset_name, max(10.0, remaining() - reserve * 0.6))
 
