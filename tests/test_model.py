@@ -61,17 +61,23 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
         torch.testing.assert_close(gqa(x), mha(x), atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_matches_full_forward():
-    torch.manual_seed(0)
-    cfg = tiny()
-    model = Transformer(cfg).eval()
-    x = torch.randint(0, 97, (2, 24))
+def assert_cached_decode_equals_full_forward(model, x: torch.Tensor, prefill: int, chunk_end: int,
+                                            cache_len: int) -> KVCache:
+    """Prefill x[:, :prefill], a chunk up to chunk_end after the cache, then one token at a time: the logits
+    equal one full forward of x. Returns the cache."""
     with torch.no_grad():
         full = model(x)
-        cache = KVCache.empty(cfg, 2, 32, "cpu", torch.float32)
-        parts = [model(x[:, :10], cache), model(x[:, 10:17], cache)]  # prefill, then a chunk after the cache
-        parts += [model(x[:, i:i + 1], cache) for i in range(17, 24)]  # one token at a time
+        cache = KVCache.empty(model.config, x.shape[0], cache_len, "cpu", torch.float32)
+        parts = [model(x[:, :prefill], cache), model(x[:, prefill:chunk_end], cache)]
+        parts += [model(x[:, i:i + 1], cache) for i in range(chunk_end, x.shape[1])]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    return cache
+
+
+def test_kv_cache_matches_full_forward():
+    torch.manual_seed(0)
+    model = Transformer(tiny()).eval()
+    cache = assert_cached_decode_equals_full_forward(model, torch.randint(0, 97, (2, 24)), 10, 17, 32)
     assert cache.pos == 24
 
 

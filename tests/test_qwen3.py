@@ -26,6 +26,8 @@ from nanolm.infer.fuse import FusedAttention, fuse_projections
 from nanolm.model.lora import apply_lora, merge_lora
 from nanolm.model.transformer import KVCache, Transformer, Yarn, apply_rope, count_params, rope_tables
 
+from test_model import assert_cached_decode_equals_full_forward  # noqa: E402
+
 
 def tiny(**kw) -> ModelConfig:
     base = dict(vocab_size=61, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=64, init_std=0.3,
@@ -88,15 +90,9 @@ def test_qk_norm_attention_equals_a_hand_written_one():
 @pytest.mark.parametrize("over", [{}, {"rope_scaling": "yarn", "rope_factor": 2.0, "rope_original_max_len": 32}],
                          ids=["qk-norm", "qk-norm-yarn"])
 def test_kv_cache_prefill_and_decode_equal_the_full_forward(over):
-    cfg = tiny(**over)
-    model = random_model(cfg)
+    model = random_model(tiny(**over))
     x = torch.randint(0, 61, (2, 50), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(x)
-        cache = KVCache.empty(cfg, 2, 64, "cpu", torch.float32)
-        parts = [model(x[:, :20], cache), model(x[:, 20:37], cache)]  # prefill, then a chunk after the cache
-        parts += [model(x[:, i:i + 1], cache) for i in range(37, 50)]  # one token at a time
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert_cached_decode_equals_full_forward(model, x, 20, 37, 64)
 
 
 def test_rows_of_different_lengths_decode_as_each_alone():

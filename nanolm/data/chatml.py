@@ -550,7 +550,6 @@ class _Qwen3(ChatFormat):
 
 CHATML: ChatFormat = _ChatML()
 QWEN3: ChatFormat = _Qwen3()
-FORMATS: dict[str, ChatFormat] = {f.name: f for f in (QWEN3, CHATML)}
 CHAT_TEMPLATE = QWEN3.template  # what `nanolm tokenizer train` writes
 
 

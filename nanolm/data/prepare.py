@@ -20,10 +20,10 @@ Tokenization streams: the main process reads pieces of documents
 most a few batches in flight per worker, so memory stays flat however large
 the input. The bytes written do not depend on the number of workers.
 
-Chat data (`format="chat"`): each conversation (read by `iter_conversations`
-of nanolm.data.formats) becomes one document: its ChatML ids and loss mask
-(`nanolm.data.chatml.render_with_mask`: exactly the ids of
-`tok.encode(render_chat(messages))`, the mask on the assistant replies), then
+Chat data (`format="chat"`): each conversation (read by `iter_chat_records`
+of nanolm.data.formats) becomes one document: its ids and loss mask in the
+tokenizer's chat layout (`nanolm.data.chatml.encode_chats`: exactly the ids of
+`tok.encode(fmt.render(messages, tools))`, the mask on the assistant turns), then
 `<|endoftext|>` (mask 0). A conversation longer than `max_tokens` tokens is
 cut by ChatML's truncation policy (`fit_conversation`), or skipped when no
 target would be left; both are counted in the manifest.
