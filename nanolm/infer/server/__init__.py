@@ -114,6 +114,9 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
               file=sys.stderr, flush=True)
         # A short graceful shutdown: streams still open after it are cancelled, which stops their generation.
         server = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3)
-        uvicorn.Server(server).run(sockets=[sock])
+        try:
+            uvicorn.Server(server).run(sockets=[sock])
+        except KeyboardInterrupt:  # newer uvicorn (0.54 here) raises Ctrl+C again once it has shut down: a clean stop
+            pass
     finally:
         sock.close()
