@@ -103,6 +103,10 @@ def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
     for f in dataclasses.fields(cls):
         kind = next(t for t in (*typing.get_args(types[f.name]), types[f.name]) if t is not type(None))
         default = "none" if f.default is None else '""' if f.default == "" else f.default
+        if kind is bool:  # --name / --no-name
+            g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, default=f.default,
+                           action=argparse.BooleanOptionalAction, help=f"{f.metadata.get('help', f.name)}")
+            continue
         g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
                        default=f.default, metavar=kind.__name__.upper(),
                        help=f"{f.metadata.get('help', f.name)} (default {default})")
@@ -172,7 +176,7 @@ def _cmd_chat(args: argparse.Namespace) -> None:
     tools = Toolbox.from_specs(args.tools)  # a bad tools.json fails before the model loads
     engine, tok, params, _ = _engine_from_args(args)
     run_chat(ChatSession(engine, tok, params, system=args.system, tools=tools, thinking=args.think,
-                         max_tool_rounds=args.max_tool_rounds))
+                         max_tool_rounds=args.max_tool_rounds, guide_calls=not args.free_calls))
 
 
 def _cmd_lora_merge(args: argparse.Namespace) -> None:
@@ -330,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the model reason in a <think> block before it answers (shown apart)")
     c.add_argument("--max-tool-rounds", type=int, default=MAX_TOOL_ROUNDS, metavar="N",
                    help="the most times the model continues after tool results in one turn (default %(default)s)")
+    c.add_argument("--free-calls", action="store_true",
+                   help="read the model's tool calls as it writes them; by default, once it opens a call, what it "
+                        "writes is held to the offered tools' schemas")
 
     lo = sub.add_parser("lora", help="LoRA adapters: merge into a full model")
     losub = lo.add_subparsers(dest="lora_cmd", required=True, metavar="ACTION")

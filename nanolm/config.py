@@ -557,6 +557,8 @@ class ServeConfig:
     # A client that stops sending gets 408 instead of holding its connection open for good.
     body_timeout_s: float = field(default=30.0, metadata={
         "flag": "--body-timeout", "help": "seconds a request body may take to arrive after its headers; then 408"})
+    guide_calls: bool = field(default=True, metadata={
+        "help": "once the model opens a tool call, hold what it writes to the offered tools' schemas"})
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host.strip()),
@@ -572,6 +574,7 @@ class ServeConfig:
                f"max_batch={self.max_batch!r}: must be an integer >= 1 (rows decoded together), or unset")
         _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
                f"max_body_bytes={self.max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
+        _check(isinstance(self.guide_calls, bool), f"guide_calls={self.guide_calls!r}: must be true or false")
         _check(_is_number(self.body_timeout_s) and self.body_timeout_s > 0,
                f"body_timeout_s={self.body_timeout_s!r}: must be a number of seconds > 0")
 

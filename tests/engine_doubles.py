@@ -55,7 +55,7 @@ class ScriptBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, prompt, params, stop_ids=(), n=1, logprobs=None) -> list[int]:
+    def add(self, prompt, params, stop_ids=(), n=1, logprobs=None, guide=None) -> list[int]:
         ids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
         for row in ids:

@@ -30,6 +30,7 @@ from nanolm.data.chatml import ChatError, Message, ToolCall, control_in
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_text, stream_text
+from nanolm.infer.guide import GuideVocab, ToolCallGuide
 from nanolm.infer.reply import Call, Content, Event, Reasoning, ReplyParser
 from nanolm.infer.tools import MAX_TOOL_ROUNDS, Toolbox
 from nanolm.tokenizer import Tokenizer
@@ -70,7 +71,10 @@ def checked_text(text: str, what: str) -> str:
 
 class ChatSession:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, params: SamplingParams, system: str = "", *,
-                 tools: Toolbox | None = None, thinking: bool = False, max_tool_rounds: int = MAX_TOOL_ROUNDS) -> None:
+                 tools: Toolbox | None = None, thinking: bool = False, max_tool_rounds: int = MAX_TOOL_ROUNDS,
+                 guide_calls: bool = True) -> None:
+        """guide_calls: once the model opens a tool call, hold what it writes to the offered tools' schemas
+        (`infer/guide.py`); False reads its calls as they come."""
         self.engine = engine
         self.tok = tokenizer
         self.fmt = tokenizer.chat_format
@@ -90,6 +94,9 @@ class ChatSession:
                             "template of nanolm before tools and reasoning, which has no think block; drop --think or "
                             "use a tokenizer that has <think>")
         self.system = checked_text(system, "the system prompt")
+        self.guide = (ToolCallGuide(GuideVocab.of(tokenizer, engine.model.config.vocab_size, engine.device),
+                                    list(self.tools.tools))
+                      if guide_calls and self.tools is not None and self.fmt.tools else None)
         self.history: list[Message] = []  # the conversation without the system prompt, oldest first
         self.dropped_total = 0
         self.last_dropped = 0  # exchanges dropped to fit the last turn
@@ -144,7 +151,9 @@ class ChatSession:
         ids, dropped = self.prompt_ids(pending)
         self._drop(dropped)
         parser = ReplyParser(thinking=self.thinking, calls=self.tools is not None)
-        for piece in stream_text(self.engine, self.tok, ids, self.params, (self.tok.im_end_id, self.tok.eot_id)):
+        guide = self.guide.fork() if self.guide is not None else None
+        for piece in stream_text(self.engine, self.tok, ids, self.params, (self.tok.im_end_id, self.tok.eot_id),
+                                 guide=guide):
             yield from parser.push(piece)
         yield from parser.finish()
         for problem in parser.problems:

@@ -13,14 +13,15 @@ row at its own position with its own sampling parameters, penalties and random
 generator, so a row's tokens do not depend on which other rows run beside it;
 a row leaves on its stop ids, its budget or `cancel`. `Engine.generate` is one
 row of a batch. Penalties, filters and the draw are pure functions
-(`infer/sampling.py`).
+(`infer/sampling.py`). A row may carry a guide (`infer/guide.py`, tool calls
+held to their schemas), asked before each draw which ids may come next.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -96,10 +97,10 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_seq_len}")
 
     def generate(self, prompt: Sequence[int], params: SamplingParams,
-                 stop_ids: Sequence[int] = ()) -> Iterator[int]:
+                 stop_ids: Sequence[int] = (), guide: Guide | None = None) -> Iterator[int]:
         """Yield new token ids one at a time; stops at a stop id (not yielded), max_new_tokens or the context end."""
         batch = self.batch()
-        batch.add(prompt, params, stop_ids)
+        batch.add(prompt, params, stop_ids, guide=guide)
         while True:
             (out,) = batch.step()
             if out.token is not None:
@@ -143,14 +144,27 @@ class Token:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class Guide(Protocol):
+    """What a row's guide answers (`infer/guide.py`'s ToolCallGuide is one): the ids that may come next (a bool
+    mask over the vocabulary, or None for all), the token drawn, and a copy for another sample."""
+
+    def allowed(self) -> torch.Tensor | None: ...
+
+    def advance(self, token: int) -> None: ...
+
+    def fork(self) -> "Guide": ...
+
+
 class _Row:
     """One sequence being decoded: its settings and where it stands."""
 
     def __init__(self, row_id: int, prompt_len: int, budget: int, params: SamplingParams, stops: frozenset[int],
-                 generator: torch.Generator | None, penalties: Penalties, logprobs: int | None) -> None:
+                 generator: torch.Generator | None, penalties: Penalties, logprobs: int | None,
+                 guide: Guide | None = None) -> None:
         self.id, self.prompt_len, self.budget = row_id, prompt_len, budget
         self.params, self.stops, self.generator, self.penalties = params, stops, generator, penalties
         self.logprobs = logprobs
+        self.guide = guide
         self.produced = 0
         self.last = -1  # the latest token, to be decoded at the next step
         self.logits: torch.Tensor | None = None  # (1, V): the next token's, once computed
@@ -188,11 +202,12 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def add(self, prompt: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = (), n: int = 1,
-            logprobs: int | None = None) -> list[int]:
+            logprobs: int | None = None, guide: Guide | None = None) -> list[int]:
         """Prefill `prompt` once and add `n` rows sampling from it; returns their row ids.
 
         Sample i of a seeded request draws with seed + i, so a request of n = 1 draws as its seed alone.
         logprobs: None, or how many of the most likely ids each Token lists (0: only the token's own).
+        guide: the ids each row may draw next (each row gets its own fork); None: any.
         """
         engine = self.engine
         engine.check_prompt(prompt)
@@ -202,7 +217,7 @@ class DecodeBatch:
         vocab = engine.model.config.vocab_size
         rows = [_Row(self._next_id + i, len(prompt), budget, params, frozenset(stop_ids),
                      _seeded(params.seed, i, engine.device), Penalties(params, list(prompt), vocab, engine.device),
-                     logprobs) for i in range(n)]
+                     logprobs, guide.fork() if guide is not None else None) for i in range(n)]
         self._next_id += n
         if budget > 0:
             capacity = max(len(prompt) + budget, self._cache.max_len if self._cache is not None else 0)
@@ -249,6 +264,9 @@ class DecodeBatch:
             return Token(row.id, None, "length")
         raw, row.logits = row.logits, None
         logits = row.penalties.apply(raw) if row.penalties.active else raw
+        allowed = row.guide.allowed() if row.guide is not None else None
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
         tid = int(sample_next(logits, row.params, row.generator))
         logprob = top = None
         if row.logprobs is not None:
@@ -263,6 +281,8 @@ class DecodeBatch:
         row.last = tid
         if row.penalties.active:
             row.penalties.add(tid)
+        if row.guide is not None:
+            row.guide.advance(tid)
         return Token(row.id, tid, "length" if row.produced >= row.budget else None, logprob, top)
 
     def _leave(self, ids: set[int]) -> None:

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator, Sequence, TextIO
 
 from nanolm.config import SamplingParams
 from nanolm.errors import UserError
-from nanolm.infer.engine import Engine
+from nanolm.infer.engine import Engine, Guide
 from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
 
@@ -36,11 +36,12 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 
 
 def stream_text(engine: Engine, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-                stop_ids: Iterable[int], stops: Sequence[str] = ()) -> Iterator[str]:
-    """Generate and yield text pieces as soon as they form whole characters, up to the first stop string."""
+                stop_ids: Iterable[int], stops: Sequence[str] = (), guide: Guide | None = None) -> Iterator[str]:
+    """Generate and yield text pieces as soon as they form whole characters, up to the first stop string.
+    guide: which ids may come next (`infer/guide.py`), or None."""
     check_vocab(tokenizer, engine.model.config.vocab_size)
     text = TextStream(tokenizer, stops)
-    gen = engine.generate(prompt_ids, params, stop_ids=list(stop_ids))
+    gen = engine.generate(prompt_ids, params, stop_ids=list(stop_ids), guide=guide)
     try:
         for tid in gen:
             piece = text.push(tid)

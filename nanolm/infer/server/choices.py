@@ -42,6 +42,7 @@ class ChatPlan:
     thinking: bool = False
     calls: bool = False
     prefill: str = ""
+    tools: tuple[Any, ...] = ()  # the tool objects offered, which a guide holds calls to
 
 
 def call_id() -> str:

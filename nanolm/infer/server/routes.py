@@ -36,6 +36,7 @@ from nanolm.config import SamplingParams, ServeConfig
 from nanolm.data.chatml import TOOL_CALL, ChatError, check_conversation, message_from_dict, tools_from_value
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
+from nanolm.infer.guide import GuideVocab, ToolCallGuide
 from nanolm.infer.generate import check_vocab
 from nanolm.infer.server.choices import ChatPlan, Choice
 from nanolm.infer.server.page import chat_page, static_file
@@ -91,6 +92,7 @@ class ServerState:
         self.max_batch = config.max_batch or (DEFAULT_MAX_BATCH_CPU if engine.device.type == "cpu"
                                               else DEFAULT_MAX_BATCH_GPU)
         self.worker = Worker(engine, config.max_queue, self.max_batch)
+        self._guide_vocab: GuideVocab | None = None  # built at the first request that offers tools
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -182,7 +184,20 @@ class ServerState:
                                                                   else "")
         thinking = thinking and not prefill
         text = fmt.render(messages, tools, add_generation_prompt=True, thinking=thinking) + prefill
-        return text, ChatPlan(thinking=thinking, calls=bool(tools), prefill=prefill)
+        return text, ChatPlan(thinking=thinking, calls=bool(tools), prefill=prefill,
+                              tools=tuple(req.tools or ()) if tools else ())
+
+    def guide(self, plan: ChatPlan) -> ToolCallGuide | None:
+        """The guide that holds a reply's tool calls to the tools offered (ServeConfig.guide_calls), started
+        on the prefilled opening of a forced call; None when no tools are offered or guiding is off."""
+        if not (self.config.guide_calls and plan.calls and plan.tools):
+            return None
+        if self._guide_vocab is None:
+            self._guide_vocab = GuideVocab.of(self.tokenizer, self.engine.model.config.vocab_size,
+                                              self.engine.device)
+        guide = ToolCallGuide(self._guide_vocab, list(plan.tools))
+        guide.feed(plan.prefill.encode("utf-8"))
+        return guide
 
     def sampling_params(self, req: BaseModel, max_tokens: int | None) -> SamplingParams:
         """The request's sampling fields, and the server's defaults for those it leaves out; a reply without
@@ -191,7 +206,8 @@ class ServerState:
         return dataclasses.replace(self.sampling, **given,
                                    max_new_tokens=self.sampling.max_new_tokens if max_tokens is None else max_tokens)
 
-    def start(self, prompt_ids: list[int], req: Any, max_tokens: int | None, param: str) -> Job:
+    def start(self, prompt_ids: list[int], req: Any, max_tokens: int | None, param: str,
+              guide: ToolCallGuide | None = None) -> Job:
         """Submit the request's generation to the worker: 400 if the prompt leaves no room or it asks for more
         choices than decode together, 429 if the queue is full."""
         max_seq_len = self.engine.max_seq_len
@@ -203,7 +219,7 @@ class ServerState:
             raise ApiError(400, f"n: {req.n} choices asked for, and this server decodes at most {self.max_batch} "
                                 "rows together (nanolm serve --max-batch); ask for fewer", "n")
         job = Job(self.tokenizer, prompt_ids, self.sampling_params(req, max_tokens), req.stop, n=req.n,
-                  logprobs=req.logprobs_wanted())
+                  logprobs=req.logprobs_wanted(), guide=guide)
         if not self.worker.submit(job):
             raise ApiError(429, f"the server is busy: {self.worker.max_queue} requests are already queued; "
                                 "retry shortly", None, "queue_full", "rate_limit_error")
@@ -324,7 +340,7 @@ async def chat_completions(request: Request) -> Response:
     text, plan = state.chat_prompt(req)
     prompt_ids = state.encode_prompt(text, "messages")
     usage = Usage(len(prompt_ids))
-    job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages")
+    job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages", state.guide(plan))
     rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
     head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name}
     token_bytes = state.tokenizer.token_bytes()

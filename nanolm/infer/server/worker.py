@@ -45,8 +45,9 @@ class Job:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, stops: Sequence[str],
-                 n: int = 1, logprobs: int | None = None) -> None:
+                 n: int = 1, logprobs: int | None = None, guide: Any = None) -> None:
         self.tok = tokenizer
+        self.guide = guide  # the rows' guide (infer/guide.py), or None
         self.prompt_ids = prompt_ids
         self.params = params
         self.n = n
@@ -212,7 +213,8 @@ class Worker:
                 break
             waiting.popleft()
             try:
-                ids = batch.add(job.prompt_ids, job.params, job.stop_ids, n=job.n, logprobs=job.logprobs)
+                ids = batch.add(job.prompt_ids, job.params, job.stop_ids, n=job.n, logprobs=job.logprobs,
+                                guide=job.guide)
             except Exception as e:
                 job.fail(f"generation failed: {type(e).__name__}: {e}")
                 continue

@@ -1,0 +1,352 @@
+"""Tool calls held to the tools' schemas while the model writes them: a grammar that wakes on `<tool_call>`.
+
+A small model that has learnt *when* to call a tool often cannot yet write the call: a brace too few, a key
+misspelt, a name that is no tool's. `ToolCallGuide` follows one row's tokens; outside a call it masks nothing
+and costs nothing, so the model still decides whether to call, which tool and with what arguments. From the
+moment the model opens a call (the bytes `<tool_call>`) until the call is closed, only tokens that keep the
+text a prefix of a well-formed call are allowed:
+
+    \\n{"name": "<a tool offered>", "arguments": {<that tool's parameters>}}\\n</tool_call>
+
+laid out as the chat template renders calls (`json.dumps` spacing: `", "` and `": "`), so the guided text is
+the layout the model was trained on. Arguments follow the tool's JSON schema: its properties in the schema's
+order, each required one present and optional ones skippable; `string`, `number`, `integer`, `boolean`,
+`null`, `enum`, nested `object` / `array`; any other schema (or none) admits any JSON value. llama.cpp's
+server applies such a "lazy" grammar to tool calls in the same way.
+
+The grammar runs on bytes (tokens are byte strings, `Tokenizer.token_bytes`), as a set of parse
+configurations: each is a tuple of items still to match, the first one possibly part-matched, so an
+ambiguity (a number that may go on or end) is several configurations until a byte settles it. The mask of a
+state walks the vocabulary in byte order, sharing each prefix's parse and skipping every token that starts
+with a dead prefix; inside a free string, where any token without a quote, backslash or control byte keeps
+the state as it is, only the tokens that have one are walked. Masks are cached by state.
+
+The engine knows nothing of text: it asks a row's guide for `allowed()` (None: nothing masked) before each
+draw and tells it `advance(token)` after, and gives each of a request's n samples its own `fork()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import OrderedDict
+from typing import Any, Iterable, Sequence
+
+import torch
+
+TRIGGER = b"<tool_call>"
+_CLOSE = b"}\n</tool_call>"
+_HEAD = b'\n{"name": "'
+_QUOTE, _BACKSLASH = 0x22, 0x5C
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_DIGITS = frozenset(b"0123456789")
+
+# JSON numbers: 0 start, 1 after '-', 2 a leading zero, 3 integer digits, 4 after '.', 5 fraction digits,
+# 6 after 'e', 7 after the exponent's sign, 8 exponent digits. A number may end in FINAL states.
+_FINAL = frozenset({2, 3, 5, 8})
+
+
+def _num_next(state: int, b: int, frac: bool) -> int | None:
+    digit = b in _DIGITS
+    if state == 0:
+        return 1 if b == 0x2D else 2 if b == 0x30 else 3 if digit else None
+    if state == 1:
+        return 2 if b == 0x30 else 3 if digit else None
+    if state in (2, 3):
+        if state == 3 and digit:
+            return 3
+        if frac and b == 0x2E:
+            return 4
+        return 6 if frac and b in (0x65, 0x45) else None
+    if state in (4, 5):
+        if digit:
+            return 5
+        return 6 if state == 5 and b in (0x65, 0x45) else None
+    if state == 6:
+        return 7 if b in (0x2B, 0x2D) else 8 if digit else None
+    return 8 if digit else None  # 7, 8
+
+
+def _lit(data: bytes) -> tuple:
+    return ("lit", data, 0)
+
+
+_STR = ("str", 0)  # the inside of a string, its opening quote already matched; ends with the closing quote
+_VALUE = ("value",)
+
+
+def _expand(item: tuple) -> list[tuple]:
+    """A non-terminal item's alternatives, each a tuple of items that replaces it."""
+    kind = item[0]
+    if kind == "alt":
+        return list(item[1])
+    if kind == "value":
+        return [(_lit(b"{"), ("members", True)), (_lit(b"["), ("elems", True, (_VALUE,))), (_lit(b'"'), _STR),
+                (("num", 0, True),), (_lit(b"true"),), (_lit(b"false"),), (_lit(b"null"),)]
+    if kind == "members":  # the rest of an object of any keys
+        lead = b'"' if item[1] else b', "'
+        return [(_lit(b"}"),), (_lit(lead), _STR, _lit(b": "), _VALUE, ("members", False))]
+    if kind == "elems":  # the rest of an array of item[2]s
+        lead = () if item[1] else (_lit(b", "),)
+        return [(_lit(b"]"),), (*lead, *item[2], ("elems", False, item[2]))]
+    if kind == "props":  # the schema's properties from item[2] on, in order; the closing brace follows
+        props, start, first = item[1], item[2], item[3]
+        out: list[tuple] = []
+        if all(not required for _, _, required in props[start:]):
+            out.append(())
+        for j in range(start, len(props)):
+            key, value, required = props[j]
+            out.append((_lit((b"" if first else b", ") + key + b": "), *value, ("props", props, j + 1, False)))
+            if required:
+                break  # a required property cannot be skipped
+        return out
+    raise AssertionError(f"unknown grammar item {kind}")
+
+
+def _feed(items: tuple, b: int) -> list[tuple]:
+    """The configurations that `items` becomes on the byte b (none: b cannot come next)."""
+    if not items:
+        return []
+    head, rest = items[0], items[1:]
+    kind = head[0]
+    if kind == "lit":
+        data, i = head[1], head[2]
+        if data[i] != b:
+            return []
+        return [rest if i + 1 == len(data) else (("lit", data, i + 1), *rest)]
+    if kind == "str":
+        state = head[1]
+        if state == 0:
+            if b == _QUOTE:
+                return [rest]
+            if b == _BACKSLASH:
+                return [(("str", 1), *rest)]
+            return [] if b < 0x20 else [items]
+        if state == 1:
+            if b in _ESCAPES:
+                return [(_STR, *rest)]
+            return [(("str", 5), *rest)] if b == 0x75 else []  # \u and four hex digits
+        if b not in _HEX:
+            return []
+        return [(_STR if state == 2 else ("str", state - 1), *rest)]
+    if kind == "num":
+        state, frac = head[1], head[2]
+        out = []
+        nxt = _num_next(state, b, frac)
+        if nxt is not None:
+            out.append((("num", nxt, frac), *rest))
+        if state in _FINAL:
+            out += _feed(rest, b)
+        return out
+    out = []
+    for alternative in _expand(head):
+        out += _feed((*alternative, *rest), b)
+    return out
+
+
+State = frozenset  # of configurations (tuples of items)
+_DONE: State = frozenset({()})  # the call is complete: what follows is free text again
+
+
+def step(state: State, data: bytes) -> State:
+    """The state after `data` (empty: the bytes cannot be part of a call); _DONE once the call is closed (the
+    bytes after the close are not read)."""
+    for b in data:
+        if state == _DONE:
+            return state
+        state = frozenset(c for config in state for c in _feed(config, b))
+        if not state:
+            return state
+        if () in state:
+            return _DONE
+    return state
+
+
+def _value_items(schema: Any) -> tuple:
+    """The items of a JSON value that `schema` describes."""
+    if not isinstance(schema, dict):
+        return (_VALUE,)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, (str, int, float, bool)) or v is None for v in enum):
+        return (("alt", tuple((_lit(json.dumps(v, ensure_ascii=False).encode()),) for v in enum)),)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        alts = tuple(_value_items({**schema, "type": k}) for k in kind if isinstance(k, str))
+        return (("alt", alts),) if alts else (_VALUE,)
+    if kind == "string":
+        return (_lit(b'"'), _STR)
+    if kind in ("number", "integer"):
+        return (("num", 0, kind == "number"),)
+    if kind == "boolean":
+        return (("alt", ((_lit(b"true"),), (_lit(b"false"),))),)
+    if kind == "null":
+        return (_lit(b"null"),)
+    if kind == "object":
+        return _object_items(schema)
+    if kind == "array":
+        return (_lit(b"["), ("elems", True, _value_items(schema.get("items"))))
+    return (_VALUE,)
+
+
+def _object_items(schema: Any) -> tuple:
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict) or not props:
+        return (_lit(b"{"), ("members", True))  # no properties named: any object
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    entries = tuple((json.dumps(str(key), ensure_ascii=False).encode(), _value_items(sub), key in required)
+                    for key, sub in props.items())
+    return (_lit(b"{"), ("props", entries, 0, True), _lit(b"}"))
+
+
+def call_state(tools: Iterable[Any]) -> State:
+    """The state just after `<tool_call>`: a call of one of `tools` (OpenAI tool objects or bare functions)."""
+    alternatives = []
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name or '"' in name or "\\" in name:
+            continue  # not a name a call can hold as the template writes it
+        alternatives.append((_lit(name.encode() + b'", "arguments": '), *_object_items(fn.get("parameters")),
+                             _lit(_CLOSE)))
+    if not alternatives:
+        raise ValueError("no tool with a usable name to guide calls to")
+    return frozenset({(_lit(_HEAD), ("alt", tuple(alternatives)))})
+
+
+def _after(prefix: bytes) -> bytes | None:
+    """The least byte string greater than every string that starts with `prefix` (None: there is none)."""
+    p = prefix.rstrip(b"\xff")
+    return p[:-1] + bytes([p[-1] + 1]) if p else None
+
+
+class GuideVocab:
+    """A vocabulary as the guide reads it: each id's bytes, sorted for the prefix walk, and masks by state.
+
+    token_bytes: the bytes each id stands for (`Tokenizer.token_bytes()`). size: the model's vocabulary (it
+    may be larger than the tokenizer's). never: ids never allowed inside a call (the control tokens, which
+    stand for their own text but end or open turns). tags: ids of tag tokens (`</tool_call>`, `<think>` ...),
+    allowed only where the call's layout spells them, never inside a string. `of(tokenizer, size)` builds
+    one from a Tokenizer.
+    """
+
+    def __init__(self, token_bytes: Sequence[bytes], size: int, *, never: Iterable[int] = (),
+                 tags: Iterable[int] = (), device: torch.device | str = "cpu", cache_size: int = 512) -> None:
+        self.token_bytes = list(token_bytes)
+        self.size, self.device = size, torch.device(device)
+        never, tags = set(never), set(tags)
+        spelled = sorted((b, i) for i, b in enumerate(self.token_bytes[:size]) if b and i not in never)
+        self._keys, self._ids = [b for b, _ in spelled], [i for _, i in spelled]
+        special = [(b, i) for b, i in spelled
+                   if i not in tags and any(c == _QUOTE or c == _BACKSLASH or c < 0x20 for c in b)]
+        self._special_keys, self._special_ids = [b for b, _ in special], [i for _, i in special]
+        walked = set(self._special_ids) | tags
+        plain = torch.zeros(size, dtype=torch.bool)
+        plain[[i for _, i in spelled if i not in walked]] = True
+        self._plain = plain
+        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()
+        self._cache_size = cache_size
+
+    @classmethod
+    def of(cls, tokenizer: Any, size: int, device: torch.device | str = "cpu") -> "GuideVocab":
+        """The guide's view of a `nanolm.tokenizer.Tokenizer` for a model of `size` ids."""
+        return cls(tokenizer.token_bytes(), size, never=(tokenizer.eot_id, tokenizer.im_start_id,
+                                                          tokenizer.im_end_id),
+                   tags=tokenizer.tag_ids.values(), device=device)
+
+    def _walk(self, state: State, keys: list[bytes], ids: list[int]) -> list[int]:
+        """The ids among keys (sorted) whose bytes `state` can take."""
+        allowed: list[int] = []
+        stack: list[tuple[bytes, State]] = [(b"", state)]
+        i, n = 0, len(keys)
+        while i < n:
+            token = keys[i]
+            while not token.startswith(stack[-1][0]):
+                stack.pop()
+            prefix, s = stack[-1]
+            dead = None
+            for j in range(len(prefix), len(token)):
+                if s == _DONE:
+                    break
+                s = step(s, token[j:j + 1])
+                if not s:
+                    dead = token[:j + 1]
+                    break
+                stack.append((token[:j + 1], s))
+            if dead is None:
+                allowed.append(ids[i])
+                i += 1
+            else:  # no token that starts with `dead` can come next
+                end = _after(dead)
+                i = n if end is None else bisect.bisect_left(keys, end, i + 1)
+        return allowed
+
+    def mask(self, state: State) -> torch.Tensor:
+        """bool (size,): the ids that may come next in `state`."""
+        hit = self._cache.get(state)
+        if hit is not None:
+            self._cache.move_to_end(state)
+            return hit
+        if all(config and config[0] == _STR for config in state):  # inside a free string
+            out = self._plain.clone()
+            ids = self._walk(state, self._special_keys, self._special_ids)
+        else:
+            out = torch.zeros(self.size, dtype=torch.bool)
+            ids = self._walk(state, self._keys, self._ids)
+        if ids:
+            out[ids] = True
+        out = out.to(self.device)
+        self._cache[state] = out
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return out
+
+
+class ToolCallGuide:
+    """One row's guide: free text until the row writes `<tool_call>`, then the call grammar until it closes.
+
+    A row may make several calls; each is guided. Should the allowed set ever come out empty (a tokenizer that
+    cannot spell a needed byte), the guide lets the row go on unguided rather than stop it.
+    """
+
+    def __init__(self, vocab: GuideVocab, tools: Sequence[Any]) -> None:
+        self.vocab = vocab
+        self.start = call_state(tools)
+        self.state: State | None = None  # None: outside a call
+        self._tail = b""  # the last bytes written outside a call, to spot the trigger
+
+    def fork(self) -> "ToolCallGuide":
+        twin = object.__new__(ToolCallGuide)
+        twin.vocab, twin.start, twin.state, twin._tail = self.vocab, self.start, self.state, self._tail
+        return twin
+
+    @property
+    def in_call(self) -> bool:
+        return self.state is not None
+
+    def allowed(self) -> torch.Tensor | None:
+        """The ids that may come next (bool, the vocabulary's size), or None when nothing is masked."""
+        if self.state is None:
+            return None
+        mask = self.vocab.mask(self.state)
+        if not bool(mask.any()):
+            self.state = None
+            return None
+        return mask
+
+    def feed(self, data: bytes) -> None:
+        """Take bytes the row wrote (or that its prompt ends with, such as a prefilled call opening)."""
+        for k in range(len(data)):
+            if self.state is None:
+                self._tail = (self._tail + data[k:k + 1])[-len(TRIGGER):]
+                if self._tail == TRIGGER:
+                    self.state, self._tail = self.start, b""
+                continue
+            self.state = step(self.state, data[k:k + 1])
+            if self.state == _DONE or not self.state:  # closed, or unguidable: free text again
+                self.state = None
+
+    def advance(self, token: int) -> None:
+        """Take the token the row drew."""
+        if 0 <= token < len(self.vocab.token_bytes):
+            self.feed(self.vocab.token_bytes[token])
