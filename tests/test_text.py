@@ -216,7 +216,7 @@ class ScriptEngine:
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
         self.closed = False
 
-    def generate(self, prompt, params, stop_ids=()):
+    def generate(self, prompt, params, stop_ids=(), guide=None):
         try:
             yield from self.script
         finally:
