@@ -64,9 +64,10 @@ def problems(n: int, seed: int, *, max_number: int = 20) -> list[dict[str, Any]]
     rng = random.Random(seed)
     seen: set[tuple] = set()
     out: list[dict[str, Any]] = []
-    space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)
-    if n > space // 2:
-        raise ValueError(f"{n} distinct problems asked for; numbers up to {max_number} give about {space // 2}")
+    space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)  # distinct (template, numbers), about
+    if n > space * 0.8:
+        raise ValueError(f"{n} distinct problems asked for; numbers up to {max_number} make about {space}: ask for "
+                         "fewer or raise max_number")
     while len(out) < n:
         zh = rng.random() < 0.5
         if rng.random() < 0.75:

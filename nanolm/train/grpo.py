@@ -6,8 +6,11 @@ into a `Rollouts` micro-batch: grpo.group_size completions per prompt,
 sampled by the one generation engine (nanolm/infer/engine.py: a prompt is
 prefilled once for its group) from a copy of the current weights, each row's
 generator seeded from the run's torch RNG (saved in checkpoints, so a resume
-samples what the uninterrupted run would have; rank r's seeds are apart from
-every other rank's). Each completion is scored (nanolm/train/rewards.py),
+samples what the uninterrupted run would have) and the micro-batch's slot in
+the step's global stream of prompts (micro-batch m of rank r is slot
+m * world_size + r, which is where the loader took its prompts from): every
+row of a step draws with its own seed, and 2 processes sample what 1 process
+with twice the accumulation samples. Each completion is scored (nanolm/train/rewards.py),
 advantages are group-relative (nanolm/train/rl.py), and, where they are
 needed, the behaviour policy's log-probabilities (grpo.inner_epochs > 1)
 and the reference's (grpo.beta > 0) are computed once, without gradient.
@@ -45,8 +48,6 @@ from nanolm.infer.engine import Engine
 from nanolm.train.objectives import Loss
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
-
-RANK_SEED_STRIDE = 1 << 40  # rank r's sampling seeds are base + r * this: no two ranks share a generator
 
 
 @dataclass
@@ -97,12 +98,12 @@ class GRPOObjective:
 
     def __init__(self, cfg: GRPOConfig, tokenizer: Any, rewards: Rewards, *, reference: nn.Module | None = None,
                  disable_adapters: Callable[[nn.Module], AbstractContextManager] | None = None,
-                 device: torch.device, rank: int = 0, compute: Callable[[], AbstractContextManager]) -> None:
+                 device: torch.device, rank: int = 0, world_size: int = 1, compute: Callable[[], AbstractContextManager]) -> None:
         if cfg.beta > 0 and (reference is None) == (disable_adapters is None):
             raise ValueError("grpo.beta > 0 needs exactly one of a reference model or an adapter switch")
         self.cfg, self.tok, self.rewards = cfg, tokenizer, rewards
         self.reference, self.disable_adapters = reference, disable_adapters
-        self.device, self.rank, self.compute = device, rank, compute
+        self.device, self.rank, self.world_size, self.compute = device, rank, world_size, compute
         self.generation_prompt = tokenizer.encode(tokenizer.chat_format.generation_prompt(cfg.thinking))
         self.stop_ids = (tokenizer.im_end_id,)
         self.engine: Engine | None = None
@@ -151,15 +152,15 @@ class GRPOObjective:
         `self.last` gets this rank's sums of the rollout's metrics."""
         cfg, g = self.cfg, self.cfg.group_size
         t0 = time.perf_counter()
-        base = step_seed + self.rank * RANK_SEED_STRIDE
         out: list[Rollouts] = []
         sums: dict[str, float] = {"completions": 0, "groups": 0, "zero_var_groups": 0, "completion_tokens": 0,
                                   "truncated": 0, "reward": 0.0, "reward_sq": 0.0}
         gen_s = 0.0
         model_was_training = model.training
         for m, pb in enumerate(batches):
+            slot = m * self.world_size + self.rank  # where in the step's stream of prompts this batch is
             params = [SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                                     top_p=cfg.top_p, seed=base + (m * len(pb.prompts) + i) * g)
+                                     top_p=cfg.top_p, seed=(step_seed + (slot * len(pb.prompts) + i) * g) % (1 << 63))
                       for i in range(len(pb.prompts))]
             tg = time.perf_counter()
             sampled = self.sample(model, pb.prompts, g, params)

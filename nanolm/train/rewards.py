@@ -98,7 +98,7 @@ def normalise_answer(answer: str) -> str:
     a = answer.strip().replace("$", "").replace("\\,", "").strip()
     a = re.sub(r"\\(?:text|mathrm)\{([^}]*)\}", r"\1", a)
     a = a.rstrip(".。").strip()
-    m = re.match(r"^(-?[\d,]*\.?\d+(?:/\d+)?)\s*[^\d\s].*$", a)  # a number then units: "42 apples", "42元"
+    m = re.match(r"^(-?[\d,]*\.?\d+(?:/\d+)?)\s*[^\d\s,./].*$", a)  # a number then units: "42 apples", "42元"
     if m:
         a = m.group(1)
     if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", a):

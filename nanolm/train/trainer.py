@@ -327,7 +327,8 @@ class Trainer:
                 src = ckpt.resolve_checkpoint(cfg.train.init_from, "best")
                 reference = self._frozen(ckpt.build_model(cfg.model, src), src, "GRPO reference")
         return GRPOObjective(g, Tokenizer.load(self.tok_dir), rewards, reference=reference, disable_adapters=switch,
-                             device=self.device, rank=self.info.rank, compute=self.compute)
+                             device=self.device, rank=self.info.rank, world_size=self.info.world_size,
+                             compute=self.compute)
 
     def _restore(self, src: Path) -> None:
         """Continue checkpoint `src` of this run: optimizer state, then state.json into the data stream and RNG."""
