@@ -229,3 +229,23 @@ def test_a_step_is_the_same_however_its_prompts_are_cut_into_micro_batches(promp
     for k in one:  # every completion token (or completion) weighs the same in both: one gradient
         torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-7)
     assert any(g.abs().sum() > 0 for g in one.values())
+
+
+@pytest.mark.slow
+def test_two_processes_sample_their_own_prompts_and_train_as_one(prompts_dir, base_run, tmp_path):
+    from test_distributed import torchrun_cmd
+    over = {"train.max_steps": 2, "train.eval_interval": 0, "train.save_interval": 0}
+    one = train(grpo_cfg(prompts_dir, tmp_path / "one", base_run, **{**over, "train.grad_accum": 2}), quiet=True)
+    cfg = grpo_cfg(prompts_dir, tmp_path / "two", base_run, **{**over, "train.grad_accum": 2})
+    config = tmp_path / "two.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    r = torchrun_cmd("-m", "nanolm", "train", "--config", str(config))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "data parallel: 2 processes (ddp) | 1 micro-batch(es) per rank per step" in r.stdout
+    # rank r samples the prompts of its slot with that slot's seeds: the step's completions and rewards are
+    # those of one process taking both micro-batches, and so is the update (up to the order of the sums)
+    got = {x["step"]: x for x in read_metrics(tmp_path / "two") if "reward" in x}
+    want = {x["step"]: x for x in read_metrics(tmp_path / "one") if "reward" in x}
+    assert (got[1]["reward"], got[1]["completion_len"]) == (want[1]["reward"], want[1]["completion_len"])
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-4, abs=1e-6)
+    assert sorted(got) == [1, 2] and one.step == 2

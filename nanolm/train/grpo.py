@@ -138,7 +138,10 @@ class GRPOObjective:
         return Sampled([rows[r] for r in order], [tokens[r] for r in order], [finish[r] for r in order])
 
     def _texts(self, sampled: Sampled) -> list[str]:
-        return [self.tok.decode(t) for t in sampled.tokens]
+        # A model's vocabulary may be padded past the tokenizer's: such ids (which training makes unlikely) are
+        # no text, and the rewards see the rest.
+        v = self.tok.vocab_size
+        return [self.tok.decode([i for i in t if i < v]) for t in sampled.tokens]
 
     def _score(self, pb: PromptBatch, sampled: Sampled) -> tuple[list[float], dict[str, list[float]]]:
         prompts = [last_user_text(pb.records[i]["messages"]) for i in sampled.prompt]
