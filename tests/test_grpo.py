@@ -172,6 +172,18 @@ def test_the_reference_is_frozen_initial_weights_adapters_off_or_none(prompts_di
     assert t.objective.reference is None and t.objective.disable_adapters is lora.disable_adapters
 
 
+def test_lora_grpo_trains_adapters_with_the_base_as_its_reference(prompts_dir, base_run, tmp_path):
+    over = {"lora.enabled": True, "lora.rank": 2, "lora.dropout": 0.0, "train.max_steps": 2,
+            "train.eval_interval": 0, "optim.lr": 5e-2, "optim.min_lr": 5e-2}
+    train(grpo_cfg(prompts_dir, tmp_path / "lora", base_run, **over), quiet=True)
+    last = ckpt.resolve_checkpoint(tmp_path / "lora", "last")
+    names = {p.name for p in last.iterdir()}
+    assert "adapter.safetensors" in names and "model.safetensors" not in names
+    steps = [r for r in read_metrics(tmp_path / "lora") if "reward" in r]
+    # B starts at 0, so at step 1 the policy is its base (KL 0); after an update the adapters move it away
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0
+
+
 def test_a_grpo_run_logs_what_tells_whether_rl_works(prompts_dir, base_run, tmp_path):
     res = train(grpo_cfg(prompts_dir, tmp_path / "run", base_run), quiet=True)
     assert res.step == 4
