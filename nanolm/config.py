@@ -397,7 +397,6 @@ class GRPOConfig:
     reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
     length_min: int = 1  # the `length` reward's window, in characters of the reply
     length_max: int = 512
-    eval_prompts: int = 64  # held-out prompts the validation decodes greedily
 
     def __post_init__(self) -> None:
         _check(self.group_size >= 2, f"grpo.group_size must be >= 2 (a group compares completions), got "
@@ -418,7 +417,6 @@ class GRPOConfig:
         _check(0 <= self.length_min <= self.length_max and self.length_max > 0,
                f"grpo.length_min/length_max must satisfy 0 <= min <= max, max > 0, got {self.length_min}, "
                f"{self.length_max}")
-        _check(self.eval_prompts >= 1, f"grpo.eval_prompts must be >= 1, got {self.eval_prompts}")
 
 
 STAGES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo")

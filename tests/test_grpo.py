@@ -227,10 +227,10 @@ def step_gradients(cfg) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return {n: p.grad.clone() for n, p in t.model.named_parameters()}, extra
 
 
-@pytest.mark.parametrize("average", ["token", "sequence"])
+@pytest.mark.parametrize("average, loss", [("token", "grpo"), ("sequence", "cispo")])
 def test_a_step_is_the_same_however_its_prompts_are_cut_into_micro_batches(prompts_dir, base_run, tmp_path,
-                                                                         average):
-    over = {"grpo.average": average}
+                                                                         average, loss):
+    over = {"grpo.average": average, "grpo.loss": loss}
     one, ra = step_gradients(grpo_cfg(prompts_dir, tmp_path / "one", base_run, **{**over, "train.batch_size": 4}))
     two, rb = step_gradients(grpo_cfg(prompts_dir, tmp_path / "two", base_run, **{**over, "train.grad_accum": 2}))
     # the same prompts and samples (each row's seed is its place in the step), so the same rewards

@@ -389,6 +389,12 @@ class Trainer:
                                    f" | one epoch = {data.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
         for line in data.describe():
             self.say(f"data stream: {line}")
+        if tc.stage == "grpo":
+            g = cfg.grpo
+            self.say(f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens)"
+                     f" per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per "
+                     f"rollout | loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | "
+                     f"validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
         for tracker in self.metrics.trackers:
             self.say(f"tracking: {tracker.describe()}")
         self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
