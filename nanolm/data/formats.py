@@ -605,6 +605,8 @@ def _prompt_of(obj: Any) -> tuple[Conversation, dict[str, Any]]:
     value = obj[key]
     if key == "prompt" and isinstance(value, str):
         turns: list = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and not value:
+        raise _BadRecord(f'"{key}" is empty; a prompt needs a user turn')
     else:
         turns = list(_turn_list(key, value))
     if turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant" and len(turns) > 1 \
