@@ -313,6 +313,9 @@ class Trainer:
         from nanolm.tokenizer import Tokenizer
         from nanolm.train.rewards import Rewards
         cfg, g = self.cfg, self.cfg.grpo
+        if cfg.train.parallel == "fsdp" and self.info.enabled:
+            raise UserError("train.parallel=fsdp does not run --stage grpo (the rollout engine decodes from a full "
+                            "copy of the weights); use --train.parallel ddp")
         if self.tok_dir is None:
             raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({self.data.manifest['tokenizer'].get('path')}) "
                             "is not at hand, and sampling needs it; prepare the prompts again with a tokenizer "
