@@ -414,9 +414,9 @@ class GRPOConfig:
                                                       f"{self.average!r}")
         _check(self.beta >= 0, f"grpo.beta must be >= 0 (0 disables the KL penalty), got {self.beta}")
         _check(self.inner_epochs >= 1, f"grpo.inner_epochs must be >= 1, got {self.inner_epochs}")
-        _check(0 <= self.length_min <= self.length_max and self.length_max > 0,
-               f"grpo.length_min/length_max must satisfy 0 <= min <= max, max > 0, got {self.length_min}, "
-               f"{self.length_max}")
+        _check(self.length_min >= 0, f"grpo.length_min must be >= 0, got {self.length_min}")
+        _check(self.length_max > 0 and self.length_max >= self.length_min,
+               f"grpo.length_max must be > 0 and >= grpo.length_min ({self.length_min}), got {self.length_max}")
 
 
 STAGES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo")
