@@ -28,6 +28,10 @@ def _cmd_data(args: argparse.Namespace) -> None:
         out = build_calculator_conversations(Path(args.out), args.n, args.seed, calculator=calculator,
                                              tools=BUILTIN_TOOLS)
         print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
+    elif args.data_cmd == "arith":
+        from nanolm.data.arith import write_arith
+        for name, path in write_arith(Path(args.out), args.n_sft, args.n_prompts, args.n_heldout, args.seed).items():
+            print(f"{name}: {path}")
     else:
         for name in args.names:
             print(corpora.fetch(name))
@@ -276,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--out", required=True, help="the JSONL file to write")
     tl.add_argument("--n", type=int, default=2000, help="number of conversations")
     tl.add_argument("--seed", type=int, default=0)
+    ar = dsub.add_parser("arith", help="arithmetic word problems with computed answers (English and Chinese): an SFT "
+                                       "set with worked answers, and RL prompts (train and held out) for --stage grpo")
+    ar.add_argument("--out", required=True, help="directory for sft.jsonl, prompts.jsonl and heldout.jsonl")
+    ar.add_argument("--n-sft", type=int, default=2000, help="worked SFT conversations")
+    ar.add_argument("--n-prompts", type=int, default=1000, help="RL prompts to train on")
+    ar.add_argument("--n-heldout", type=int, default=200, help="held-out RL prompts (no problem shared)")
+    ar.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
@@ -293,11 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("sources", nargs="+", help="built-in corpora and/or .txt/.jsonl files or directories")
     pr.add_argument("--tokenizer", required=True, help="tokenizer directory (or tokenizer.json)")
     pr.add_argument("--out", required=True, help="output directory for shards + manifest.json")
-    pr.add_argument("--format", choices=["text", "chat", "dpo"], default="text",
+    pr.add_argument("--format", choices=["text", "chat", "dpo", "prompts"], default="text",
                     help="text: {\"text\": ...} lines / .txt files; chat: conversations (MiniMind, OpenAI messages "
                          "or Alpaca JSONL) rendered with the ChatML template, loss only on assistant replies; "
                          "dpo: preference pairs ({\"chosen\", \"rejected\"} conversations, or "
-                         "{\"prompt\", \"chosen\", \"rejected\"})")
+                         "{\"prompt\", \"chosen\", \"rejected\"}); prompts: RL prompts for --stage grpo "
+                         "({\"prompt\": ...} or {\"messages\": [...]}, with reference fields such as \"answer\")")
     pr.add_argument("--max-tokens", type=int, default=1024,
                     help="chat: longest conversation kept; longer ones lose their oldest exchanges first")
     pr.add_argument("--val-fraction", type=float, default=0.01)

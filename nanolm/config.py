@@ -374,7 +374,52 @@ class DistillConfig:
         _check(0.0 <= self.alpha <= 1.0, f"distill.alpha must be in [0, 1], got {self.alpha}")
 
 
-STAGES = ("pretrain", "sft", "lora", "dpo", "distill")
+@dataclass
+class GRPOConfig:
+    """RL from rewards (`train.stage = "grpo"`): group_size sampled completions per prompt, group-relative
+    advantages, a clipped (or CISPO) policy loss and a k3 KL penalty to the frozen initial model."""
+
+    group_size: int = 8  # completions sampled per prompt (a group; its rewards are compared with each other)
+    temperature: float = 1.0  # sampling of the completions
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256  # completion budget; a completion cut here counts in the `truncated` metric
+    thinking: bool = False  # open a <think> block in the generation prompt (the chat template's thinking switch)
+    scale_rewards: bool = True  # divide by the group's std (off: Dr. GRPO)
+    loss: str = "grpo"  # grpo (PPO's clipped ratio) or cispo (clipped importance weight, stop-gradient)
+    epsilon: float = 0.2  # clip ratios below 1 - epsilon
+    epsilon_high: float = 0.2  # clip ratios above 1 + epsilon_high (DAPO's clip-higher: > epsilon)
+    cispo_clip: float = 5.0  # cispo: the importance weight is clipped at this
+    average: str = "token"  # token: every completion token of the step weighs alike (DAPO); sequence: each one
+    beta: float = 0.04  # weight of the k3 KL to the reference; 0 drops the reference (no copy is kept)
+    inner_epochs: int = 1  # optimizer updates per rollout batch (the behaviour log-probs are kept)
+    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rewards.py), e.g. answer:1,format:0.2
+    reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
+    length_min: int = 1  # the `length` reward's window, in characters of the reply
+    length_max: int = 512
+
+    def __post_init__(self) -> None:
+        _check(self.group_size >= 2, f"grpo.group_size must be >= 2 (a group compares completions), got "
+                                     f"{self.group_size}")
+        _check(self.temperature > 0, f"grpo.temperature must be > 0 (the completions of a group must differ), "
+                                     f"got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"grpo.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"grpo.top_k must be >= 0 (0 = off), got {self.top_k}")
+        _check(self.max_new_tokens > 0, f"grpo.max_new_tokens must be > 0, got {self.max_new_tokens}")
+        _check(self.loss in ("grpo", "cispo"), f"grpo.loss must be grpo or cispo, got {self.loss!r}")
+        _check(0 < self.epsilon < 1, f"grpo.epsilon must be in (0, 1), got {self.epsilon}")
+        _check(self.epsilon_high > 0, f"grpo.epsilon_high must be > 0, got {self.epsilon_high}")
+        _check(self.cispo_clip > 0, f"grpo.cispo_clip must be > 0, got {self.cispo_clip}")
+        _check(self.average in ("token", "sequence"), f"grpo.average must be token or sequence, got "
+                                                      f"{self.average!r}")
+        _check(self.beta >= 0, f"grpo.beta must be >= 0 (0 disables the KL penalty), got {self.beta}")
+        _check(self.inner_epochs >= 1, f"grpo.inner_epochs must be >= 1, got {self.inner_epochs}")
+        _check(self.length_min >= 0, f"grpo.length_min must be >= 0, got {self.length_min}")
+        _check(self.length_max > 0 and self.length_max >= self.length_min,
+               f"grpo.length_max must be > 0 and >= grpo.length_min ({self.length_min}), got {self.length_max}")
+
+
+STAGES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("tensorboard", "wandb")
@@ -447,6 +492,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.max_seq_len,
@@ -470,7 +516,7 @@ class Config:
         def shown(name: str) -> bool:  # stage-specific sections only where they apply
             if name == "lora":
                 return self.uses_lora
-            return name not in ("dpo", "distill") or name == self.train.stage
+            return name not in ("dpo", "distill", "grpo") or name == self.train.stage
         return [f"{name}: " + " ".join(f"{k}={fmt(v)}" for k, v in section.items())
                 for name, section in self.to_dict().items() if shown(name)]
 
@@ -686,7 +732,7 @@ def stage_defaults(stage: str, base: Config) -> dict[str, Any]:
     Fine-tuning starts from trained weights, so it takes smaller steps than
     pretraining: SFT at a tenth of the preset's pretraining lr, decaying to a
     hundredth; LoRA trains only small fresh adapters, which tolerate half the
-    pretraining lr; DPO, which must stay near its reference, a fiftieth.
+    pretraining lr; DPO, which must stay near its reference, a fiftieth, and GRPO too, at a constant lr.
     Short warmups, as fine-tuning runs are short. Distillation trains like
     pretraining and keeps the preset's schedule.
     """
@@ -697,6 +743,8 @@ def stage_defaults(stage: str, base: Config) -> dict[str, Any]:
         return {"optim": {"lr": lr / 2, "min_lr": lr / 20, "warmup_steps": 20, "weight_decay": 0.0}}
     if stage == "dpo":
         return {"optim": {"lr": lr / 50, "min_lr": lr / 500, "warmup_steps": 10, "weight_decay": 0.0}}
+    if stage == "grpo":  # on-policy RL: small steps near the SFT model, as DPO takes
+        return {"optim": {"lr": lr / 50, "min_lr": lr / 50, "warmup_steps": 0, "weight_decay": 0.0}}
     return {}
 
 

@@ -135,3 +135,38 @@ def test_expand_sources_files_and_directories(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="empty: directory holds no .txt or .jsonl files"):
         expand_sources([tmp_path / "empty"])
+
+
+def test_prompt_records_in_the_shapes_people_have(tmp_path):
+    from nanolm.data.formats import iter_prompt_records
+    lines = [
+        {"prompt": "2 + 2?", "answer": "4"},
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3 + 3?"}], "gt": 6},
+        # MiniMind rlaif: the trailing empty assistant turn is a placeholder the policy fills
+        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "weather?"}], "solution": "#### sunny",
+         "tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}]},
+    ]
+    p = write(tmp_path / "p.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    got = [rec for rec, _ in iter_prompt_records(p)]
+    assert [[(m.role, m.content) for m in conv.messages] for conv, _ in got] == [
+        [("user", "2 + 2?")], [("system", "be brief"), ("user", "3 + 3?")], [("user", "hi")], [("user", "weather?")]]
+    assert [r for _, r in got] == lines  # the record kept whole, reference fields included
+    assert len(got[3][0].tools) == 1
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"question": "2+2"}', 'no "prompt", "messages" or "conversations" field (keys: question)'),
+    ('{"prompt": []}', '"prompt" is empty'),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "has no user turn"),
+    ('{"prompt": [{"role": "user", "content": ""}]}', '"prompt"[0].content is empty'),
+    ('[1]', "expected a JSON object"),
+])
+def test_prompt_record_errors_name_file_and_line(tmp_path, line, problem):
+    from nanolm.data.formats import iter_prompt_records
+    p = write(tmp_path / "p.jsonl", '{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(UserError) as e:
+        list(iter_prompt_records(p))
+    assert str(e.value).startswith(f"{p}:2: ") and problem in str(e.value)
+    stats = ReadStats()
+    assert len(list(iter_prompt_records(p, skip_bad=True, stats=stats))) == 1 and stats.bad_lines == 1

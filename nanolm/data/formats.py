@@ -66,6 +66,16 @@ reply, in either of two formats:
 Each conversation is validated as chat data is (the messages name where they
 fail: `"chosen"[1].content is empty`); a pair whose conversations differ
 before the last reply, or whose last replies are the same, is a bad line too.
+
+RL prompts (`iter_prompt_records`, for `--stage grpo`) are `.jsonl`, one
+prompt per line: `{"prompt": "..."}` (one user turn), `{"prompt": [messages]}`,
+or `{"messages": [...]}` / `{"conversations": [...]}` as MiniMind's `rlaif` and
+`agent_rl` records hold them (a trailing assistant turn, which MiniMind's
+records carry as an empty placeholder, is dropped: the policy writes it). The
+messages are checked as a prompt (`check_conversation(complete=False)`: a user
+turn, tool results that answer calls, no unanswered call at the end). Any
+other field (the reference answers "answer", "solution", "gt", the tools) is
+kept with the record for the rewards.
 """
 
 from __future__ import annotations
@@ -579,3 +589,50 @@ def expand_sources(paths: Sequence[Path]) -> list[Path]:
     if not files:
         raise UserError("no input files given; pass .txt or .jsonl files (or directories holding them)")
     return files
+
+
+_PROMPT_SHAPE = '{"prompt": "..."}, {"prompt": [messages]} or {"messages": [...]}'
+
+
+def _prompt_of(obj: Any) -> tuple[Conversation, dict[str, Any]]:
+    """The RL prompt record: (its prompt conversation, validated, and the record itself)."""
+    if not isinstance(obj, dict):
+        raise _BadRecord(f"expected a JSON object like {_PROMPT_SHAPE}, got {_json_type(obj)}")
+    key = next((k for k in ("prompt", "messages", "conversations") if k in obj), None)
+    if key is None:
+        raise _BadRecord(f'no "prompt", "messages" or "conversations" field (keys: {_keys(obj)}); expected '
+                         f"{_PROMPT_SHAPE}")
+    value = obj[key]
+    if key == "prompt" and isinstance(value, str):
+        turns: list = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and not value:
+        raise _BadRecord(f'"{key}" is empty; a prompt needs a user turn')
+    else:
+        turns = list(_turn_list(key, value))
+    if turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant" and len(turns) > 1 \
+            and not turns[-1].get("tool_calls"):
+        turns = turns[:-1]  # MiniMind's empty reply placeholder: the policy writes the reply
+    try:
+        messages = tuple(chatml_message(f'"{key}"[{i}]', m) for i, m in enumerate(turns))
+        check_conversation(f'"{key}"', messages, complete=False, names=[f'"{key}"[{i}]' for i in range(len(turns))])
+    except ChatError as e:
+        raise _BadRecord(str(e)) from None
+    return Conversation(messages, _tools_of(obj, key, turns)), obj
+
+
+def iter_prompt_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
+                        fmt: ChatFormat | None = None, tokenizer: str = ""
+                        ) -> Iterator[tuple[tuple[Conversation, dict[str, Any]], int]]:
+    """((prompt conversation, record), bytes read since the previous one) for each RL prompt of a .jsonl file;
+    fmt as for `iter_chat_records`."""
+    path = Path(path)
+    stats = stats if stats is not None else ReadStats()
+    if path.suffix.lower() != ".jsonl":
+        raise UserError(f"{path}: RL prompts must be a .jsonl file (one prompt per line, e.g. "
+                        f'{{"prompt": "...", "answer": "..."}}), not {path.suffix or "(no suffix)"!r}; convert it')
+
+    def parse(obj: Any) -> tuple[Conversation, dict[str, Any]]:
+        conv, record = _prompt_of(obj)
+        _check_format(fmt, tokenizer, conv)
+        return conv, record
+    return _iter_jsonl_records(path, parse, skip_bad, stats)

@@ -6,7 +6,7 @@ segment id per conversation, so that a row can hold several conversations
 that do not see each other; for preference data, rows in (chosen, rejected)
 pairs.
 
-The three kinds of unit, one class each behind one protocol (`UnitKind`),
+The four kinds of unit, one class each behind one protocol (`UnitKind`),
 which the one `Loader` and `iter_eval_batches` drive:
 
 Text data (`Windows`). A split's shards are cut into windows of seq_len + 1 tokens at
@@ -67,7 +67,12 @@ cost is that batches within a run go from short to long pairs. The order
 does not depend on the batch size. `Loader.describe()` tells how much of the
 batches is padding.
 
-The order of units (windows, blocks or pairs) is one global stream, the same
+RL prompts (`Prompts`, prepared with `format="prompts"`): the unit is a
+prompt; a batch is a `PromptBatch` (nanolm/data/prompts.py) of batch_size
+prompts' conversation ids and records, each epoch in the order of
+`np.random.default_rng([seed, e]).permutation(n)`.
+
+The order of units (windows, blocks, pairs or prompts) is one global stream, the same
 on every process: epoch 0's units in its order, then epoch 1's, and so on. A
 step (`next_batch()` called once on each of world_size ranks) takes the next
 batch_size * world_size units of the stream; rank r takes the r-th batch_size
@@ -95,6 +100,7 @@ import numpy as np
 import torch
 
 from nanolm.data.chatml import TARGET, fit_conversation, fit_pair
+from nanolm.data.prompts import PromptBatch, read_records
 from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
 from nanolm.errors import UserError
 
@@ -521,9 +527,60 @@ class PreferencePairs(_Conversations):
         return f"{step} pairs; prepare more pairs, or lower batch_size"
 
 
+class Prompts:
+    """RL prompts (`format="prompts"`, nanolm/data/prompts.py): the unit is a prompt, its conversation's ids
+    and its record; a batch is a `PromptBatch` of batch_size of them. Epoch e's order is
+    `np.random.default_rng([seed, e]).permutation(n)`."""
+
+    name = "prompts"
+    state_key = "n_prompts"
+
+    def __init__(self, data: PackedData, seq_len: int) -> None:
+        self.data, self.seq_len = data, seq_len
+        self.shard, self.start, self.length = data.documents()
+        self.n_state = len(self.length)
+        if self.n_state == 0:
+            raise UserError(f"{data.data_dir} ({data.split}): {self.empty()}")
+        self.records = read_records(data.data_dir, data.split, self.n_state)
+
+    def order(self, seed: int, epoch: int) -> Order:
+        return np.random.default_rng([seed, epoch]).permutation(self.n_state)
+
+    def file_order(self) -> Order:
+        return np.arange(self.n_state, dtype=np.int64)
+
+    def batch(self, parts: list[np.ndarray], pin: bool) -> PromptBatch:
+        index = np.concatenate(parts).tolist()
+        prompts = []
+        for k in index:
+            shard, start, length = int(self.shard[k]), int(self.start[k]), int(self.length[k])
+            ids = np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64)
+            prompts.append(self.data.check_ids(ids, shard).tolist())
+        return PromptBatch(prompts, [self.records[k] for k in index], index)
+
+    def tokens_per_epoch(self, order: Order) -> int:
+        return int(self.length.sum())
+
+    def describe(self, order: Order, batch_size: int) -> str:
+        return (f"{self.n_state} prompts ({int(self.length.sum()):,} tokens, {int(self.length.max())} the longest), "
+                f"{batch_size} a micro-batch")
+
+    def holds(self, n_units: int) -> str:
+        return f"{n_units} prompts"
+
+    def needs(self, step: int) -> str:
+        return f"{step} prompts; prepare more prompts, or lower batch_size"
+
+    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
+        return f"{count} prompts"
+
+    def empty(self) -> str:
+        return "no prompts; run `nanolm prepare --format prompts` on a file that holds some"
+
+
 # The unit kind of each data format (PackedData.kind); a new kind of unit is one class and one entry here.
 KINDS: dict[str, Callable[[PackedData, int], UnitKind]] = {
-    "text": Windows, "chat": PackedConversations, "dpo": PreferencePairs}
+    "text": Windows, "chat": PackedConversations, "dpo": PreferencePairs, "prompts": Prompts}
 
 
 def unit_kind(data: PackedData, seq_len: int) -> UnitKind:

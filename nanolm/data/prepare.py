@@ -83,7 +83,7 @@ from nanolm.io import atomic_directory, remove_leftovers, space_note, write_fail
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import Tokenizer
 
-FORMATS = ("text", "chat", "dpo")
+FORMATS = ("text", "chat", "dpo", "prompts")
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
@@ -414,7 +414,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     tokenizer_path: tokenizer.json or the directory holding it. format: "text"
     (pretraining documents), "chat" (conversations, .jsonl only, stored with a
     loss mask) or "dpo" (preference pairs, .jsonl only, each stored as its two
-    conversations with a mask on their final replies). max_tokens: the longest
+    conversations with a mask on their final replies) or "prompts" (RL prompts
+    with their records, nanolm/data/prompts.py). max_tokens: the longest
     conversation kept whole (chat and dpo; see the module doc for the truncation
     policy). workers: tokenizer processes, one
     thread each (0 tokenizes in this process, on the thread pool of `tokenizers`).
@@ -425,7 +426,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     if format not in FORMATS:
         raise UserError(f"format={format!r}: must be one of {', '.join(FORMATS)} "
                         "(text: documents for pretraining; chat: conversations for fine-tuning; "
-                        "dpo: preference pairs)")
+                        "dpo: preference pairs; prompts: RL prompts for --stage grpo)")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise UserError(f"workers={workers!r}: must be an integer >= 0 (0 tokenizes in the main process)")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -433,6 +434,10 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens={max_tokens!r}: must be a positive integer (the longest conversation kept "
                         "whole, in tokens; at most the training seq_len + 1)")
+    if format == "prompts":  # RL prompts: small sets, validated and tokenized in this process
+        from nanolm.data.prompts import prepare_prompts
+        return prepare_prompts(sources, tokenizer_path, out_dir, max_tokens=max_tokens, val_fraction=val_fraction,
+                               skip_bad=skip_bad, shard_tokens=shard_tokens, quiet=quiet)
     chat, dpo = format == "chat", format == "dpo"
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():

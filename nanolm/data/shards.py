@@ -13,6 +13,11 @@ A prepared data directory (what `nanolm prepare` writes and training reads) hold
   .bin: bit 0 (`chatml.TARGET`) set where the token is a training target,
   bit 1 (`chatml.EXCHANGE`) where an exchange starts, which truncation cuts at
   (see nanolm/data/chatml.py for which tokens those are).
+- `train.records.jsonl`, `val.records.jsonl` (RL prompts only, `format="prompts"`):
+  one JSON line per document of the split, in order: the prompt's messages,
+  tools and the record as the user gave it (reference answers for rewards);
+  the shards hold each prompt's conversation rendered without a generation
+  prompt (see nanolm/data/prompts.py).
 - `manifest.json`: the format version, the tokenizer's fingerprint and vocab
   size, the dtype, and per split its shards with their token and document
   counts; `nanolm prepare` adds what was made from what (sources, options,
@@ -53,7 +58,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 # The name of every file a SplitWriter makes (shard_name + suffix): what `nanolm prepare` may replace.
-SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$")
+SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$|^(train|val)\.records\.jsonl$")
 # Shard files PackedData keeps open for reading windows (the least recently read closes first).
 MAX_OPEN_SHARDS = 64
 IGNORE_INDEX = -1  # a Batch target equal to this contributes no loss (a masked or padding position)
@@ -329,9 +334,9 @@ class PackedData:
         self.vocab_size: int = int(m["tokenizer"]["vocab_size"])
         self.dtype = np.dtype(m["dtype"])
         self.kind: str = m.get("options", {}).get("format", "text")
-        if self.kind not in ("text", "chat", "dpo"):
-            raise UserError(f"{manifest_path}: unknown data format {self.kind!r} (this nanolm reads text, chat and "
-                            "dpo); run `nanolm prepare` again")
+        if self.kind not in ("text", "chat", "dpo", "prompts"):
+            raise UserError(f"{manifest_path}: unknown data format {self.kind!r} (this nanolm reads text, chat, "
+                            "dpo and prompts); run `nanolm prepare` again")
         self.is_chat: bool = self.kind == "chat"
         self.is_dpo: bool = self.kind == "dpo"
         fingerprint = m["tokenizer"]["fingerprint"]
@@ -346,7 +351,7 @@ class PackedData:
                             "run `nanolm prepare` with more documents or --val-fraction > 0 for a val split")
         self.shards: list[np.memmap] = []
         self.offsets: list[np.memmap] = []
-        self.masks: list[np.memmap] | None = None if self.kind == "text" else []
+        self.masks: list[np.memmap] | None = None if self.kind in ("text", "prompts") else []
         for s in entry["shards"]:
             n = int(s["n_tokens"])
             self.shards.append(self._map(s["bin"], self.dtype, n))

@@ -54,6 +54,7 @@ from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at
+from nanolm.train.grpo import GRPOObjective, step_metrics
 from nanolm.train.objectives import DistillObjective, DPOObjective, LMObjective, Objective
 
 
@@ -81,6 +82,7 @@ class StepResult:
     finite: bool
     sums: dict[str, torch.Tensor]
     means: dict[str, torch.Tensor]
+    extra: dict[str, float] = field(default_factory=dict)  # GRPO: the rollout's metrics, over all ranks
 
     def logged(self, info: distributed.DistInfo) -> dict[str, float]:
         """The step's metrics over all ranks (a host sync): each per unit of the step (the loss is the
@@ -159,7 +161,7 @@ def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> Path | None:
     elif ckpt.step_dirs(run_dir):
         raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
                         f"another --out for a new run")
-    if tc.stage in ("sft", "lora", "dpo") and not tc.init_from:
+    if tc.stage in ("sft", "lora", "dpo", "grpo") and not tc.init_from:
         raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
                         f"checkpoint>")
     return resume_src
@@ -188,7 +190,8 @@ class Trainer:
         # An attention kernel this device cannot run stops the run here, before anything is written.
         self.attention = attention_kernel(tc.sdpa_backend, self.device, self.dtype, cfg.model.head_dim,
                                           masked=self.data.is_chat)
-        self.val_sets = self.data.val_sets(tc.seq_len)  # [(set name, val split)] of the sets that have one
+        # [(set name, val split)] of the sets that have one (RL prompts: any held-out prompt is one to decode)
+        self.val_sets = self.data.val_sets(1 if tc.stage == "grpo" else tc.seq_len)
         self.tok_dir = _tokenizer_dir(self.data)
         self.token_bytes = _token_bytes(self.tok_dir, cfg.model.vocab_size) if self.val_sets else None
 
@@ -269,6 +272,13 @@ class Trainer:
     def _objective(self) -> Objective:
         """The stage's batch -> loss function, checked against the kind of data it is given."""
         cfg, stage, kind = self.cfg, self.cfg.train.stage, self.data.kind
+        if (stage == "grpo") != (kind == "prompts"):
+            fix = ("prepare RL prompts with `nanolm prepare --format prompts`" if stage == "grpo"
+                   else "RL prompts train with --stage grpo")
+            where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
+            raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
+        if stage == "grpo":
+            return self._grpo_objective()
         if (stage == "dpo") != (kind == "dpo"):
             fix = ("prepare preference pairs with `nanolm prepare --format dpo`" if stage == "dpo"
                    else "preference data trains with --stage dpo")
@@ -296,6 +306,32 @@ class Trainer:
             return DistillObjective(self._frozen(teacher, src, "distillation teacher"), cfg.distill.temperature,
                                     cfg.distill.alpha, self.data.vocab_size, lm)
         return lm
+
+    def _grpo_objective(self) -> GRPOObjective:
+        """The GRPO stage's objective: the data's tokenizer, the rewards, and the reference (the initial weights
+        frozen; for LoRA the model with its adapters off; none when grpo.beta is 0)."""
+        from nanolm.tokenizer import Tokenizer
+        from nanolm.train.rewards import Rewards
+        cfg, g = self.cfg, self.cfg.grpo
+        if cfg.train.parallel == "fsdp" and self.info.enabled:
+            raise UserError("train.parallel=fsdp does not run --stage grpo (the rollout engine decodes from a full "
+                            "copy of the weights); use --train.parallel ddp")
+        if self.tok_dir is None:
+            raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({self.data.manifest['tokenizer'].get('path')}) "
+                            "is not at hand, and sampling needs it; prepare the prompts again with a tokenizer "
+                            "directory that stays in place")
+        rewards = Rewards.from_spec(g.rewards, thinking=g.thinking, length_min=g.length_min,
+                                    length_max=g.length_max, reward_model=g.reward_model, device=str(self.device))
+        reference, switch = None, None
+        if g.beta > 0:
+            if cfg.uses_lora:  # the reference is the same model with its adapters off: no second copy
+                switch = lora.disable_adapters
+            else:
+                src = ckpt.resolve_checkpoint(cfg.train.init_from, "best")
+                reference = self._frozen(ckpt.build_model(cfg.model, src), src, "GRPO reference")
+        return GRPOObjective(g, Tokenizer.load(self.tok_dir), rewards, reference=reference, disable_adapters=switch,
+                             device=self.device, rank=self.info.rank, world_size=self.info.world_size,
+                             compute=self.compute)
 
     def _restore(self, src: Path) -> None:
         """Continue checkpoint `src` of this run: optimizer state, then state.json into the data stream and RNG."""
@@ -326,6 +362,8 @@ class Trainer:
     def tokens_per_step(self) -> int:
         """Input positions of one optimizer step as configured (DPO: batch_size counts (chosen, rejected) pairs)."""
         tc = self.cfg.train
+        if self.data.kind == "prompts":  # GRPO: at most, every completion of the step at its longest
+            return tc.batch_size * tc.grad_accum * self.cfg.grpo.group_size * self.cfg.grpo.max_new_tokens
         return tc.batch_size * (2 if self.data.kind == "dpo" else 1) * tc.seq_len * tc.grad_accum
 
     def report(self) -> None:
@@ -354,6 +392,12 @@ class Trainer:
                                    f" | one epoch = {data.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
         for line in data.describe():
             self.say(f"data stream: {line}")
+        if tc.stage == "grpo":
+            g = cfg.grpo
+            self.say(f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens)"
+                     f" per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per "
+                     f"rollout | loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | "
+                     f"validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
         for tracker in self.metrics.trackers:
             self.say(f"tracking: {tracker.describe()}")
         self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
@@ -414,9 +458,50 @@ class Trainer:
             group["lr"] = lr
         if batches is None:
             batches = [self.data.next_batch() for _ in range(self.accum)]
+        extra: dict[str, float] = {}
+        if isinstance(self.objective, GRPOObjective):  # prompts -> scored completions of the current policy
+            batches, extra = self._rollout(batches)
         units = [self.objective.units(b) for b in batches]  # counted on the host: no device sync
         batches = [b.to(device, non_blocking=True) for b in batches]
         step_units = distributed.sum_across_ranks(sum(units), info)
+        t0 = time.perf_counter()
+        # GRPO: grpo.inner_epochs updates over one rollout; every other stage: one.
+        for _ in range(self.cfg.grpo.inner_epochs if extra else 1):
+            sums, means, grad_norm, finite = self._update(batches, units, step_units)
+            if not finite:
+                break
+        if extra:
+            extra["update_s"] = time.perf_counter() - t0
+            extra["generate_share"] = extra["generate_s"] / max(extra["generate_s"] + extra["update_s"]
+                                                                + extra["score_s"], 1e-9)
+        tokens = sum(b.x.numel() for b in batches) * info.world_size  # every rank takes as many positions
+        self.step += 1
+        self.tokens += tokens
+        return StepResult(lr, step_units, len(batches) * info.world_size, tokens, grad_norm, finite, sums, means,
+                          extra)
+
+    def _rollout(self, prompts: list[Any]) -> tuple[list[Any], dict[str, float]]:
+        """GRPO: this rank's prompt micro-batches -> rollout micro-batches, and the rollout's metrics over all
+        ranks. The sampling seed of the step is drawn from the run's torch RNG (saved in checkpoints)."""
+        objective = self.objective
+        assert isinstance(objective, GRPOObjective)
+        seed = int(torch.randint(0, 1 << 62, (1,)).item())
+        rollouts = objective.rollout(self.model, prompts, seed)
+        local = objective.last
+        keys = sorted(local)
+        totals = distributed.sum_across_ranks(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64,
+                                                           device=self.device), self.info).tolist()
+        summed = dict(zip(keys, totals))
+        extra = step_metrics(summed)
+        # Times: this rank's (rank 0 logs); the score share is the rollout's time outside generation.
+        extra.update(generate_s=local["generate_s"], score_s=local["rollout_s"] - local["generate_s"],
+                     rollout_tok_s=summed["completion_tokens"] / self.info.world_size / max(local["generate_s"], 1e-9))
+        return rollouts, extra
+
+    def _update(self, batches: list[Any], units: list[int], step_units: int
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, bool]:
+        """One optimizer update over the micro-batches (forward, backward, clip, step or skip)."""
+        cfg, device = self.cfg, self.device
         rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         with self._compiler_fallback():
             sums, means, _ = self._micro_batches(self.train_model, batches, units, step_units, sync=True)
@@ -438,10 +523,7 @@ class Trainer:
                 self.scaler.update()
             self._skipped(batches, units, step_units, rng, sums, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = sum(b.x.numel() for b in batches) * info.world_size  # every rank takes as many positions
-        self.step += 1
-        self.tokens += tokens
-        return StepResult(lr, step_units, len(batches) * info.world_size, tokens, grad_norm, finite, sums, means)
+        return sums, means, grad_norm, finite
 
     def _skipped(self, batches: list[Batch], units: list[int], step_units: int,
                  rng: tuple[torch.Tensor, torch.Tensor | None], sums: dict[str, torch.Tensor],
@@ -550,9 +632,15 @@ class Trainer:
         """The step's line and metrics.jsonl record; window: (start time, tokens) of the log window."""
         tc, info = self.cfg.train, self.info
         logged = res.logged(info)
+        logged.update(res.extra)
         loss = logged.pop("loss")
+        if res.extra and res.extra["zero_var_groups"] > 0.5:
+            self.say(f"step {self.step:>6} | warning: {res.extra['zero_var_groups']:.0%} of the groups have equal "
+                     "rewards and teach nothing; raise grpo.group_size or grpo.temperature, or use prompts the "
+                     "model solves sometimes (not always, not never)")
         self.losses[self.step] = loss
-        extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in logged.items())
+        shown = {k: v for k, v in logged.items() if not (k.endswith("_std") or k in ("generate_s", "score_s"))}
+        extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in shown.items())
         loads = [layer.expert_load.tolist() for layer in moe_layers(self.model) if layer.expert_load is not None]
         if loads:
             logged["expert_load"] = loads
@@ -601,8 +689,8 @@ class Trainer:
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.max_steps:
                     val = self.evaluate()
                     evaluated_at = self.step
-                    if val and val["val_loss"] < self.best_val:
-                        self.best_val, is_best = val["val_loss"], True
+                    if val and _val_score(val) < self.best_val:
+                        self.best_val, is_best = _val_score(val), True
                 if is_best or (tc.save_interval and self.step % tc.save_interval == 0):
                     last_saved = self.save(is_best=is_best)
             stop_reason = reason
@@ -611,9 +699,9 @@ class Trainer:
         # max_tokens, max_minutes or Ctrl-C right after an evaluation) or saved.
         if steps_done or not ckpt.step_dirs(self.run_dir):
             val = self.evaluate() if evaluated_at != self.step else {}
-            is_best = bool(val) and val["val_loss"] < self.best_val
+            is_best = bool(val) and _val_score(val) < self.best_val
             if is_best:
-                self.best_val = val["val_loss"]
+                self.best_val = _val_score(val)
             if is_best or last_saved is None or last_saved.name != f"step-{self.step:08d}":
                 last_saved = self.save(is_best=is_best)
         else:
@@ -622,13 +710,19 @@ class Trainer:
         self.metrics.close()
         distributed.teardown(self.info)
         self.say(f"stopped at step {self.step} ({stop_reason}); {fmt_count(self.tokens)} tokens; checkpoint: "
-                 f"{last_saved}" + (f"; best val loss {self.best_val:.4f}" if math.isfinite(self.best_val) else ""))
+                 f"{last_saved}" + ((f"; best val reward {-self.best_val:.4f}" if self.cfg.train.stage == "grpo"
+                    else f"; best val loss {self.best_val:.4f}") if math.isfinite(self.best_val) else ""))
         if stop_reason == "nonfinite":
             raise UserError(f"stopped: {self.nonfinite_in_row} steps in a row had a NaN/inf loss or gradient (first "
                             f"at {self.first_nonfinite}); their updates were skipped, so {last_saved} holds finite "
                             f"weights; lower optim.lr (now {self.cfg.optim.lr:g}) or raise optim.warmup_steps, check "
                             f"the data near that step, or raise train.max_nonfinite_steps, then --resume")
         return TrainResult(self.run_dir, self.step, self.tokens, last_saved, self.best_val, self.losses, stop_reason)
+
+
+def _val_score(val: dict[str, float]) -> float:
+    """What picks the best checkpoint (lower is better): the validation loss; for GRPO, minus the mean reward."""
+    return val["val_loss"] if "val_loss" in val else -val["val_reward"]
 
 
 def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:

@@ -1,0 +1,111 @@
+"""A built-in RL task with verifiable answers: arithmetic word problems whose answers are computed.
+
+`nanolm data arith --out DIR` writes three JSONL files of distinct problems
+(no problem, that is no template with the same numbers, is in two of them):
+
+- `sft.jsonl`: conversations whose assistant reply works the problem out and
+  ends with `#### <answer>` (the GSM8K convention the answer reward reads);
+- `prompts.jsonl`: RL prompts `{"prompt": ..., "answer": "<n>"}` to train on
+  (`nanolm prepare --format prompts`, then `--stage grpo`);
+- `heldout.jsonl`: more prompts of the same form, for evaluation only.
+
+Problems are templated sentences in English and Chinese (half each) with
+numbers drawn from `random.Random(seed)`: one operation (+, -, x) of two
+numbers, or two of three, so that the answer is exact and computed, never
+looked up. A worked reply states the operations (`7 + 5 = 12`) then the
+answer, which is what SFT teaches and what RL then rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from nanolm.io import write_text_atomic
+
+# (question, worked steps) templates: a function of the drawn numbers giving the text and the answer.
+Problem = tuple[str, str, int]
+
+
+def _add(a: int, b: int, zh: bool) -> Problem:
+    q = f"小明有{a}个苹果，妈妈又给了他{b}个。他现在有几个苹果？" if zh else \
+        f"Tom has {a} apples. His mother gives him {b} more. How many apples does Tom have now?"
+    return q, f"{a} + {b} = {a + b}", a + b
+
+
+def _sub(a: int, b: int, zh: bool) -> Problem:
+    a, b = max(a, b), min(a, b)
+    q = f"书架上有{a}本书，借走了{b}本。还剩几本书？" if zh else \
+        f"A shelf holds {a} books. {b} books are borrowed. How many books are left on the shelf?"
+    return q, f"{a} - {b} = {a - b}", a - b
+
+
+def _mul(a: int, b: int, zh: bool) -> Problem:
+    q = f"每盒有{a}支铅笔，一共有{b}盒。一共有几支铅笔？" if zh else \
+        f"Each box holds {a} pencils. There are {b} boxes. How many pencils are there in all?"
+    return q, f"{a} × {b} = {a * b}", a * b
+
+
+def _add_sub(a: int, b: int, c: int, zh: bool) -> Problem:
+    c = min(c, a + b)
+    q = f"车上有{a}人，到站上来{b}人，又下去{c}人。车上现在有几人？" if zh else \
+        f"A bus has {a} people. At a stop {b} get on and {c} get off. How many people are on the bus now?"
+    return q, f"{a} + {b} = {a + b}, {a + b} - {c} = {a + b - c}", a + b - c
+
+
+TWO: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _mul]
+THREE: list[Callable[[int, int, int, bool], Problem]] = [_add_sub]
+
+
+def problems(n: int, seed: int, *, max_number: int = 20) -> list[dict[str, Any]]:
+    """n distinct problems: {"question", "steps", "answer" (int), "lang"}, drawn with random.Random(seed)."""
+    rng = random.Random(seed)
+    seen: set[str] = set()  # question texts: (a, b) and (b, a) of a subtraction are one problem
+    out: list[dict[str, Any]] = []
+    space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)  # (template, numbers): fewer problems
+    if n > space * 0.6:
+        raise ValueError(f"{n} distinct problems asked for; numbers up to {max_number} make about {space}: ask for "
+                         "fewer or raise max_number")
+    while len(out) < n:
+        zh = rng.random() < 0.5
+        if rng.random() < 0.75:
+            t = rng.randrange(len(TWO))
+            nums = (rng.randint(1, max_number), rng.randint(1, max_number if t != 2 else 9))
+            q, steps, ans = TWO[t](*nums, zh)
+        else:
+            t = rng.randrange(len(THREE))
+            nums3 = (rng.randint(1, max_number), rng.randint(1, max_number), rng.randint(1, max_number))
+            q, steps, ans = THREE[t](*nums3, zh)
+        if q in seen:
+            continue
+        seen.add(q)
+        out.append({"question": q, "steps": steps, "answer": ans, "lang": "zh" if zh else "en"})
+    return out
+
+
+def worked_reply(p: dict[str, Any]) -> str:
+    return f"{p['steps']}. #### {p['answer']}" if p["lang"] == "en" else f"{p['steps']}。#### {p['answer']}"
+
+
+def write_arith(out: Path, n_sft: int, n_prompts: int, n_heldout: int, seed: int = 0,
+                max_number: int = 20) -> dict[str, Path]:
+    """Write sft.jsonl, prompts.jsonl and heldout.jsonl of distinct problems into `out`; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    ps = problems(n_sft + n_prompts + n_heldout, seed, max_number=max_number)
+    sft, rl, held = ps[:n_sft], ps[n_sft:n_sft + n_prompts], ps[n_sft + n_prompts:]
+
+    def line(obj: dict[str, Any]) -> str:
+        return json.dumps(obj, ensure_ascii=False) + "\n"
+    files = {
+        "sft": "".join(line({"messages": [{"role": "user", "content": p["question"]},
+                                          {"role": "assistant", "content": worked_reply(p)}]}) for p in sft),
+        "prompts": "".join(line({"prompt": p["question"], "answer": str(p["answer"])}) for p in rl),
+        "heldout": "".join(line({"prompt": p["question"], "answer": str(p["answer"])}) for p in held),
+    }
+    paths = {}
+    for name, text in files.items():
+        paths[name] = out / f"{name}.jsonl"
+        write_text_atomic(paths[name], text)
+    return paths
