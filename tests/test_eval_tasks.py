@@ -368,3 +368,86 @@ def test_table_lists_each_task():
     lines = format_table(rows).splitlines()
     assert lines[0].split() == ["task", "n", "shots", "acc", "acc_norm", "chance", "centred", "stderr"]
     assert lines[1].split() == ["arc", "10", "0", "0.5000", "0.6000", "0.2500", "+0.3333", "0.1000"]
+
+
+# --- nanolm eval --task, and scores during training ---------------------------------------------------------
+
+MINE = [{"question": "To be, or not to be?", "choices": ["that is the question.", "the state of our union."],
+         "answer": 0},
+        {"question": "话说天下大势", "choices": ["分久必合，合久必分。", "浪花淘尽英雄。"], "answer": 0},
+        {"question": "All the world's a stage?", "choices": ["and all the men and women merely players.",
+                                                            "青山依旧在"], "answer": 0},
+        {"question": "The quality of mercy is not strained?", "choices": ["it is strong.",
+                                                                         "it droppeth as the gentle rain."],
+         "answer": 1},
+        {"question": "滚滚长江东逝水", "choices": ["几度夕阳红。", "浪花淘尽英雄。", "惯看秋月春风。"], "answer": 1}]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    """A tiny run that scores a task file, with degeneration samples, at each validation; the best checkpoint
+    picked by the task's acc_norm."""
+    from nanolm.train.trainer import train
+    from test_train import tiny_cfg
+    root = tmp_path_factory.mktemp("evaltrain")
+    task = jsonl(root / "mine.jsonl", MINE)
+    cfg = tiny_cfg(data_dir, root / "run", **{"train.max_steps": 10, "train.eval_interval": 5,
+                                              "train.save_interval": 0, "train.eval_tasks": f"{task}:n=4",
+                                              "train.degeneration_samples": 3,
+                                              "train.best_metric": "task/mine/acc_norm"})
+    res = train(cfg, quiet=True)
+    return root, task, res
+
+
+def test_tasks_are_scored_at_each_validation_and_pick_the_best_checkpoint(trained):
+    from nanolm.checkpoint import load_model, step_dirs
+    from nanolm.tokenizer import Tokenizer
+    from test_train import read_metrics
+    root, task, res = trained
+    vals = [r for r in read_metrics(root / "run") if "val_loss" in r]
+    assert [r["step"] for r in vals] == [5, 10]
+    for r in vals:
+        assert {"task/mine/acc", "task/mine/acc_norm", "task/mine/centred", "degen/distinct_1", "degen/distinct_2",
+                "degen/loop_fraction"} <= set(r)
+        assert r["task/mine/acc"] in (0, 0.25, 0.5, 0.75, 1.0)  # 4 items: n=4 of the 5
+    # The logged scores are those of the saved weights, as `nanolm eval --task` computes them.
+    model, ckpt = load_model(step_dirs(root / "run")[-1])
+    again = score_mc(model, Tokenizer.load(ckpt), read_task_file(task).items[:4])
+    assert (again["acc"], again["acc_norm"]) == (vals[-1]["task/mine/acc"], vals[-1]["task/mine/acc_norm"])
+    assert vals[-1]["task/mine/centred"] == pytest.approx(again["centred"])
+    best = json.loads((root / "run" / "checkpoints" / "best.json").read_text())["step"]
+    first_best = max(vals, key=lambda r: (r["task/mine/acc_norm"], -r["step"]))["step"]
+    assert best == first_best and res.best_val_loss == -max(r["task/mine/acc_norm"] for r in vals)
+
+
+def test_nanolm_eval_task_prints_the_table_and_writes_json(trained, capsys):
+    from nanolm.cli import main
+    root, task, _ = trained
+    assert main(["eval", str(root / "run"), "--last", "--task", f"{task}:name=mine5", "--task",
+                 f"{task}:n=2,chat=true", "--degeneration", "2", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["task", "n", "shots"]
+    assert out[1].split()[:3] == ["mine5", "5", "0"] and out[2].split()[:4] == ["mine", "(chat)", "2", "0"]
+    assert out[3].startswith("degeneration (2 sampled continuations of idioms (held-out questions), up to 8 tokens)")
+    report = json.loads((root / "run" / "eval" / "step-00000010.json").read_text())
+    assert [t["task"] for t in report["tasks"]] == ["mine5", "mine"] and report["tasks"][0]["n"] == 5
+    assert out[1].split()[3] == f"{report['tasks'][0]['acc']:.4f}"
+    assert report["degeneration"]["n"] == 2
+
+
+def test_eval_errors(trained, tmp_path, capsys):
+    from nanolm.cli import main
+    from nanolm.config import TrainConfig
+    root, task, _ = trained
+    assert main(["eval", str(root / "run")]) == 2
+    assert "nothing to score; pass --data" in capsys.readouterr().err
+    assert main(["eval", str(root / "run"), "--task", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: no such task file" in capsys.readouterr().err
+    assert main(["eval", str(root / "run"), "--task", f"{task}:shots=1"]) == 2
+    assert "shots=1 needs a dev split; pass dev=FILE" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"train\.best_metric must be val_loss or task/<name>/<acc\|acc_norm\|centred>"):
+        TrainConfig(best_metric="task/x/loss")
+    with pytest.raises(UserError, match=r"needs that task in train\.eval_tasks"):
+        TrainConfig(best_metric="task/x/acc")
+    assert TrainConfig(eval_tasks=("idioms:n=5", "chat=true", "a.jsonl")).eval_tasks == ("idioms:n=5,chat=true",
+                                                                                          "a.jsonl")
