@@ -451,3 +451,15 @@ def test_eval_errors(trained, tmp_path, capsys):
         TrainConfig(best_metric="task/x/acc")
     assert TrainConfig(eval_tasks=("idioms:n=5", "chat=true", "a.jsonl")).eval_tasks == ("idioms:n=5,chat=true",
                                                                                           "a.jsonl")
+
+
+def test_plot_shows_the_task_scores(trained, tmp_path):
+    import struct
+    from nanolm.plot import plot_runs
+    root, _, _ = trained
+    png = plot_runs([root / "run"], tmp_path / "p.png").read_bytes()
+    assert struct.unpack(">II", png[16:24]) == (1320, 1320)  # a third row: tasks and degeneration
+    svg = plot_runs([root / "run"], tmp_path / "p.svg").read_text()
+    for label in ("benchmark scores (train.eval_tasks)", "mine/acc_norm", "degeneration of sampled text",
+                  "loop_fraction"):
+        assert label in svg
