@@ -101,12 +101,13 @@ def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Seque
         for r, i in enumerate(rows):
             full = seqs[i][0]
             x[r, :len(full) - 1] = torch.tensor(full[:-1])
-        logp = torch.log_softmax(model(x.to(device)).float(), dim=-1)  # (B, T, V)
+        logits = model(x.to(device))  # (B, T, V)
         for r, i in enumerate(rows):
             full, n_cont = seqs[i]
             t = len(full) - 1  # input positions of this row
             target = torch.tensor(full[-n_cont:], device=device)
-            rows_logp = logp[r, t - n_cont:t]  # (n_cont, V): the positions that predict the continuation
+            # (n_cont, V): only the positions that predict the continuation are normalised
+            rows_logp = torch.log_softmax(logits[r, t - n_cont:t].float(), dim=-1)
             picked = rows_logp.gather(-1, target[:, None]).squeeze(-1)
             greedy = bool((rows_logp.argmax(-1) == target).all())
             out[i] = (float(picked.double().sum()), greedy)
