@@ -379,7 +379,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("tensorboard", "wandb", "swanlab")
 WANDB_MODES = ("offline", "online")
-SWANLAB_MODES = ("local", "offline", "cloud")
+SWANLAB_MODES = ("local", "offline", "online")
 TASK_METRICS = ("acc", "acc_norm", "centred")
 
 
@@ -427,7 +427,7 @@ class TrainConfig:
     wandb_project: str = "nanolm"
     wandb_mode: str = "offline"  # offline: logs under <run>/wandb, upload later with `wandb sync`
     swanlab_project: str = "nanolm"
-    swanlab_mode: str = "local"  # local/offline: files under <run>/swanlog (`swanlab watch`); cloud: uploads
+    swanlab_mode: str = "local"  # local/offline: files under <run>/swanlog (`swanlab watch`); online: uploads
     # Benchmarks scored at each validation (`nanolm eval --task` specs: idioms, a task file, `:n=...`), each on
     # its first eval_task_items items unless its spec gives n; logged as task/<name>/acc, acc_norm, centred.
     eval_tasks: tuple[str, ...] = ()

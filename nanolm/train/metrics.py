@@ -222,7 +222,8 @@ class SwanLabTracker:
     """A SwanLab run (MiniMind's default tracker, reachable where W&B is not) with files in <run>/swanlog.
 
     mode local / offline write the run there and nothing leaves the machine (view it with `swanlab watch
-    <run>/swanlog`; an offline run can be uploaded later with `swanlab sync`); cloud uploads as it goes.
+    <run>/swanlog`; an offline run can be uploaded later with `swanlab sync`); online uploads as it goes
+    (after `swanlab login`).
     Metrics are logged at our `step`. On `--resume`, the steps after the checkpoint are logged again.
     """
 
@@ -246,8 +247,8 @@ class SwanLabTracker:
 
     def start(self, resume_step: int | None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._run = self._swanlab.init(project=self.project, experiment_name=self.run_dir.resolve().name,
-                                       config=self.config, logdir=str(self.log_dir), mode=self.mode)
+        self._run = self._swanlab.init(project=self.project, name=self.run_dir.resolve().name, config=self.config,
+                                       log_dir=str(self.log_dir), mode=self.mode, reinit=True)
 
     def log(self, record: dict[str, Any]) -> None:
         values = {k: v for k, v in scalars(record).items() if math.isfinite(v)}
