@@ -59,7 +59,7 @@ def test_lm_eval_scores_equal_nanolm_eval(run, tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "nanolm.eval.harness", "--model", "nanolm", "--model_args",
                            f"path={run}", "--tasks", "nanolm_mine", "--include_path", str(tasks), "--batch_size", "4",
-                           "--output_path", str(out)], env=env, capture_output=True, text=True, timeout=300)
+                           "--output_path", str(out), "--log_samples"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result_file,) = out.rglob("results_*.json")
     theirs = json.loads(result_file.read_text())["results"]["nanolm_mine"]
@@ -67,6 +67,11 @@ def test_lm_eval_scores_equal_nanolm_eval(run, tmp_path):
     ours = run_eval(run, [str(task_file)], out=tmp_path / "ours.json")["tasks"][0]
     assert theirs["acc,none"] == ours["acc"] and theirs["acc_norm,none"] == ours["acc_norm"]
     assert theirs["acc_stderr,none"] == pytest.approx(ours["stderr"])
+    # Item by item, the log-likelihoods lm-eval was given are the ones nanolm eval scores with.
+    (samples,) = out.rglob("samples_nanolm_mine_*.jsonl")
+    logged = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]]
+              for s in map(json.loads, samples.read_text().splitlines())}
+    assert [logged[i] for i in range(len(ITEMS))] == [pytest.approx(it["logprobs"], abs=1e-5) for it in ours["items"]]
 
 
 def test_loglikelihood_rolling_and_generate_until(run):

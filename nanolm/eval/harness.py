@@ -8,8 +8,9 @@ unchanged:
     python -m nanolm.eval.harness --model nanolm --model_args path=runs/x \\
         --tasks ceval-valid,cmmlu --batch_size 16
 
-(`--model_args` keys: path, which=best|last, adapter, device, max_gen_toks;
-lm-eval's own --batch_size and --device are taken too). From Python,
+(`--model_args` keys: path, which=best|last, adapter, max_gen_toks; lm-eval's
+own --batch_size and --device are taken too, a CUDA device falling back to
+the CPU where there is none, as lm-eval's hf model does). From Python,
 `import nanolm.eval.harness` registers it for `lm_eval.simple_evaluate(model="nanolm", ...)`.
 
 The requests are scored by the same functions as `nanolm eval --task`
@@ -25,6 +26,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
+import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -47,8 +49,13 @@ class NanoLM(LM):
 
         if unknown:
             raise UserError(f"--model_args: unknown key(s) {', '.join(sorted(unknown))} for the nanolm model; use "
-                            "path, which, adapter, device, max_gen_toks")
-        self._device = resolve_device(str(device) if device else "auto")
+                            "path, which, adapter, max_gen_toks (and lm-eval's --device, --batch_size)")
+        device = str(device) if device else "auto"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's default --device is cuda:0; like its own hf model, run on the CPU where there is no GPU.
+            print(f"nanolm: --device {device} but no CUDA GPU is visible; running on the CPU", file=sys.stderr)
+            device = "auto"
+        self._device = resolve_device(device)
         self.model, self.ckpt = load_model(path, which, self._device, adapter=adapter)
         self.tok = Tokenizer.load(self.ckpt)
         check_vocab(self.tok, self.model.config.vocab_size)
