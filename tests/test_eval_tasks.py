@@ -180,6 +180,12 @@ def test_ceval_cmmlu_mmlu_csv(tmp_path):
     assert find_dev(tmp_path / "test" / "agronomy.csv") == tmp_path / "dev" / "agronomy.csv"
     lt = load_task(f"{tmp_path / 'test' / 'agronomy.csv'}:shots=1,name=agro")
     assert lt.task.name == "agro" and lt.shots[0].answer == 1
+    # Lettered, as lm-eval's cmmlu and MiniMind's C-Eval score it: the choices listed, the letter scored.
+    lettered = load_task(f"{tmp_path / 'test' / 'agronomy.csv'}:shots=1,style=letters")
+    ctx, conts = mc_strings(lettered.task.items[0], lettered.shots)
+    assert ctx == ("问?\nA. a\nB. b\nC. c\nD. d\n答案： B\n\n"
+                   "肉类鲜度变化的过程是\nA. 僵直、成熟\nB. 成熟、僵直\nC. 自溶、腐败\nD. 僵直、自溶\n答案：")
+    assert conts == [" A", " B", " C", " D"] and lettered.task.items[0].answer == 0
 
 
 def test_jsonl_layouts_as_published(tmp_path):
@@ -268,7 +274,7 @@ def test_task_specs():
     s = parse_task_spec("x/c_val.csv:n=5,shots=2,chat=true")
     assert (s.source, s.n, s.shots, s.chat) == ("x/c_val.csv", 5, 2, True)
     assert parse_task_spec("idioms").source == "idioms"
-    with pytest.raises(UserError, match=r"--task a\.csv:k=1: unknown option 'k'; use n, shots, dev, chat, name"):
+    with pytest.raises(UserError, match=r"--task a\.csv:k=1: unknown option 'k'; use n, shots, dev, chat, style, name"):
         parse_task_spec("a.csv:k=1")
     with pytest.raises(UserError, match=r"--task a\.csv:n=0: n must be a positive integer"):
         parse_task_spec("a.csv:n=0")

@@ -10,6 +10,10 @@ A task spec is a built-in task name (`idioms`) or a task file (see
   beside `test/<subject>.csv`, `<name>_dev.*` / `dev.*` beside others);
 - `chat=true|false`: through the tokenizer's chat template or as plain text
   (default: chat for a fine-tuned run, train.stage sft, lora or dpo);
+- `style=cloze|letters`: multiple choice scored by each choice's text after
+  the question (cloze, the default: informative for small models), or with
+  the choices listed under the question and their letters scored (letters:
+  how lm-eval's ceval-valid / cmmlu and MiniMind score C-Eval);
 - `name=NAME`: the name in the table (default: the file's stem).
 
 `evaluate_tasks` scores loaded tasks with a model in memory (the trainer's
@@ -30,10 +34,10 @@ import torch
 
 from nanolm.errors import UserError
 from nanolm.eval.builtin import BUILTIN_TASKS, builtin_task
-from nanolm.eval.tasks import Task, read_task_file
+from nanolm.eval.tasks import Task, as_letters, read_task_file
 
 _OPTIONS = re.compile(r"^[a-z_]+=[^,]*(,[a-z_]+=[^,]*)*$")
-_KEYS = ("n", "shots", "dev", "chat", "name")
+_KEYS = ("n", "shots", "dev", "chat", "style", "name")
 
 
 @dataclass
@@ -43,11 +47,12 @@ class TaskSpec:
     shots: int = 0
     dev: str | None = None
     chat: bool | None = None
+    style: str = "cloze"
     name: str | None = None
 
 
 def parse_task_spec(spec: str) -> TaskSpec:
-    """`TASK` or `TASK:key=value,...` (keys n, shots, dev, chat, name)."""
+    """`TASK` or `TASK:key=value,...` (keys n, shots, dev, chat, style, name)."""
     source, sep, options = spec.rpartition(":")
     if not sep or not _OPTIONS.match(options):
         return TaskSpec(spec)
@@ -66,6 +71,10 @@ def parse_task_spec(spec: str) -> TaskSpec:
             if value not in ("true", "false"):
                 raise UserError(f"{where} must be true or false, got {value!r}")
             out.chat = value == "true"
+        elif key == "style":
+            if value not in ("cloze", "letters"):
+                raise UserError(f"{where} must be cloze or letters, got {value!r}")
+            out.style = value
         else:
             setattr(out, key, value)
     return out
@@ -113,6 +122,10 @@ def load_task(spec: str | TaskSpec) -> LoadedTask:
         if len(dev_task.items) < s.shots:
             raise UserError(f"{dev}: holds {len(dev_task.items)} items, fewer than shots={s.shots}")
         shots = dev_task.items[: s.shots]
+    if s.style == "letters":
+        if task.kind != "mc":
+            raise UserError(f"--task {s.source}: style=letters is for multiple-choice tasks; this one is generative")
+        task.items, shots = [as_letters(i) for i in task.items], [as_letters(i) for i in shots]
     if s.name:
         task.name = s.name
     return LoadedTask(task, shots, s.chat)

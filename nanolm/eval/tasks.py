@@ -25,7 +25,8 @@ Readers, picked by file suffix and, for JSONL, by the fields of the first row:
   (answer: the index of the right choice, its letter, or its text) for
   multiple choice, `{"question", "answer": "..."}` for generative.
 
-A malformed row raises `UserError("file:line: what is wrong; fix")`. Every
+A malformed row raises `UserError("file:line: what is wrong; fix")`. `as_letters` turns a
+multiple-choice item into its lettered form (choices listed, letters scored). Every
 item carries the plain-text prompt its choices or answer follow (`prompt`, the
 question in the layout's usual cloze form: "Question: ...\\nAnswer:" for
 English, "...\\n答案：" for Chinese) and the bare question for a chat template
@@ -86,6 +87,15 @@ def cloze(question: str) -> tuple[str, str]:
     if _CJK.search(question):
         return f"{question}\n答案：", ""
     return f"Question: {question}\nAnswer:", " "
+
+
+def as_letters(item: MCItem) -> MCItem:
+    """The item as C-Eval, CMMLU and MMLU are usually scored (lm-eval's ceval-valid, MiniMind's C-Eval): the
+    choices listed under the question as "A. ...", and the letters scored instead of the texts."""
+    listed = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(item.choices))
+    question = f"{item.question}\n{listed}"
+    prompt, delimiter = cloze(question)
+    return MCItem(question, tuple(LETTERS[:len(item.choices)]), item.answer, prompt, delimiter or " ", item.where)
 
 
 def _mc(question: str, choices: list[str], answer: int, where: str, prompt: str | None = None,
