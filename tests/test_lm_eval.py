@@ -98,3 +98,10 @@ def test_loglikelihood_rolling_and_generate_until(run):
     greedy = Engine(lm.model).generate_all(lm.tok.encode("To be,"), SamplingParams(max_new_tokens=6, temperature=0.0),
                                            stop)
     assert gen == lm.tok.decode(greedy).split("\n")[0]
+    # --apply_chat_template: the tokenizer's own chat layout, the generation prompt after the last turn.
+    from nanolm.data.chatml import Message
+    assert lm.apply_chat_template([{"role": "user", "content": "hi"}]) == lm.tok.chat_format.render(
+        [Message("user", "hi")], add_generation_prompt=True)
+    from nanolm.errors import UserError
+    with pytest.raises(UserError, match=r"--model_args: unknown key\(s\) pretrained for the nanolm model"):
+        harness.NanoLM(path=str(run), pretrained="x")
