@@ -408,8 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="built-in corpora, .txt/.jsonl files or directories, or a prepared data directory")
     ev.add_argument("--task", action="append", default=[], metavar="TASK[:key=value,...]",
                     help="a benchmark: the built-in idioms, or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
-                         "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, name=; "
-                         "repeatable")
+                         "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, "
+                         "style=cloze|letters, name=; repeatable")
     ev.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                     help="score tasks through the chat template (auto: for sft/lora/dpo runs)")
     ev.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks and --degeneration")
