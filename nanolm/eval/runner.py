@@ -220,7 +220,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import check_vocab
     from nanolm.io import write_json_atomic
-    from nanolm.runtime import resolve_device
+    from nanolm.runtime import autocast, resolve_device, resolve_dtype
     from nanolm.tokenizer import Tokenizer
 
     if which not in ("best", "last"):
@@ -240,8 +240,9 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     if any(lt.task.kind == "gen" for lt in loaded) or degeneration:
         engine = Engine(model, dev)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    results = evaluate_tasks(model, tok, loaded, chat_default=chat_default, batch_size=batch_size, device=dev,
-                             engine=engine, sampling=params)
+    with autocast(dev, resolve_dtype("auto", dev)):  # bf16 on a GPU that has it, as nanolm eval --data
+        results = evaluate_tasks(model, tok, loaded, chat_default=chat_default, batch_size=batch_size, device=dev,
+                                 engine=engine, sampling=params)
     report: dict[str, Any] = {"checkpoint": str(ckpt_dir), "tasks": results}
     if degeneration:
         from nanolm.eval.degeneration import degeneration_scores, sample_completions
