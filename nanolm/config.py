@@ -381,6 +381,8 @@ TRACKERS = ("tensorboard", "wandb", "swanlab")
 WANDB_MODES = ("offline", "online")
 SWANLAB_MODES = ("local", "offline", "online")
 TASK_METRICS = ("acc", "acc_norm", "centred")
+PARALLEL = ("ddp", "fsdp")
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
 def _joined_task_specs(items: tuple[str, ...]) -> tuple[str, ...]:
@@ -393,8 +395,6 @@ def _joined_task_specs(items: tuple[str, ...]) -> tuple[str, ...]:
         else:
             out.append(item)
     return tuple(out)
-PARALLEL = ("ddp", "fsdp")
-SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
 @dataclass
