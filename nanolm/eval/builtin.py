@@ -104,7 +104,7 @@ def report_runs(runs: list[tuple[str, Path, bool]], n: int | None = None) -> lis
              f"4 real explanations each; chance 25.0%"]
     for label, run, chat in runs:
         model, ckpt = load_model(run, "best")
-        res = score_mc(model, Tokenizer.load(ckpt), task.items, chat=chat)
+        res = score_mc(model, Tokenizer.load(ckpt), task.items, chat=chat, batch_size=64)  # short rows
         lines.append(f"  {label:<5} acc {res['acc']:.1%} (length-normalised {res['acc_norm']:.1%}) ± "
                      f"{res['stderr']:.1%} | chance-centred {res['centred']:+.3f}"
                      + (" | chat template" if chat else ""))
