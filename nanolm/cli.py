@@ -19,8 +19,11 @@ def _cmd_data(args: argparse.Namespace) -> None:
     if args.data_cmd == "list":
         print(corpora.describe())
     elif args.data_cmd == "preferences":
+        from nanolm.corpora.holdout import training_view
         from nanolm.data.preferences import build_idiom_preferences
-        out = build_idiom_preferences(corpora.fetch("idioms"), Path(args.out), args.n, args.seed)
+        # The training view: the idioms of the built-in benchmark stay out of the pairs.
+        out = build_idiom_preferences(training_view("idioms", corpora.fetch("idioms")), Path(args.out), args.n,
+                                      args.seed)
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     elif args.data_cmd == "tools":
         from nanolm.data.tooluse import build_calculator_conversations
@@ -229,9 +232,25 @@ def _cmd_plot(args: argparse.Namespace) -> None:
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     from nanolm.evaluate import evaluate, format_result
-    result = evaluate(args.checkpoint, args.data, which="last" if args.last else "best", batch_size=args.batch_size,
-                      seq_len=args.seq_len, max_tokens=args.max_tokens, device=args.device, adapter=args.adapter)
-    print(format_result(result))
+    if not args.data and not args.task:
+        raise UserError("nanolm eval: nothing to score; pass --data (loss, perplexity, bits per byte on text) "
+                        "and/or --task (benchmarks: a built-in name such as idioms, or a task file)")
+    which = "last" if args.last else "best"
+    if args.data:  # with --degeneration, --data also gives its prompts
+        result = evaluate(args.checkpoint, args.data, which=which, batch_size=args.batch_size, seq_len=args.seq_len,
+                          max_tokens=args.max_tokens, device=args.device, adapter=args.adapter)
+        print(format_result(result))
+    if args.task or args.degeneration:
+        from nanolm.eval.runner import format_degeneration, format_table, run_eval
+        report = run_eval(args.checkpoint, args.task, which=which, batch_size=args.batch_size, device=args.device,
+                          adapter=args.adapter, chat={"auto": None, "on": True, "off": False}[args.chat],
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          degeneration=args.degeneration, data=args.data, out=args.out)
+        if report["tasks"]:
+            print(format_table(report["tasks"]))
+        if "degeneration" in report:
+            print(format_degeneration(report["degeneration"]))
+        print(f"results -> {report['path']}")
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> None:
@@ -401,11 +420,25 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--x", choices=["step", "tokens"], default="step")
     pl.set_defaults(func=_cmd_plot)
 
-    ev = sub.add_parser("eval", help="validation loss, perplexity and bits-per-byte of a checkpoint on any text")
+    ev = sub.add_parser("eval", help="loss, perplexity and bits-per-byte of a checkpoint on any text; benchmark "
+                                     "tasks (multiple choice, generative) and degeneration of sampled text")
     ev.add_argument("checkpoint", help="a run or checkpoint directory")
-    ev.add_argument("--data", nargs="+", required=True,
+    ev.add_argument("--data", nargs="+", default=None,
                     help="built-in corpora, .txt/.jsonl files or directories, or a prepared data directory")
-    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--task", action="append", default=[], metavar="TASK[:key=value,...]",
+                    help="a benchmark: the built-in idioms, or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
+                         "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, "
+                         "style=cloze|letters, name=; repeatable")
+    ev.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                    help="score tasks through the chat template (auto: for sft/lora/dpo runs)")
+    ev.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks and --degeneration")
+    ev.add_argument("--temperature", type=float, default=0.0, help="generative tasks: 0 = greedy")
+    ev.add_argument("--seed", type=int, default=0, help="generative tasks at temperature > 0, and --degeneration")
+    ev.add_argument("--degeneration", type=int, default=0, metavar="N",
+                    help="sample N continuations (of --data documents' first 32 tokens, else of the built-in "
+                         "benchmark's held-out questions) and report distinct-1/2 and the loop fraction")
+    ev.add_argument("--out", default=None, help="the results JSON (default <run>/eval/<checkpoint>.json)")
+    ev.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     ev.add_argument("--seq-len", type=int, default=None, help="default: the model's training seq_len")
     ev.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
     ev.add_argument("--adapter", default=None, help="a LoRA run to apply, unmerged")

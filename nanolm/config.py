@@ -422,10 +422,24 @@ class GRPOConfig:
 STAGES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
-TRACKERS = ("tensorboard", "wandb")
+TRACKERS = ("tensorboard", "wandb", "swanlab")
 WANDB_MODES = ("offline", "online")
+SWANLAB_MODES = ("local", "offline", "online")
+TASK_METRICS = ("acc", "acc_norm", "centred")
 PARALLEL = ("ddp", "fsdp")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+
+
+def _joined_task_specs(items: tuple[str, ...]) -> tuple[str, ...]:
+    """Task specs as given; on the command line the list is comma-separated, so a `key=value` item after a
+    spec is one more option of that spec (`idioms:n=64,chat=true,arc.jsonl` is two specs)."""
+    out: list[str] = []
+    for item in items:
+        if out and re.fullmatch(r"[a-z_]+=[^:/]*", item):
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return tuple(out)
 
 
 @dataclass
@@ -454,9 +468,17 @@ class TrainConfig:
     seed: int = 1337
     max_nonfinite_steps: int = 3  # steps with a NaN/inf loss or gradient are skipped; this many in a row stop the run
     init_from: str = ""  # a checkpoint to start from (weights only)
-    track: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: tensorboard, wandb
+    track: tuple[str, ...] = ()  # extra metric sinks beside metrics.jsonl: tensorboard, wandb, swanlab
     wandb_project: str = "nanolm"
     wandb_mode: str = "offline"  # offline: logs under <run>/wandb, upload later with `wandb sync`
+    swanlab_project: str = "nanolm"
+    swanlab_mode: str = "local"  # local/offline: files under <run>/swanlog (`swanlab watch`); online: uploads
+    # Benchmarks scored at each validation (`nanolm eval --task` specs: idioms, a task file, `:n=...`), each on
+    # its first eval_task_items items unless its spec gives n; logged as task/<name>/acc, acc_norm, centred.
+    eval_tasks: tuple[str, ...] = ()
+    eval_task_items: int = 100
+    degeneration_samples: int = 0  # sampled continuations of val-split prompts per validation (0 = none)
+    best_metric: str = "val_loss"  # what picks the best checkpoint: val_loss (lowest), or task/<name>/<metric>
 
     def __post_init__(self) -> None:
         _check(self.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
@@ -479,6 +501,20 @@ class TrainConfig:
         _check(self.wandb_mode in WANDB_MODES,
                f"train.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
         _check(bool(self.wandb_project.strip()), "train.wandb_project must not be empty")
+        _check(self.swanlab_mode in SWANLAB_MODES,
+               f"train.swanlab_mode must be one of {', '.join(SWANLAB_MODES)}, got {self.swanlab_mode!r}")
+        _check(bool(self.swanlab_project.strip()), "train.swanlab_project must not be empty")
+        self.eval_tasks = _joined_task_specs(tuple(self.eval_tasks))
+        _check(self.eval_task_items > 0, f"train.eval_task_items must be a positive integer, got {self.eval_task_items}")
+        _check(self.degeneration_samples >= 0,
+               f"train.degeneration_samples must be >= 0, got {self.degeneration_samples}")
+        m = re.fullmatch(r"task/(.+)/([a-z_]+)", self.best_metric)
+        _check(self.best_metric == "val_loss" or (m is not None and m.group(2) in TASK_METRICS),
+               f"train.best_metric must be val_loss or task/<name>/<{'|'.join(TASK_METRICS)}> of a task in "
+               f"train.eval_tasks, got {self.best_metric!r}")
+        _check(m is None or bool(self.eval_tasks),
+               f"train.best_metric={self.best_metric} needs that task in train.eval_tasks (e.g. --train.eval_tasks "
+               f"{m.group(1) if m else ''})")
 
 
 @dataclass

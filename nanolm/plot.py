@@ -2,7 +2,9 @@
 
 One figure of four panels: loss (training as a line, validation as dashed
 markers), learning rate, throughput (tokens/s) and gradient norm, against
-optimizer steps or training tokens. Several runs are overlaid, one colour per
+optimizer steps or training tokens; runs that scored benchmarks during
+training (train.eval_tasks, train.degeneration_samples) get two more: their
+task scores and their degeneration metrics. Several runs are overlaid, one colour per
 run, named by their directory. Drawn with matplotlib (the `track` extra)
 through its object API with the Agg renderer, so it needs no display and
 leaves the caller's pyplot backend alone.
@@ -92,8 +94,10 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     except ImportError:
         raise UserError("nanolm plot needs matplotlib, which is not installed; pip install 'nanolm[track]'") from None
 
-    fig = Figure(figsize=(12, 8), layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True)
+    # Benchmark scores of train.eval_tasks (task/<name>/<metric>) and degeneration (degen/...): a third row.
+    bench = sorted({k for _, recs in data for r in recs for k in r if k.startswith(("task/", "degen/"))})
+    fig = Figure(figsize=(12, 12 if bench else 8), layout="constrained")
+    axes = fig.subplots(3 if bench else 2, 2, sharex=True)
     ax_loss, ax_lr, ax_tps, ax_grad = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
     for i, (label, records) in enumerate(data):
         color = f"C{i % 10}"
@@ -111,6 +115,22 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
             if xs:
                 ax.plot(xs, ys, color=color, linewidth=1.2)
 
+    if bench:
+        styles = ("-", "--", ":", "-.")
+        for ax, prefix, title in ((axes[2, 0], "task/", "benchmark scores (train.eval_tasks)"),
+                                  (axes[2, 1], "degen/", "degeneration of sampled text")):
+            keys = [k for k in bench if k.startswith(prefix)]
+            for i, (label, records) in enumerate(data):
+                for j, key in enumerate(keys):
+                    xs, ys = _series(records, key, x)
+                    if xs:
+                        ax.plot(xs, ys, color=f"C{i % 10}", linestyle=styles[j % len(styles)], marker="o",
+                                markersize=3, linewidth=1.2)
+            ax.set_title(title)
+            if keys:
+                ax.legend(handles=[Line2D([], [], color="gray", linestyle=styles[j % len(styles)],
+                                          label=k.removeprefix(prefix)) for j, k in enumerate(keys)],
+                          fontsize="small")
     ax_loss.set_title("loss (nats/token)")
     ax_lr.set_title("learning rate")
     ax_tps.set_title("throughput (tokens/s)")
@@ -121,7 +141,7 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     norms = [y for _, recs in data for y in _series(recs, "grad_norm", x)[1] if y > 0]
     if norms and max(norms) > 20 * min(norms):
         ax_grad.set_yscale("log")  # early spikes would flatten the rest on a linear scale
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("optimizer step" if x == "step" else "training tokens")
     if x == "tokens":
         for ax in axes.flat:

@@ -5,7 +5,8 @@ a tiny model within the time budget -> print a Chinese and an English
 continuation -> fine-tune it on the built-in chat corpora and the built-in
 tool-use set (arithmetic through the calculator) -> hold a short scripted
 conversation, then one with the built-in tools, where the model's calculator
-call is run and its result fed back -> say where every artefact lies. It is also the shortest
+call is run and its result fed back -> score the base and SFT models on the built-in held-out benchmark
+(idiom meaning, multiple choice) against chance -> say where every artefact lies. It is also the shortest
 complete example of the library's API: each step is one call.
 """
 
@@ -31,6 +32,7 @@ SAMPLE_PROMPTS = ("话说天下大势，", "To be, or not to be,", "My fellow ci
 CHAT_SCRIPT = ("「一帆风顺」是什么意思？", "What is AI?")
 TOOL_SCRIPT = ("What is 37 times 24?", "48 加 76 等于多少？")
 TOOL_CONVERSATIONS = 1500  # the built-in tool-use set's share of the fine-tuning data
+BENCH_ITEMS = 200  # items of the built-in held-out benchmark scored for the base and SFT models
 
 
 def _banner(i: int, n: int, title: str) -> None:
@@ -193,6 +195,11 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
         artefacts.update({"sft data": sft_dir, "sft run": sft_run, "sft ckpt": sft_ckpt})
         final = sft_run
 
+    from nanolm.corpora import REGISTRY
+    if all(c in REGISTRY for c in chat_corpora):  # built-in chat data leaves the benchmark's idioms out
+        from nanolm.eval.builtin import report_runs
+        runs = [("base", run_dir, False)] + ([("SFT", sft_run, True)] if chat_files else [])
+        print("\n" + "\n".join(report_runs(runs, BENCH_ITEMS)))
     print(f"\n== done in {fmt_duration(time.perf_counter() - t0)} "
           f"(pretraining: {result.step} steps, best val loss {result.best_val_loss:.3f})")
     for name, path in artefacts.items():

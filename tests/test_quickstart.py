@@ -34,3 +34,6 @@ def test_quickstart_end_to_end(tmp_path):
     assert list((out / "sft" / "checkpoints").glob("step-*/model.safetensors"))
     # the artefact list names real paths
     assert str((out / "run").resolve()) in r.stdout
+    # the built-in held-out benchmark, base and SFT, against chance
+    assert "built-in benchmark: idiom meaning, 200 held-out idioms" in r.stdout and "chance 25.0%" in r.stdout
+    assert "  base  acc " in r.stdout and "  SFT   acc " in r.stdout

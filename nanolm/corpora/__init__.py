@@ -37,6 +37,7 @@ from typing import Sequence
 
 from nanolm.corpora import download
 from nanolm.corpora.archive import check_archive, read_members
+from nanolm.corpora.holdout import training_view
 from nanolm.corpora.cache import by_hand_path, cache_dir, is_cached, is_complete, jsonl_path, save
 from nanolm.corpora.registry import REGISTRY, Corpus, lookup
 from nanolm.data.formats import expand_sources
@@ -94,7 +95,9 @@ def resolve_sources(specs: Sequence[str | Path]) -> list[Path]:
 
     A spec that exists on disk is a path (a .txt/.jsonl file, or a directory
     searched recursively for them, sorted, hidden entries skipped); otherwise
-    a string naming a built-in corpus is fetched and gives its .jsonl.
+    a string naming a built-in corpus is fetched and gives its .jsonl (its
+    training view: without the items the built-in benchmark holds out,
+    `holdout.py`).
     """
     if not specs:
         raise UserError("no data given; pass .txt/.jsonl files, directories of them, "
@@ -103,7 +106,7 @@ def resolve_sources(specs: Sequence[str | Path]) -> list[Path]:
     for spec in specs:
         path = Path(spec).expanduser()
         if not path.exists() and isinstance(spec, str) and spec in REGISTRY:
-            files.append(fetch(spec))
+            files.append(training_view(spec, fetch(spec)))  # without the built-in benchmark's items
         elif not path.exists() and isinstance(spec, str) and "/" not in spec and os.sep not in spec \
                 and not path.suffix:
             raise UserError(f"{spec}: not a built-in corpus and no such file or directory; built-in corpora: "

@@ -7,7 +7,9 @@ question, `chosen` is its own answer and `rejected` the answer to the same
 kind of question (same wording with another idiom: meaning, source or
 example) about a different idiom. Both replies are real dictionary text and
 look alike, so what separates them is whether the answer is about the idiom
-asked, which is what a model tuned on the pairs has to learn.
+asked, which is what a model tuned on the pairs has to learn. `nanolm data
+preferences` builds them from the corpus's training view, without the idioms
+of the built-in benchmark (`nanolm.corpora.holdout`).
 """
 
 from __future__ import annotations

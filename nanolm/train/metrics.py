@@ -1,10 +1,12 @@
-"""Training telemetry: console lines, metrics.jsonl, TensorBoard and W&B, throughput and MFU.
+"""Training telemetry: console lines, metrics.jsonl, TensorBoard, W&B and SwanLab, throughput and MFU.
 
 Every run writes metrics.jsonl; `train.track` adds trackers that receive
 the same records: TensorBoard (event files in <run>/tensorboard, one scalar
-per key at global_step = step) and Weights & Biases (a run whose files go to
+per key at global_step = step), Weights & Biases (a run whose files go to
 <run>/wandb, offline by default; its id is kept in <run>/wandb_run.json so
-that `--resume` continues the same W&B run). Lists such as the MoE
+that `--resume` continues the same W&B run) and SwanLab (a run in
+<run>/swanlog, local by default). Benchmark scores of train.eval_tasks come
+in the validation records as `task/<name>/acc` and the like. Lists such as the MoE
 expert_load become one scalar per entry; strings are not sent.
 
 MFU (model FLOPs utilisation) is achieved model FLOPs per second over the
@@ -216,6 +218,49 @@ class WandbTracker:
             self._run = None
 
 
+class SwanLabTracker:
+    """A SwanLab run (MiniMind's default tracker, reachable where W&B is not) with files in <run>/swanlog.
+
+    mode local / offline write the run there and nothing leaves the machine (view it with `swanlab watch
+    <run>/swanlog`; an offline run can be uploaded later with `swanlab sync`); online uploads as it goes
+    (after `swanlab login`).
+    Metrics are logged at our `step`. On `--resume`, the steps after the checkpoint are logged again.
+    """
+
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> None:
+        try:
+            import swanlab
+        except ImportError:
+            raise UserError("train.track includes swanlab, which is not installed; "
+                            "pip install 'nanolm[swanlab]' (or drop it from --train.track)") from None
+        self._swanlab = swanlab
+        self.run_dir = Path(run_dir)
+        self.log_dir = self.run_dir / "swanlog"
+        self.project = project
+        self.mode = mode
+        self.config = config
+        self._run: Any = None
+
+    def describe(self) -> str:
+        return f"swanlab ({self.mode}) -> project {self.project}, files in {self.log_dir} (view: swanlab watch " \
+               f"{self.log_dir})"
+
+    def start(self, resume_step: int | None) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._run = self._swanlab.init(project=self.project, name=self.run_dir.resolve().name, config=self.config,
+                                       log_dir=str(self.log_dir), mode=self.mode, reinit=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        values = {k: v for k, v in scalars(record).items() if math.isfinite(v)}
+        if values:
+            self._run.log(values, step=int(record.get("step", 0)))
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
 def make_trackers(cfg: Config, run_dir: Path) -> list[Tracker]:
     """The trackers `train.track` asks for; a UserError naming the extra to install when one is missing."""
     trackers: list[Tracker] = []
@@ -224,6 +269,9 @@ def make_trackers(cfg: Config, run_dir: Path) -> list[Tracker]:
             trackers.append(TensorBoardTracker(run_dir))
         elif name == "wandb":
             trackers.append(WandbTracker(run_dir, cfg.train.wandb_project, cfg.train.wandb_mode, cfg.to_dict()))
+        elif name == "swanlab":
+            trackers.append(SwanLabTracker(run_dir, cfg.train.swanlab_project, cfg.train.swanlab_mode,
+                                           cfg.to_dict()))
     return trackers
 
 

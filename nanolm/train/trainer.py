@@ -64,7 +64,7 @@ class TrainResult:
     step: int
     tokens: int
     last_checkpoint: Path | None
-    best_val_loss: float
+    best_val_loss: float  # the best value of train.best_metric as minimised: val_loss, or minus a task score
     train_losses: dict[int, float] = field(default_factory=dict)
     stop_reason: str = ""
 
@@ -194,6 +194,7 @@ class Trainer:
         self.val_sets = self.data.val_sets(1 if tc.stage == "grpo" else tc.seq_len)
         self.tok_dir = _tokenizer_dir(self.data)
         self.token_bytes = _token_bytes(self.tok_dir, cfg.model.vocab_size) if self.val_sets else None
+        self.tasks, self.task_tok = self._eval_tasks()  # train.eval_tasks: read now, so a bad file stops the start
 
         resume_src = _resume_source(cfg, self.run_dir, resume)
         self.model, self.adapter_base = self._policy(resume_src)
@@ -263,6 +264,69 @@ class Trainer:
                 lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
             lora.mark_only_lora_as_trainable(model)
         return model, adapter_base
+
+    def _eval_tasks(self) -> tuple[list, Any]:
+        """The benchmarks of train.eval_tasks (each its first eval_task_items items unless its spec says n) and
+        the tokenizer they are scored with; ([], None) when there are none."""
+        tc = self.cfg.train
+        if not tc.eval_tasks and not tc.degeneration_samples:
+            return [], None
+        if self.tok_dir is None:
+            raise UserError("train.eval_tasks / train.degeneration_samples need the data's tokenizer, which its "
+                            "manifest does not point to; prepare the data with `nanolm prepare --tokenizer DIR` and "
+                            "keep that directory")
+        from nanolm.eval.runner import load_task, parse_task_spec
+        from nanolm.tokenizer import Tokenizer
+        tasks = []
+        for spec in tc.eval_tasks:
+            parsed = parse_task_spec(spec)
+            parsed.n = parsed.n or tc.eval_task_items
+            tasks.append(load_task(parsed))
+        names = [t.task.name for t in tasks]
+        if tc.best_metric != "val_loss" and tc.best_metric.split("/")[1] not in names:
+            raise UserError(f"train.best_metric={tc.best_metric}: no task of that name in train.eval_tasks (names: "
+                            f"{', '.join(names)}); name it as the table does, or add name=... to its spec")
+        needs_engine = tc.degeneration_samples or any(t.task.kind == "gen" for t in tasks)
+        if needs_engine and tc.parallel == "fsdp" and self.info.enabled:
+            raise UserError("generative eval_tasks and train.degeneration_samples decode with the engine, which needs "
+                            "whole weights; under train.parallel=fsdp use multiple-choice tasks only")
+        return tasks, Tokenizer.load(self.tok_dir)
+
+    def _task_scores(self) -> dict[str, float]:
+        """train.eval_tasks and the degeneration samples, scored with the current weights (on every rank: under
+        FSDP the forward is collective; each rank gets the same numbers)."""
+        from nanolm.eval.runner import evaluate_tasks, task_metrics
+        tc = self.cfg.train
+        engine = None
+        if tc.degeneration_samples or any(t.task.kind == "gen" for t in self.tasks):
+            from nanolm.infer.engine import Engine
+            engine = Engine(self.model, self.device)  # a copy of this step's weights, for decoding
+        with self.compute():
+            results = evaluate_tasks(self.model, self.task_tok, self.tasks, chat_default=self.data.is_chat,
+                                     batch_size=tc.batch_size, device=self.device, engine=engine)
+        out = task_metrics(results)
+        if tc.degeneration_samples and self.val_sets:
+            from nanolm.config import SamplingParams
+            from nanolm.eval.degeneration import degeneration_scores, sample_completions
+            val = self.val_sets[0][1]
+            prompts = []
+            for b in iter_eval_batches(val, tc.batch_size, min(32, tc.seq_len), None):
+                prompts += [row.tolist() for row in b.x]
+                if len(prompts) >= tc.degeneration_samples:
+                    break
+            params = SamplingParams(max_new_tokens=64, seed=tc.seed)
+            scores = degeneration_scores(sample_completions(engine, prompts[:tc.degeneration_samples], params,
+                                                            (self.task_tok.eot_id, self.task_tok.im_end_id)))
+            out.update({f"degen/{k}": scores[k] for k in ("distinct_1", "distinct_2", "loop_fraction")})
+        return out
+
+    def _best_score(self, val: dict[str, float]) -> float | None:
+        """The number train.best_metric minimises: the validation loss (for GRPO, minus the mean validation
+        reward), or minus a task score."""
+        metric = self.cfg.train.best_metric
+        if metric == "val_loss":
+            return -val["val_reward"] if "val_reward" in val else val.get("val_loss")
+        return -val[metric] if metric in val else None
 
     def _frozen(self, model: torch.nn.Module, src: Path, what: str) -> torch.nn.Module:
         """`model` (a DPO reference, a distillation teacher, built from checkpoint `src`) frozen on this device."""
@@ -345,7 +409,8 @@ class Trainer:
             step, tokens = int(state["step"]), int(state["tokens"])
             if step < 0 or tokens < 0:
                 raise ValueError(f"step {step}, tokens {tokens}")
-            self.best_val = float(state.get("best_val_loss") or float("inf"))
+            best = state.get("best_val_loss")  # of train.best_metric, as minimised (a task score negated)
+            self.best_val = float(best) if best is not None else float("inf")
             self.elapsed_before = float(state.get("elapsed_s", 0.0))
             self.data.load_state_dict(state["loader"])
             ckpt.set_rng_state(state["rng"])
@@ -561,7 +626,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Validation on each set's val split (eval_batches each); with several sets, per-set metrics as
         `val_loss/<name>` and their (mixture: weighted) mean as `val_loss`, which picks the best checkpoint."""
-        if not self.val_sets:
+        if not self.val_sets and not self.tasks:
             return {}
         tc = self.cfg.train
         t0 = time.perf_counter()
@@ -571,7 +636,9 @@ class Trainer:
             batches = (b.to(self.device) for b in iter_eval_batches(val_data, tc.batch_size, tc.seq_len,
                                                                     tc.eval_batches))
             per_set[name] = self.objective.evaluate(self.model, batches, self.compute, self.token_bytes)
-        res = self.data.combine_eval(per_set)
+        res = self.data.combine_eval(per_set) if per_set else {}
+        if self.tasks or tc.degeneration_samples:  # benchmarks: task/<name>/acc, ... and degen/...
+            res.update(self._task_scores())
         self.model.train()
         if not res:
             return {}
@@ -581,7 +648,9 @@ class Trainer:
         def shown(k: str) -> str:  # with several sets: the mean, then each set's value
             per = ", ".join(f"{name} {res[f'{k}/{name}']:.4f}" for name, _ in self.val_sets if f"{k}/{name}" in res)
             return f"{k.replace('_', ' ')} {res[k]:.4f}" + (f" ({per})" if per else "")
-        line = " | ".join(shown(k) for k in res if k != "eval_s" and "/" not in k)
+        line = " | ".join([shown(k) for k in res if k != "eval_s" and "/" not in k]
+                          + [f"{k.removeprefix('task/').removeprefix('degen/').replace('/', ' ')} {v:.4f}"
+                             for k, v in res.items() if k.startswith(("task/", "degen/"))])
         self.say(f"step {self.step:>6} | {line} | eval {res['eval_s']:.1f}s")
         return res
 
@@ -605,6 +674,13 @@ class Trainer:
                                         is_best=is_best, adapter_base=self.adapter_base, weights=weights)
         distributed.barrier(self.info)
         return path
+
+    def _best_shown(self) -> str:
+        metric = self.cfg.train.best_metric
+        if metric == "val_loss":
+            return (f"val reward {-self.best_val:.4f}" if self.cfg.train.stage == "grpo"
+                    else f"val loss {self.best_val:.4f}")
+        return f"{metric} {-self.best_val:.4f}"
 
     def elapsed(self) -> float:
         """Seconds of training in this run so far, the runs it resumed included."""
@@ -689,8 +765,9 @@ class Trainer:
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.max_steps:
                     val = self.evaluate()
                     evaluated_at = self.step
-                    if val and _val_score(val) < self.best_val:
-                        self.best_val, is_best = _val_score(val), True
+                    score = self._best_score(val)
+                    if score is not None and score < self.best_val:
+                        self.best_val, is_best = score, True
                 if is_best or (tc.save_interval and self.step % tc.save_interval == 0):
                     last_saved = self.save(is_best=is_best)
             stop_reason = reason
@@ -699,9 +776,10 @@ class Trainer:
         # max_tokens, max_minutes or Ctrl-C right after an evaluation) or saved.
         if steps_done or not ckpt.step_dirs(self.run_dir):
             val = self.evaluate() if evaluated_at != self.step else {}
-            is_best = bool(val) and _val_score(val) < self.best_val
+            score = self._best_score(val)
+            is_best = score is not None and score < self.best_val
             if is_best:
-                self.best_val = _val_score(val)
+                self.best_val = score
             if is_best or last_saved is None or last_saved.name != f"step-{self.step:08d}":
                 last_saved = self.save(is_best=is_best)
         else:
@@ -710,19 +788,13 @@ class Trainer:
         self.metrics.close()
         distributed.teardown(self.info)
         self.say(f"stopped at step {self.step} ({stop_reason}); {fmt_count(self.tokens)} tokens; checkpoint: "
-                 f"{last_saved}" + ((f"; best val reward {-self.best_val:.4f}" if self.cfg.train.stage == "grpo"
-                    else f"; best val loss {self.best_val:.4f}") if math.isfinite(self.best_val) else ""))
+                 f"{last_saved}" + (f"; best {self._best_shown()}" if math.isfinite(self.best_val) else ""))
         if stop_reason == "nonfinite":
             raise UserError(f"stopped: {self.nonfinite_in_row} steps in a row had a NaN/inf loss or gradient (first "
                             f"at {self.first_nonfinite}); their updates were skipped, so {last_saved} holds finite "
                             f"weights; lower optim.lr (now {self.cfg.optim.lr:g}) or raise optim.warmup_steps, check "
                             f"the data near that step, or raise train.max_nonfinite_steps, then --resume")
         return TrainResult(self.run_dir, self.step, self.tokens, last_saved, self.best_val, self.losses, stop_reason)
-
-
-def _val_score(val: dict[str, float]) -> float:
-    """What picks the best checkpoint (lower is better): the validation loss; for GRPO, minus the mean reward."""
-    return val["val_loss"] if "val_loss" in val else -val["val_reward"]
 
 
 def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:

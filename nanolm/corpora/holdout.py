@@ -1,0 +1,66 @@
+"""Items of the built-in chat corpora kept out of training, for the built-in benchmark (`nanolm.eval.builtin`).
+
+An idiom is held out when a sha256 of it falls in the first HELD_OUT_PER_MILLE
+of a thousand buckets: about 3% of the idioms corpus (about 930 of its 30,895
+idioms), the same on every machine, with no list to keep. Wherever a built-in
+corpus is read by name as training data (`resolve_sources`: `nanolm prepare
+idioms`, `nanolm tokenizer train idioms`, the quickstart; and `nanolm data
+preferences`), its training view is read instead: the cached corpus without
+the held-out conversations, written once in the cache. The cached corpus itself
+stays whole and pinned (its sha256 is the registry's), and the benchmark is
+built from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+HELD_OUT_PER_MILLE = 30
+_SALT = b"nanolm held-out v1:"
+_QUOTED = re.compile("「([^」]+)」")
+
+
+def is_held_out(idiom: str) -> bool:
+    """Whether the idiom belongs to the built-in benchmark (and so to no built-in training data)."""
+    h = int.from_bytes(hashlib.sha256(_SALT + idiom.encode("utf-8")).digest()[:8], "big")
+    return h % 1000 < HELD_OUT_PER_MILLE
+
+
+def idiom_of(question: str) -> str | None:
+    """The idiom a question of the idioms corpus asks about ("「一帆风顺」是什么意思？" -> 一帆风顺)."""
+    m = _QUOTED.search(question)
+    return m.group(1) if m else None
+
+
+def conversation_held_out(line: str) -> bool:
+    """Whether a line of the idioms corpus (one conversation) asks about a held-out idiom."""
+    import json
+    question = json.loads(line)["conversations"][0]["content"]
+    idiom = idiom_of(question)
+    return idiom is not None and is_held_out(idiom)
+
+
+# Built-in corpora with a held-out part: name -> the test of one of its lines.
+HOLDOUTS = {"idioms": conversation_held_out}
+
+
+def training_view(name: str, path: Path) -> Path:
+    """The file to train on for built-in corpus `name` cached at `path`: `path` itself, or for a corpus with a
+    held-out part a copy without it (`<cache>/training-views/<name>-<sha12>.jsonl`, named by the corpus
+    file's checksum so a new corpus version gets a new view; written atomically once). It lies outside the
+    corpus directory, so a user who passes the corpora directory as data does not read it twice."""
+    held_out = HOLDOUTS.get(name)
+    if held_out is None:
+        return path
+    from nanolm.corpora.cache import cache_dir
+    from nanolm.io import write_bytes_atomic
+    data = Path(path).read_bytes()
+    view = cache_dir() / "training-views" / f"{name}-{hashlib.sha256(data).hexdigest()[:12]}.jsonl"
+    if not view.is_file():
+        view.parent.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in data.decode("utf-8").splitlines(keepends=True)
+                if line.strip() and not held_out(line)]
+        write_bytes_atomic(view, "".join(kept).encode("utf-8"))
+    return view

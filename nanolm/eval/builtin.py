@@ -1,0 +1,111 @@
+"""The built-in benchmark: idiom meaning as multiple choice, over idioms no built-in training data holds.
+
+`idioms` (`nanolm eval RUN --task idioms`): for each held-out idiom of the
+built-in idioms corpus (`nanolm.corpora.holdout`: ~3%, picked by a hash of
+the idiom; the default chat data, the quickstart and `nanolm data
+preferences` leave them out), the question "「成语」是什么意思？" with four
+choices: its own dictionary explanation and the explanations of three other
+held-out idioms, all real text from the corpus, in an order drawn with a fixed
+seed. Chance is 25%.
+
+The explanation is the part of the corpus's answer after the idiom (meaning
+answers: "「w」（pinyin）：explanation") or after "释义：" (source and example
+answers), so every held-out idiom serves whatever question the corpus asked.
+
+No English counterpart is built: of the built-in English data, shakespeare and
+sotu are running text with no questions, and chatterbot's small-talk replies
+fit many of its questions, so "the real reply against three others" would not
+have one right answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from nanolm.corpora.holdout import idiom_of, is_held_out
+from nanolm.errors import UserError
+from nanolm.eval.tasks import MCItem, Task, cloze
+
+BUILTIN_TASKS = ("idioms",)
+SEED = 0
+QUESTION = "「{w}」是什么意思？"
+_MEANING = re.compile(r"^「[^」]+」(?:（[^）]*）)?：(.+)$", re.S)
+
+
+def explanation_of(answer: str) -> str | None:
+    """The dictionary explanation in an answer of the idioms corpus; None when it holds none."""
+    if "\n释义：" in answer:
+        return answer.split("\n释义：", 1)[1].strip() or None
+    m = _MEANING.match(answer)
+    return m.group(1).strip() if m else None
+
+
+def held_out_idioms(idioms_jsonl: Path) -> list[tuple[str, str, str]]:
+    """(idiom, explanation, where) of every held-out idiom in the corpus file, in file order."""
+    out = []
+    with open(idioms_jsonl, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            conv = json.loads(line)["conversations"]
+            idiom = idiom_of(conv[0]["content"])
+            if idiom is None or not is_held_out(idiom):
+                continue
+            explanation = explanation_of(conv[-1]["content"])
+            if explanation:
+                out.append((idiom, explanation, f"{idioms_jsonl}:{n}"))
+    return out
+
+
+def idiom_task(idioms_jsonl: Path, n: int | None = None, seed: int = SEED) -> Task:
+    """The built-in idiom-meaning task from the idioms corpus file: each held-out idiom's explanation against
+    three other held-out idioms' (all different texts), shuffled by `seed`; the first n items when given."""
+    entries = held_out_idioms(idioms_jsonl)
+    if len({e[1] for e in entries}) < 4:
+        raise UserError(f"{idioms_jsonl}: fewer than 4 held-out idioms with different explanations; the built-in "
+                        "benchmark needs the idioms corpus (`nanolm data fetch idioms`)")
+    rng = random.Random(seed)
+    items = []
+    for i, (idiom, explanation, where) in enumerate(entries):
+        others: list[str] = []
+        while len(others) < 3:
+            j = rng.randrange(len(entries))
+            text = entries[j][1]
+            if j != i and text != explanation and text not in others:
+                others.append(text)
+        choices = [explanation, *others]
+        rng.shuffle(choices)
+        question = QUESTION.format(w=idiom)
+        prompt, delimiter = cloze(question)
+        items.append(MCItem(question, tuple(choices), choices.index(explanation), prompt, delimiter, where))
+    return Task("idioms", "mc", items[:n] if n else items, str(idioms_jsonl), "built-in idiom meaning")
+
+
+def builtin_task(name: str, n: int | None = None) -> Task:
+    """A built-in task by name, its corpus fetched on first use."""
+    if name != "idioms":
+        raise UserError(f"{name}: not a built-in task; built-in tasks: {', '.join(BUILTIN_TASKS)}")
+    from nanolm.corpora import fetch
+    return idiom_task(fetch("idioms", quiet=True), n)
+
+
+def report_runs(runs: list[tuple[str, Path, bool]], n: int | None = None) -> list[str]:
+    """One line per (label, run directory, through the chat template) with its score on the built-in task
+    (its first n items), against chance: what the quickstart prints for its base and SFT models."""
+    from nanolm.checkpoint import load_model
+    from nanolm.eval.scoring import score_mc
+    from nanolm.tokenizer import Tokenizer
+
+    task = builtin_task("idioms", n)
+    lines = [f"built-in benchmark: idiom meaning, {len(task.items)} held-out idioms (never trained on), "
+             f"4 real explanations each; chance 25.0%"]
+    for label, run, chat in runs:
+        model, ckpt = load_model(run, "best")
+        res = score_mc(model, Tokenizer.load(ckpt), task.items, chat=chat, batch_size=64)  # short rows
+        lines.append(f"  {label:<5} acc {res['acc']:.1%} (length-normalised {res['acc_norm']:.1%}) ± "
+                     f"{res['stderr']:.1%} | chance-centred {res['centred']:+.3f}"
+                     + (" | chat template" if chat else ""))
+    return lines

@@ -1,0 +1,275 @@
+"""`nanolm eval RUN --task ...`: tasks named on the command line, scored, summarised and saved.
+
+A task spec is a built-in task name (`idioms`) or a task file (see
+`tasks.py`), optionally followed by `:key=value,...` options:
+
+- `n=N`: score the first N items only;
+- `shots=K`: K solved examples before each question, the first K items of
+  the dev split (`dev=FILE`, else found beside the file: C-Eval's
+  `<subject>_dev.csv` beside `<subject>_val.csv`, CMMLU's `dev/<subject>.csv`
+  beside `test/<subject>.csv`, `<name>_dev.*` / `dev.*` beside others);
+- `chat=true|false`: through the tokenizer's chat template or as plain text
+  (default: chat for a fine-tuned run, train.stage sft, lora or dpo);
+- `style=cloze|letters`: multiple choice scored by each choice's text after
+  the question (cloze, the default: informative for small models), or with
+  the choices listed under the question and their letters scored (letters:
+  how lm-eval's ceval-valid / cmmlu and MiniMind score C-Eval);
+- `name=NAME`: the name in the table (default: the file's stem).
+
+`evaluate_tasks` scores loaded tasks with a model in memory (the trainer's
+eval_tasks call it); `run_eval` loads a checkpoint, scores, prints the
+summary table (task, n, accuracy, chance-centred, stderr) and writes the
+results as JSON beside the run (`<run>/eval/<checkpoint>.json`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from nanolm.errors import UserError
+from nanolm.eval.builtin import BUILTIN_TASKS, builtin_task
+from nanolm.eval.tasks import Task, as_letters, read_task_file
+
+_OPTIONS = re.compile(r"^[a-z_]+=[^,]*(,[a-z_]+=[^,]*)*$")
+_KEYS = ("n", "shots", "dev", "chat", "style", "name")
+
+
+@dataclass
+class TaskSpec:
+    source: str
+    n: int | None = None
+    shots: int = 0
+    dev: str | None = None
+    chat: bool | None = None
+    style: str = "cloze"
+    name: str | None = None
+
+
+def parse_task_spec(spec: str) -> TaskSpec:
+    """`TASK` or `TASK:key=value,...` (keys n, shots, dev, chat, style, name)."""
+    source, sep, options = spec.rpartition(":")
+    if not sep or not _OPTIONS.match(options):
+        return TaskSpec(spec)
+    out = TaskSpec(source)
+    for item in options.split(","):
+        key, value = item.split("=", 1)
+        where = f"--task {spec}: {key}"
+        if key not in _KEYS:
+            raise UserError(f"--task {spec}: unknown option {key!r}; use {', '.join(_KEYS)}")
+        if key in ("n", "shots"):
+            if not value.isdigit() or (key == "n" and int(value) < 1):
+                raise UserError(f"{where} must be a {'positive' if key == 'n' else 'non-negative'} integer, "
+                                f"got {value!r}")
+            setattr(out, key, int(value))
+        elif key == "chat":
+            if value not in ("true", "false"):
+                raise UserError(f"{where} must be true or false, got {value!r}")
+            out.chat = value == "true"
+        elif key == "style":
+            if value not in ("cloze", "letters"):
+                raise UserError(f"{where} must be cloze or letters, got {value!r}")
+            out.style = value
+        else:
+            setattr(out, key, value)
+    return out
+
+
+def find_dev(path: Path) -> Path | None:
+    """The dev split published beside a task file, when there is one."""
+    stem, suffix = path.stem, path.suffix
+    candidates = []
+    for split in ("_val", "_test", "-val", "-test"):
+        if stem.endswith(split):
+            candidates.append(path.with_name(stem[: -len(split)] + split[0] + "dev" + suffix))
+    if path.parent.name in ("test", "val", "validation"):
+        candidates.append(path.parent.parent / "dev" / path.name)
+    candidates += [path.with_name(f"dev{suffix}"), path.with_name(f"{stem}_dev{suffix}")]
+    return next((c for c in candidates if c.is_file() and c != path), None)
+
+
+@dataclass
+class LoadedTask:
+    task: Task
+    shots: list
+    chat: bool | None
+
+
+def load_task(spec: str | TaskSpec) -> LoadedTask:
+    """The task a spec names, its shots drawn from its dev split."""
+    s = parse_task_spec(spec) if isinstance(spec, str) else spec
+    if s.source in BUILTIN_TASKS and not Path(s.source).exists():
+        task = builtin_task(s.source, s.n)
+        if s.shots:
+            raise UserError(f"--task {s.source}: the built-in task has no dev split; score it 0-shot")
+    else:
+        task = read_task_file(s.source)
+        task.items = task.items[: s.n] if s.n else task.items
+    shots: list = []
+    if s.shots:
+        dev = Path(s.dev) if s.dev else find_dev(Path(s.source))
+        if dev is None:
+            raise UserError(f"--task {s.source}: shots={s.shots} needs a dev split; pass dev=FILE (C-Eval: "
+                            f"<subject>_dev.csv, CMMLU: dev/<subject>.csv)")
+        dev_task = read_task_file(dev)
+        if dev_task.kind != task.kind:
+            raise UserError(f"{dev}: a {dev_task.kind} task, but {s.source} is {task.kind}; use its own dev split")
+        if len(dev_task.items) < s.shots:
+            raise UserError(f"{dev}: holds {len(dev_task.items)} items, fewer than shots={s.shots}")
+        shots = dev_task.items[: s.shots]
+    if s.style == "letters":
+        if task.kind != "mc":
+            raise UserError(f"--task {s.source}: style=letters is for multiple-choice tasks; this one is generative")
+        task.items, shots = [as_letters(i) for i in task.items], [as_letters(i) for i in shots]
+    if s.name:
+        task.name = s.name
+    return LoadedTask(task, shots, s.chat)
+
+
+def evaluate_tasks(model: torch.nn.Module, tok: Any, tasks: Sequence[LoadedTask], *, chat_default: bool = False,
+                   batch_size: int = 16, device: torch.device | str | None = None, engine: Any = None,
+                   sampling: Any = None, rows: int = 16) -> list[dict[str, Any]]:
+    """Score each task with `model` (generative tasks with `engine`, an Engine of the same weights, made when
+    not given). Returns one result per task: {"task", "kind", "n", "shots", "chat", "acc", ...}."""
+    from nanolm.config import SamplingParams
+    from nanolm.eval.scoring import score_gen, score_mc
+
+    results = []
+    was_training = model.training
+    model.eval()
+    try:
+        for lt in tasks:
+            chat = chat_default if lt.chat is None else lt.chat
+            if lt.task.kind == "mc":
+                res = score_mc(model, tok, lt.task.items, shots=lt.shots, chat=chat, batch_size=batch_size,
+                               device=device)
+            else:
+                if engine is None:
+                    from nanolm.infer.engine import Engine
+                    engine = Engine(model, next(model.parameters()).device)
+                params = sampling or SamplingParams(max_new_tokens=256, temperature=0.0)
+                res = score_gen(engine, tok, lt.task.items, params, shots=lt.shots, chat=chat, rows=rows)
+            results.append({"task": lt.task.name, "path": lt.task.path, "layout": lt.task.layout,
+                            "shots": len(lt.shots), "chat": chat, **res})
+    finally:
+        model.train(was_training)
+    return results
+
+
+def format_table(results: Sequence[dict[str, Any]]) -> str:
+    """The summary: task, n, accuracy (multiple choice: summed and length-normalised), chance-centred, stderr."""
+    rows = [("task", "n", "shots", "acc", "acc_norm", "chance", "centred", "stderr")]
+    for r in results:
+        rows.append((r["task"] + (" (chat)" if r["chat"] else ""), str(r["n"]), str(r["shots"]),
+                     f"{r['acc']:.4f}", f"{r['acc_norm']:.4f}" if "acc_norm" in r else "-", f"{r['chance']:.4f}",
+                     f"{r['centred']:+.4f}", f"{r['stderr']:.4f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in rows)
+
+
+def run_dir_of(ckpt_dir: Path) -> Path:
+    """The run a checkpoint belongs to (<run>/checkpoints/step-N -> <run>), else the checkpoint directory."""
+    return ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else ckpt_dir
+
+
+def is_finetuned(ckpt_dir: Path) -> bool:
+    """Whether the checkpoint's run trained on chat data (train.stage sft, lora or dpo)."""
+    from nanolm.checkpoint import read_run_config
+    try:
+        return read_run_config(ckpt_dir).train.stage in ("sft", "lora", "dpo")
+    except (UserError, OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def degeneration_prompts(tok: Any, sources: Sequence[str] | None, n: int, prompt_tokens: int = 32,
+                         chat: bool = False) -> list[list[int]]:
+    """n prompts: the first prompt_tokens tokens of the first n documents of `sources`, or, without sources,
+    the built-in benchmark's held-out questions (never trained on), through the chat template when `chat`."""
+    if sources:
+        from nanolm.corpora import resolve_sources
+        from nanolm.data.formats import iter_documents
+        prompts = []
+        for file in resolve_sources(sources):
+            for doc in iter_documents(file):
+                ids = tok.encode(doc)[:prompt_tokens]
+                if ids:
+                    prompts.append(ids)
+                if len(prompts) == n:
+                    return prompts
+        return prompts
+    from nanolm.eval.scoring import _chat_prompt
+    task = builtin_task("idioms", n)
+    return [tok.encode(_chat_prompt(tok, [], it.question) if chat else it.prompt) for it in task.items]
+
+
+def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best", batch_size: int = 16,
+             device: str = "auto", adapter: str | Path | None = None, chat: bool | None = None,
+             max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, degeneration: int = 0,
+             data: Sequence[str] | None = None, out: str | Path | None = None) -> dict[str, Any]:
+    """Score a checkpoint on tasks (and, with `degeneration` > 0, the degeneration of that many sampled
+    continuations); prints nothing, writes the JSON (to `out`, default <run>/eval/<checkpoint>.json) and
+    returns {"checkpoint", "tasks": [...], "degeneration": {...}, "path"}."""
+    from nanolm.checkpoint import load_model
+    from nanolm.config import SamplingParams
+    from nanolm.infer.engine import Engine
+    from nanolm.infer.generate import check_vocab
+    from nanolm.io import write_json_atomic
+    from nanolm.runtime import autocast, resolve_device, resolve_dtype
+    from nanolm.tokenizer import Tokenizer
+
+    if which not in ("best", "last"):
+        raise UserError(f"which={which!r}: use 'best' or 'last'")
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size}: must be a positive integer")
+    loaded = [load_task(s) for s in specs]  # a bad task file fails before the model loads
+    dev = resolve_device(device)
+    model, ckpt_dir = load_model(checkpoint, which, dev, adapter=adapter)
+    if not (ckpt_dir / "tokenizer.json").is_file():
+        raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so the tasks cannot be tokenized; use a checkpoint "
+                        "written by nanolm train")
+    tok = Tokenizer.load(ckpt_dir)
+    check_vocab(tok, model.config.vocab_size)
+    chat_default = is_finetuned(ckpt_dir) if chat is None else chat
+    engine = None
+    if any(lt.task.kind == "gen" for lt in loaded) or degeneration:
+        engine = Engine(model, dev)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    with autocast(dev, resolve_dtype("auto", dev)):  # bf16 on a GPU that has it, as nanolm eval --data
+        results = evaluate_tasks(model, tok, loaded, chat_default=chat_default, batch_size=batch_size, device=dev,
+                                 engine=engine, sampling=params)
+    report: dict[str, Any] = {"checkpoint": str(ckpt_dir), "tasks": results}
+    if degeneration:
+        from nanolm.eval.degeneration import degeneration_scores, sample_completions
+        prompts = degeneration_prompts(tok, data, degeneration, chat=chat_default)
+        sample = SamplingParams(max_new_tokens=max_new_tokens, seed=seed)  # the sampling defaults, seeded
+        report["degeneration"] = {**degeneration_scores(sample_completions(engine, prompts, sample,
+                                                                           (tok.eot_id, tok.im_end_id))),
+                                  "max_new_tokens": max_new_tokens, "source": ", ".join(data) if data else
+                                  "idioms (held-out questions)"}
+    path = Path(out) if out else run_dir_of(ckpt_dir) / "eval" / f"{ckpt_dir.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, report)
+    report["path"] = str(path)
+    return report
+
+
+def format_degeneration(d: dict[str, Any]) -> str:
+    return (f"degeneration ({d['n']} sampled continuations of {d['source']}, up to {d['max_new_tokens']} tokens): "
+            f"distinct-1 {d['distinct_1']:.4f} | distinct-2 {d['distinct_2']:.4f} | loop fraction "
+            f"{d['loop_fraction']:.4f} | mean length {d['mean_tokens']:.1f} tokens")
+
+
+def task_metrics(results: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Results as flat metrics for metrics.jsonl and the trackers: task/<name>/acc (and acc_norm, centred)."""
+    out: dict[str, float] = {}
+    for r in results:
+        for key in ("acc", "acc_norm", "centred"):
+            if key in r and math.isfinite(r[key]):
+                out[f"task/{r['task']}/{key}"] = r[key]
+    return out

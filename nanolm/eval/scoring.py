@@ -1,0 +1,320 @@
+"""Scoring a model on benchmark items: multiple choice by log-likelihood, generative by extracted answers.
+
+Multiple choice (`score_mc`): each choice is scored by the log-probability the
+model gives its tokens after the prompt (k solved dev items first, for k-shot;
+or the chat template's user turn and assistant header, for chat models). Two
+picks per item, both reported:
+
+- `acc`: the choice with the highest summed log-probability;
+- `acc_norm`: the highest log-probability per character of the choice's
+  text (without the delimiter before it), which is what lm-evaluation-harness
+  computes for its acc_norm (`len()` of the choice string; its docs call it
+  byte-length normalisation). A long right answer is not punished for its
+  length; on Chinese text characters, not UTF-8 bytes, are the unit, as in
+  lm-eval.
+
+Accuracy is the mean of 0/1 correctness; `stderr` the standard error of that
+mean (the sample standard deviation over sqrt(n), as lm-eval reports it);
+`centred` the chance-centred accuracy (acc - c) / (1 - c), where c is the mean
+of 1/k over the items (k choices each): 0 at chance, 1 when every answer is
+right, negative below chance.
+
+Generative (`score_gen`): greedy (or seeded, temperature > 0) replies from the
+one batched engine (`nanolm/infer/engine.py`), cut at stop strings, the answer
+extracted (GSM8K's `#### n`, else the last `\\boxed{...}`, else the last
+number; text answers as they are) and compared numerically when both sides
+are numbers, else as text (case and surrounding punctuation ignored).
+
+Everything here works on token ids through a tokenizer-like object (`encode`,
+`decode`, `eot_id`, `im_end_id`, `chat_format`), so tests drive it with a
+model whose log-probabilities are known.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from nanolm.eval.tasks import GenItem, MCItem
+
+
+class TokenizerLike(Protocol):
+    eot_id: int
+    im_end_id: int
+    chat_format: Any
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+# ----------------------------------------------------------------------------- log-likelihood of continuations
+
+def encode_pair(tok: TokenizerLike, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-evaluation-harness cuts them: whitespace ending the context moves
+    to the continuation, context + continuation is tokenized as one text, and the continuation is what follows
+    the context's own token count, so it is scored as the model saw such text in training. An empty context
+    is <|endoftext|> (the first token is predicted after it)."""
+    n_space = len(context) - len(context.rstrip())
+    if n_space:
+        context, continuation = context[:-n_space], context[-n_space:] + continuation
+    whole = tok.encode(context + continuation)
+    n = len(tok.encode(context)) if context else 0
+    ctx, cont = whole[:n], whole[n:]
+    if not cont:
+        raise ValueError(f"the continuation {continuation!r} adds no token after its context")
+    return ctx or [tok.eot_id], cont
+
+
+@torch.inference_mode()
+def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                          batch_size: int = 16, device: torch.device | str | None = None,
+                          on_batch: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
+    """For each (context ids, continuation ids): the summed log-probability of the continuation after the
+    context, and whether each of its tokens is the model's greedy pick. A sequence longer than the model's
+    context (model.config.max_seq_len + 1 tokens) loses its oldest context tokens.
+
+    Rows are run longest first in batches of `batch_size`, padded on the right: under causal attention a
+    row's positions never see its padding, so its scores do not depend on what it is batched with.
+    """
+    max_len = model.config.max_seq_len
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    seqs = []
+    for ctx, cont in requests:
+        if not cont:
+            raise ValueError("a continuation of no tokens has no log-likelihood")
+        if not ctx:
+            raise ValueError("the context must hold at least one token (use <|endoftext|> for none)")
+        full = [*ctx, *cont][-(max_len + 1):]
+        n_cont = min(len(cont), len(full) - 1)
+        seqs.append((full, n_cont))
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(seqs)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(seqs[i][0]) for i in rows) - 1
+        x = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            full = seqs[i][0]
+            x[r, :len(full) - 1] = torch.tensor(full[:-1])
+        logits = model(x.to(device))  # (B, T, V)
+        for r, i in enumerate(rows):
+            full, n_cont = seqs[i]
+            t = len(full) - 1  # input positions of this row
+            target = torch.tensor(full[-n_cont:], device=device)
+            # (n_cont, V): only the positions that predict the continuation are normalised
+            rows_logp = torch.log_softmax(logits[r, t - n_cont:t].float(), dim=-1)
+            picked = rows_logp.gather(-1, target[:, None]).squeeze(-1)
+            greedy = bool((rows_logp.argmax(-1) == target).all())
+            out[i] = (float(picked.double().sum()), greedy)
+        if on_batch is not None:
+            on_batch(len(rows))
+    return out
+
+
+def rolling_requests(tokens: Sequence[int], max_len: int, eot_id: int) -> list[tuple[list[int], list[int]]]:
+    """Requests that score every token of a text exactly once (lm-eval's loglikelihood_rolling): windows of
+    up to max_len predicted tokens, the first after <|endoftext|>, each with the preceding text that fits the
+    model's window as context (one token for a full window)."""
+    full = [eot_id, *tokens]
+    out = []
+    for start in range(0, len(tokens), max_len):
+        cont = full[start + 1:start + 1 + max_len]
+        out.append((full[max(0, start + 1 - (max_len + 1 - len(cont))):start + 1], cont))
+    return out
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def _chat_prompt(tok: TokenizerLike, turns: Sequence[tuple[str, str]], question: str) -> str:
+    from nanolm.data.chatml import Message
+    messages = []
+    for q, a in turns:
+        messages += [Message("user", q), Message("assistant", a)]
+    messages.append(Message("user", question))
+    return tok.chat_format.render(messages, add_generation_prompt=True)
+
+
+def mc_strings(item: MCItem, shots: Sequence[MCItem] = (), chat: bool = False,
+               tok: TokenizerLike | None = None) -> tuple[str, list[str]]:
+    """(context, continuation per choice) of an item: plain text (shots, each solved, a blank line apart,
+    then the prompt; each choice after the delimiter) or, with `chat`, the chat template (shots as earlier
+    turns, the question as the user's turn; each choice as the assistant's reply)."""
+    if chat:
+        context = _chat_prompt(tok, [(s.question, s.choices[s.answer]) for s in shots], item.question)
+        return context, list(item.choices)
+    solved = "".join(f"{s.prompt}{s.delimiter}{s.choices[s.answer]}\n\n" for s in shots)
+    return solved + item.prompt, [item.delimiter + c for c in item.choices]
+
+
+def gen_prompt(item: GenItem, shots: Sequence[GenItem] = (), chat: bool = False,
+               tok: TokenizerLike | None = None) -> str:
+    if chat:
+        return _chat_prompt(tok, [(s.question, s.solution) for s in shots], item.question)
+    solved = "".join(f"{s.prompt} {s.solution}\n\n" for s in shots)
+    return solved + item.prompt
+
+
+# ----------------------------------------------------------------------------- multiple choice
+
+def summary(correct: Sequence[float], chance: float) -> dict[str, float]:
+    """acc, stderr and chance-centred accuracy of 0/1 correctness values."""
+    n = len(correct)
+    acc = sum(correct) / n
+    var = sum((c - acc) ** 2 for c in correct) / (n - 1) if n > 1 else 0.0
+    stderr = math.sqrt(var / n)
+    return {"acc": acc, "stderr": stderr, "centred": (acc - chance) / (1 - chance) if chance < 1 else 0.0,
+            "centred_stderr": stderr / (1 - chance) if chance < 1 else 0.0}
+
+
+def score_mc(model: torch.nn.Module, tok: TokenizerLike, items: Sequence[MCItem], *,
+             shots: Sequence[MCItem] = (), chat: bool = False, batch_size: int = 16,
+             device: torch.device | str | None = None,
+             on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Score multiple-choice items. Returns {"n", "acc", "acc_norm", "chance", "centred", "centred_norm",
+    "stderr", "stderr_norm", "items": [{"where", "answer", "pick", "pick_norm", "logprobs", "chars"}]}."""
+    requests, spans = [], []
+    for item in items:
+        context, conts = mc_strings(item, shots, chat, tok)
+        spans.append((len(requests), conts))
+        requests += [encode_pair(tok, context, c) for c in conts]
+    scores = continuation_logprobs(model, requests, batch_size=batch_size, device=device, on_batch=on_batch)
+    per_item, correct, correct_norm = [], [], []
+    for item, (first, conts) in zip(items, spans):
+        lp = [scores[first + j][0] for j in range(len(conts))]
+        chars = [len(c) for c in item.choices]  # lm-eval's acc_norm: the choice's own length
+        pick = max(range(len(lp)), key=lambda j: (lp[j], -j))  # the first of equal scores
+        pick_norm = max(range(len(lp)), key=lambda j: (lp[j] / chars[j], -j))
+        correct.append(float(pick == item.answer))
+        correct_norm.append(float(pick_norm == item.answer))
+        per_item.append({"where": item.where, "answer": item.answer, "pick": pick, "pick_norm": pick_norm,
+                         "logprobs": lp, "chars": chars})
+    chance = sum(1 / len(it.choices) for it in items) / len(items)
+    s, s_norm = summary(correct, chance), summary(correct_norm, chance)
+    return {"kind": "mc", "n": len(items), "acc": s["acc"], "acc_norm": s_norm["acc"], "chance": chance,
+            "centred": s["centred"], "centred_norm": s_norm["centred"], "stderr": s["stderr"],
+            "stderr_norm": s_norm["stderr"], "items": per_item}
+
+
+# ----------------------------------------------------------------------------- generation
+
+def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[int]], params: Any, *,
+                   stops: Sequence[str] = (), stop_ids: Sequence[int] = (), rows: int = 16) -> list[str]:
+    """The reply to each prompt (token ids), decoded by the engine's batched rows, `rows` at a time (a row that
+    ends makes room for the next prompt), each cut before the first of `stops`. With a seed, prompt i draws
+    with seed + i, so a reply does not depend on which prompts ran beside it."""
+    from dataclasses import replace
+
+    batch = engine.batch()
+    pending = list(range(len(prompts)))[::-1]
+    running: dict[int, int] = {}  # row id -> prompt index
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    texts: dict[int, str] = {}
+    limit = engine.max_seq_len - 1
+
+    def add() -> None:
+        while pending and len(running) < rows:
+            i = pending.pop()
+            prompt = list(prompts[i])[-limit:]
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
+            (row,) = batch.add(prompt, p, stop_ids)
+            running[row] = i
+
+    add()
+    while running:
+        for out in batch.step():
+            i = running[out.row]
+            if out.token is not None:
+                tokens[i].append(out.token)
+                if stops:
+                    text = tok.decode(tokens[i])
+                    cut = min((text.find(s) for s in stops if s in text), default=-1)
+                    if cut >= 0:
+                        texts[i] = text[:cut]
+                        batch.cancel(out.row)
+                        del running[out.row]
+                        continue
+            if out.finish is not None:
+                del running[out.row]
+        add()
+    return [texts[i] if i in texts else tok.decode(tokens[i]) for i in range(len(prompts))]
+
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...}, braces balanced; None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j].strip()
+    return None
+
+
+def extract_answer(text: str) -> str:
+    """The answer in a reply: after GSM8K's `####`, else inside the last \\boxed{}, else the last number,
+    else the reply's first line."""
+    m = re.search(r"####\s*([^\n]*)", text)
+    if m and m.group(1).strip():
+        return m.group(1).strip()
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        return numbers[-1]
+    return text.strip().split("\n")[0].strip()
+
+
+def as_number(text: str) -> Decimal | None:
+    """'1,234' '$12.50' '72.' '-3' '50%' '\\frac{1}{2}'-free numbers -> Decimal; None when not a number."""
+    s = text.strip().replace(",", "").replace("$", "").rstrip(".").removesuffix("%").strip()
+    if not s or not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
+        return None
+    try:
+        return Decimal(s)
+    except InvalidOperation:
+        return None
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    """Numeric equality when both are numbers (72 == 72.0 == 72.00), else text equality ignoring case,
+    surrounding whitespace and punctuation."""
+    a, b = as_number(predicted), as_number(reference)
+    if a is not None and b is not None:
+        return a == b
+    strip = " \t\n.,;:!?。，；：！？\"'“”‘’「」"
+    return predicted.strip(strip).casefold() == reference.strip(strip).casefold()
+
+
+GEN_STOPS = ("\n\n", "Question:", "问题：")
+
+
+def score_gen(engine: Any, tok: TokenizerLike, items: Sequence[GenItem], params: Any, *,
+              shots: Sequence[GenItem] = (), chat: bool = False, rows: int = 16) -> dict[str, Any]:
+    """Score generative items: replies cut at GEN_STOPS (plain text) or the end of the assistant's turn (chat),
+    the answer extracted and compared. Returns {"n", "acc", "chance": 0, "centred", "stderr", "items"}."""
+    prompts = [tok.encode(gen_prompt(item, shots, chat, tok)) for item in items]
+    replies = generate_texts(engine, tok, prompts, params, stops=() if chat else GEN_STOPS,
+                             stop_ids=(tok.eot_id, tok.im_end_id), rows=rows)
+    per_item, correct = [], []
+    for item, reply in zip(items, replies):
+        predicted = extract_answer(reply)
+        ok = answers_match(predicted, item.answer)
+        correct.append(float(ok))
+        per_item.append({"where": item.where, "answer": item.answer, "predicted": predicted, "reply": reply,
+                         "correct": ok})
+    s = summary(correct, 0.0)
+    return {"kind": "gen", "n": len(items), "acc": s["acc"], "chance": 0.0, "centred": s["centred"],
+            "stderr": s["stderr"], "items": per_item}
+
+
