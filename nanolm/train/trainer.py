@@ -354,6 +354,10 @@ class Trainer:
                                    f" | one epoch = {data.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
         for line in data.describe():
             self.say(f"data stream: {line}")
+        for s in data.sets:  # which rule made each set's val split (the manifest's split_policy)
+            rule = s.data.manifest.get("split_policy", {}).get("summary")
+            if rule:
+                self.say(f"val split{f' of {s.name}' if several else ''}: {rule}")
         for tracker in self.metrics.trackers:
             self.say(f"tracking: {tracker.describe()}")
         self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
