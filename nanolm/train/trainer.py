@@ -53,7 +53,7 @@ from nanolm.model import lora
 from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
-from nanolm.runtime import attention_kernel, autocast, resolve_dtype, seed_everything
+from nanolm.runtime import attention_kernel, autocast, seed_everything, train_dtype
 from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
@@ -183,7 +183,7 @@ class Trainer:
         self.run_dir = Path(tc.out_dir)
         self.info = info = distributed.setup(tc.device)  # one process, or this rank of a torchrun launch
         self.device = info.device
-        self.dtype = resolve_dtype(tc.dtype, self.device)
+        self.dtype, self.dtype_why = train_dtype(tc.dtype, self.device, cfg.model.d_model)
         seed_everything(tc.seed)
         self.accum = distributed.per_rank_accum(tc.grad_accum, info)  # this rank's micro-batches per step
         self.quiet = quiet
@@ -360,7 +360,7 @@ class Trainer:
             self.say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {self.accum} micro-batch(es) per "
                      f"rank per step | global batch {self.tokens_per_step:,} tokens/step as configured")
         self.say(f"stage: {tc.stage} | device: {self.device} | compute dtype: {str(self.dtype).removeprefix('torch.')}"
-                 f" | compile: {tc.compile} | activation checkpointing: {tc.activation_checkpointing} | "
+                 f" ({self.dtype_why}) | compile: {tc.compile} | activation checkpointing: {tc.activation_checkpointing} | "
                  f"attention kernel: {tc.sdpa_backend}")
         active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
         self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
