@@ -465,6 +465,9 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
 
+    # How the config was chosen where the user did not say (load_config's budget preset); not a field: not saved.
+    note: typing.ClassVar[str] = ""
+
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.max_seq_len,
                f"train.seq_len ({self.train.seq_len}) must not exceed model.max_seq_len ({self.model.max_seq_len})")
@@ -682,8 +685,20 @@ def _preset_minimind_3_moe() -> Config:
     )
 
 
+def _preset_cpu_small() -> Config:
+    # Chosen by measurement for 3-10 minute CPU runs on ~1 MB of text (README, "Quality per CPU-minute"):
+    # the model a time budget without a preset trains (BUDGET_PRESET_MINUTES).
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=128, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=256),
+        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
+        train=TrainConfig(batch_size=8, seq_len=256, max_steps=300, eval_interval=50, eval_batches=8,
+                          save_interval=100),
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _preset_tiny,
+    "cpu-small": _preset_cpu_small,
     "minimind-26m": _preset_minimind_26m,
     "minimind-104m": _preset_minimind_104m,
     "gpt2-124m": _preset_gpt2_124m,
@@ -898,14 +913,41 @@ def _nonzero(value: Any) -> bool:
         return value is not None  # not a number: the Config build reports it
 
 
+# A time budget up to this many minutes, with no preset and no model settings, trains BUDGET_PRESET: nanolm's
+# default model (minimind-26m's shape) takes ~33 steps in 3 CPU-minutes and ends far behind a small one.
+BUDGET_PRESET, BUDGET_PRESET_MINUTES = "cpu-small", 30.0
+
+
+def budget_preset(preset_name: str | None, file_d: dict[str, Any], over_d: dict[str, Any]) -> str | None:
+    """The preset a short time budget picks when neither a preset nor any model.* setting is given, else None."""
+    if preset_name:
+        return None
+    given = [d for d in (file_d, over_d) if isinstance(d, dict)]
+    if any(isinstance(d.get("model"), dict) and set(d["model"]) - {"vocab_size"} for d in given):
+        return None
+    minutes = [t.get("max_minutes") for d in given if isinstance(t := d.get("train"), dict)]
+    try:
+        last = float([m for m in minutes if m is not None][-1])
+    except (IndexError, TypeError, ValueError):
+        return None
+    return BUDGET_PRESET if 0 < last <= BUDGET_PRESET_MINUTES else None
+
+
 def load_config(preset_name: str | None = None, config_file: str | Path | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:
-    """preset -> file -> overrides, validated once at the end."""
+    """preset -> file -> overrides, validated once at the end. With no preset, a time budget of at most
+    BUDGET_PRESET_MINUTES and no model settings, the preset is BUDGET_PRESET (the config's `note` says so)."""
+    file_d = read_config_file(config_file) if config_file else {}
+    over_d = overrides_to_dict(overrides) if overrides else {}
+    note = ""
+    if (picked := budget_preset(preset_name, file_d, over_d)) is not None:
+        preset_name = picked
+        note = (f"preset {picked}: no preset or model settings were given and the time budget is at most "
+                f"{BUDGET_PRESET_MINUTES:g} minutes, so the model is sized for it (pass --preset or --model.* to "
+                f"choose)")
     base = preset(preset_name) if preset_name else Config()
     d = base.to_dict()
     source = f"preset {preset_name}" if preset_name else "defaults"
-    file_d = read_config_file(config_file) if config_file else {}
-    over_d = overrides_to_dict(overrides) if overrides else {}
     # The stage (from the overrides, else the file, else the preset) brings its defaults first.
     # (A "train" that is no table is reported when the Config is built.)
     stage = next((t.get("stage") for t in (over_d.get("train"), file_d.get("train")) if isinstance(t, dict)
@@ -922,4 +964,6 @@ def load_config(preset_name: str | None = None, config_file: str | Path | None =
     if any(_nonzero(t.get(k)) for t in given for k in ("max_minutes", "max_tokens")) \
             and not any("max_steps" in t for t in given):
         d["train"]["max_steps"] = 0
-    return Config.from_dict(d, source)
+    cfg = Config.from_dict(d, source)
+    cfg.note = note
+    return cfg

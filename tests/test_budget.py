@@ -115,3 +115,21 @@ def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(dat
     a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
     b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_short_time_budget_without_a_preset_trains_the_budget_preset(tmp_path):
+    from nanolm.config import BUDGET_PRESET, preset
+    cfg = load_config(overrides={"train.max_minutes": "3"})
+    assert BUDGET_PRESET == "cpu-small" and cfg.model == preset("cpu-small").model
+    assert cfg.train.max_steps == 0 and cfg.train.batch_size == preset("cpu-small").train.batch_size
+    assert cfg.note.startswith("preset cpu-small: no preset or model settings were given and the time budget is at "
+                               "most 30 minutes")
+    assert "note" not in cfg.to_dict()  # said at start-up, not saved
+    # The vocabulary follows the tokenizer and may be given; any other model setting, a preset, a long or no
+    # budget keep the defaults.
+    assert load_config(overrides={"train.max_minutes": "3", "model.vocab_size": "2048"}).model.d_model == 128
+    assert load_config(overrides={"train.max_minutes": "3", "model.n_layer": "6"}).model.d_model == 512
+    assert load_config("tiny", overrides={"train.max_minutes": "3"}).note == ""
+    assert load_config(overrides={"train.max_minutes": "60"}).model.d_model == 512
+    assert load_config(overrides={"train.max_tokens": "100000"}).model.d_model == 512
+    assert load_config().note == "" and load_config().model.d_model == 512

@@ -356,6 +356,8 @@ class Trainer:
         self.say(f"run dir: {self.run_dir.resolve()} (config saved as config.json)")
         for line in cfg.summary():
             self.say(f"  {line}")
+        if cfg.note:
+            self.say(cfg.note)
         if info.enabled:
             self.say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {self.accum} micro-batch(es) per "
                      f"rank per step | global batch {self.tokens_per_step:,} tokens/step as configured")
