@@ -95,13 +95,21 @@ def timed_trainer(cfg, monkeypatch, clock: FakeClock, **kw) -> Trainer:
 def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(data_dir, tmp_path, monkeypatch):
     # 15 s; 4 probe steps (warmup 3) of 0.5 s each leave 13 s. A step costs 0.5 s plus a fifth of an evaluation
     # (2 micro-batches forward = 2/3 of a step), and the final evaluation 1/3 s: floor(12.667 / 0.5667) = 22 more.
+    # A quarter into that plan (step 4 + 22 // 4 = 9) the rate since the fit, 0.5 s/step (the fake clock stands
+    # still in evaluations), refits: 9 + floor((15 - 4.5 - 1/3) / 0.5) = 29.
     over = {"train.max_minutes": 0.25}
     full = timed_trainer(budget_cfg(data_dir, tmp_path / "full", **over), monkeypatch, FakeClock()).run()
-    expected = 4 + math.floor((15 - 2 - 0.5 * 2 / 3) / (0.5 * (1 + 2 / 3 / 5)))
-    assert expected == 26 and (full.step, full.stop_reason) == (26, "max_steps")
+    first = 4 + math.floor((15 - 2 - 0.5 * 2 / 3) / (0.5 * (1 + 2 / 3 / 5)))
+    refit = 9 + math.floor((15 - 4.5 - 0.5 * 2 / 3) / 0.5)
+    assert (first, refit) == (26, 29) and (full.step, full.stop_reason) == (29, "max_steps")
     state = json.loads((ckpt.resolve_checkpoint(tmp_path / "full", "last") / "state.json").read_text())
-    assert state["budget_fit"] == {"max_steps": 26, "at_step": 4, "rule": "max_minutes", "step_s": 0.5,
-                                   "timed_steps": "2-4"}
+    assert state["budget_fit"] == {"max_steps": 29, "at_step": 9, "rule": "max_minutes", "step_s": 0.5,
+                                   "timed_steps": "5-9", "first_fit": 26}
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
+           if "lr" in r}
+    cfg = budget_cfg(data_dir, tmp_path / "x", **over).optim
+    assert [lrs[s + 1] for s in range(9)] == [lr_at(s, cfg, 26) for s in range(9)]
+    assert [lrs[s + 1] for s in range(9, 29)] == [lr_at(s, cfg, 29) for s in range(9, 29)]
 
     # The same run, stopped by its clock after step 10 (the budget is spent), then resumed with more minutes
     # and a slower clock: the recorded fit holds, so the steps after the resume are those of the full run.
@@ -110,8 +118,8 @@ def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(dat
     assert (part.step, part.stop_reason) == (10, "max_minutes")
     resumed = timed_trainer(budget_cfg(data_dir, tmp_path / "part", **{"train.max_minutes": 10}), monkeypatch,
                             FakeClock(), resume=True).run()
-    assert (resumed.step, resumed.stop_reason) == (26, "max_steps")
-    assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 27)}
+    assert (resumed.step, resumed.stop_reason) == (29, "max_steps")
+    assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 30)}
     a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
     b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -22,8 +22,10 @@ Every stage runs through a `Trainer`:
   `train.max_steps = 0` the schedule is fitted to the budget: a token budget
   fixes max_steps at the start, a time budget after the first
   `schedule.probe_steps` steps (all inside the warmup, whose learning rates do
-  not depend on it) from their measured rate; state.json records the decision,
-  so a resumed run keeps it.
+  not depend on it) from their measured rate, and once more a quarter into
+  that plan from the rate of the whole loop since (evaluations included, and
+  robust to a busy moment in the probe); state.json records the decision, so a
+  resumed run keeps it.
 
 `train(cfg)` is `Trainer(cfg).run()`.
 """
@@ -576,7 +578,7 @@ class Trainer:
 
     def _fit_text(self) -> str:
         how = self.budget_fit or {}
-        rate = f" at {how['step_s']:.3f}s/step, timed over steps {how['timed_steps']}" if "step_s" in how else ""
+        rate = (f" at {how['step_s']:.3f}s/step over steps {how['timed_steps']}" if "step_s" in how else "")
         return (f"max_steps {self.max_steps} fitted to {how.get('rule')}{rate}: warmup {self.cfg.optim.warmup_steps}, "
                 f"then {self.cfg.optim.schedule} to step {self.max_steps}"
                 + (" (note: no more steps than the warmup)" if self.max_steps <= self.cfg.optim.warmup_steps else ""))
@@ -602,8 +604,24 @@ class Trainer:
         fitted = steps_for_time(tc.max_minutes * 60, self.elapsed(), self.step, step_s,
                                 eval_interval=tc.eval_interval if self.val_sets else 0,
                                 eval_step_fraction=eval_fraction if self.val_sets else 0.0)
+        refit_at = self.step + max(1, (max(fitted, self.step + 1) - self.step) // 4)
         self._fit(fitted, {"rule": "max_minutes", "step_s": round(step_s, 6),
-                           "timed_steps": f"{self.step - len(timed) + 1}-{self.step}"})
+                           "timed_steps": f"{self.step - len(timed) + 1}-{self.step}", "refit_at": refit_at,
+                           "elapsed_s": round(self.elapsed(), 6)})
+
+    def _refit_time(self) -> None:
+        """A quarter into the first fit's plan, fit max_steps again from the rate since that fit (all the loop's
+        costs included: evaluations, saves, a machine that got busier or quieter), once; recorded as the first."""
+        fit = self.budget_fit
+        assert fit is not None
+        tc = self.cfg.train
+        rate = (self.elapsed() - fit["elapsed_s"]) / max(1, self.step - fit["at_step"])
+        fitted = steps_for_time(tc.max_minutes * 60, self.elapsed(), self.step, rate,
+                                eval_step_fraction=tc.eval_batches / (3 * self.accum) if self.val_sets else 0.0)
+        first = fit["max_steps"]
+        self._fit(fitted, {"rule": "max_minutes", "step_s": round(rate, 6),
+                           "timed_steps": f"{fit['at_step'] + 1}-{self.step}", "first_fit": first}, announce=False)
+        self.say(f"schedule: refit after step {self.step}: {self._fit_text()} (was {first})")
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -687,6 +705,8 @@ class Trainer:
                     evaluated_at = self.step
                     if val and val["val_loss"] < self.best_val:
                         self.best_val, is_best = val["val_loss"], True
+                if self.budget_fit and self.step == self.budget_fit.get("refit_at"):  # after this step's eval
+                    self._refit_time()
                 if is_best or (tc.save_interval and self.step % tc.save_interval == 0):
                     last_saved = self.save(is_best=is_best)
             stop_reason = reason
