@@ -12,15 +12,16 @@ CPU = torch.device("cpu")
 
 
 def test_auto_picks_bf16_only_with_native_bf16_and_a_wide_model():
-    assert BF16_MIN_D_MODEL == 256
+    assert BF16_MIN_D_MODEL == 128
     assert train_dtype("auto", CPU, 512, {"avx2", "avx512f", "avx512_bf16"}) == (
         torch.bfloat16, "auto: this CPU has avx512_bf16 (native bf16 matmuls)")
     assert train_dtype("auto", CPU, 256, {"amx_bf16", "amx_tile", "avx512_bf16"}) == (
         torch.bfloat16, "auto: this CPU has amx_bf16 (native bf16 matmuls)")
     assert train_dtype("auto", CPU, 512, {"avx2", "avx512f"}) == (
         torch.float32, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
-    assert train_dtype("auto", CPU, 128, {"avx512_bf16"}) == (
-        torch.float32, "auto: this CPU has avx512_bf16, but at d_model 128 < 256 bf16 autocast is slower than float32")
+    assert train_dtype("auto", CPU, 128, {"avx512_bf16"})[0] == torch.bfloat16
+    assert train_dtype("auto", CPU, 64, {"avx512_bf16"}) == (
+        torch.float32, "auto: this CPU has avx512_bf16, but at d_model 64 < 128 bf16 autocast is slower than float32")
     assert train_dtype("auto", CPU, 512, set()) == (
         torch.float32, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
     # An explicit dtype is kept whatever the CPU.
