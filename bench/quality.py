@@ -96,9 +96,10 @@ def variant_args(name: str) -> list[str]:
     return args
 
 
-def run_one(data: Path, work: Path, name: str, i: int, budget: list[str], threads: int | None) -> dict:
+def run_one(data: Path, work: Path, name: str, i: int, budget: list[str], threads: int | None,
+            tag: str = "") -> dict:
     from nanolm.evaluate import evaluate
-    out = work / "runs" / f"{name.replace('/', '_').replace(';', '+')}-{i}"
+    out = work / "runs" / f"{name.replace('/', '_').replace(';', '+')}-{i}{tag}"
     if out.exists():
         import shutil
         shutil.rmtree(out)
@@ -145,6 +146,7 @@ def main() -> None:
     ap.add_argument("--variants", default="default,default-26m,muon,fp32,tiny")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the training processes")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-quality"))
+    ap.add_argument("--tag", default="", help="appended to the run directories' names (several invocations)")
     args = ap.parse_args()
     work = args.work / f"{args.corpus}-{args.chars}-v{args.vocab_size}"
     data = setup(work, args.corpus, args.chars, args.vocab_size)
@@ -153,7 +155,7 @@ def main() -> None:
     results: list[dict] = []
     for i in range(args.runs):
         for name in names:
-            r = run_one(data, work, name, i, budget, args.threads)
+            r = run_one(data, work, name, i, budget, args.threads, args.tag)
             print(f"{name} run {i}: {r['bpb']:.4f} bpb, {r['steps']} steps, {r['tokens_per_s']:.0f} tok/s "
                   f"({r['wall_s']}s)", file=sys.stderr, flush=True)
             results.append(r)

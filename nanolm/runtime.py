@@ -81,7 +81,7 @@ def train_dtype(name: str, device: torch.device, d_model: int,
         return torch.float32, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
     if d_model < BF16_MIN_D_MODEL:
         return torch.float32, (f"auto: this CPU has {native}, but at d_model {d_model} < {BF16_MIN_D_MODEL} bf16 "
-                               "autocast is slower than float32")
+                               "autocast is no faster than float32")
     return torch.bfloat16, f"auto: this CPU has {native} (native bf16 matmuls)"
 
 
