@@ -391,7 +391,9 @@ class Trainer:
         else:
             steps = (f"max_steps fitted to the time budget at the step rate of the first "
                      f"{probe_steps(cfg.optim.warmup_steps)} steps")
-        self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
+        muon = (f" (AdamW; Muon matrices {cfg.optim.muon_lr:g} x the same factor)" if cfg.optim.name == "muon"
+                else "")
+        self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}{muon}, "
                  f"warmup {cfg.optim.warmup_steps}, {steps}"
                  + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")
                  + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
