@@ -686,11 +686,12 @@ def _preset_minimind_3_moe() -> Config:
 
 
 def _preset_cpu_small() -> Config:
-    # Chosen by measurement for 3-10 minute CPU runs on ~1 MB of text (README, "Quality per CPU-minute"):
-    # the model a time budget without a preset trains (BUDGET_PRESET_MINUTES).
+    # What a time budget without a preset trains (BUDGET_PRESET_MINUTES): tiny's shape with Muon, which reached
+    # 2.32 bits per byte against AdamW's 2.43 in 3 CPU-minutes on 1 MB of Shakespeare held out by position
+    # (bench/quality.py; README, "Quality per CPU-minute").
     return Config(
         model=ModelConfig(vocab_size=6400, d_model=128, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=256),
-        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
+        optim=OptimConfig(name="muon", lr=2e-3, min_lr=2e-4, warmup_steps=20),
         train=TrainConfig(batch_size=8, seq_len=256, max_steps=300, eval_interval=50, eval_batches=8,
                           save_interval=100),
     )

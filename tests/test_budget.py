@@ -130,6 +130,7 @@ def test_a_short_time_budget_without_a_preset_trains_the_budget_preset(tmp_path)
     cfg = load_config(overrides={"train.max_minutes": "3"})
     assert BUDGET_PRESET == "cpu-small" and cfg.model == preset("cpu-small").model
     assert cfg.train.max_steps == 0 and cfg.train.batch_size == preset("cpu-small").train.batch_size
+    assert cfg.optim.name == "muon"
     assert cfg.note.startswith("preset cpu-small: no preset or model settings were given and the time budget is at "
                                "most 30 minutes")
     assert "note" not in cfg.to_dict()  # said at start-up, not saved
