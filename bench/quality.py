@@ -162,7 +162,7 @@ def main() -> None:
     what = f"{args.tokens:,} tokens" if args.tokens else f"{args.minutes:g} min"
     print(f"\nheld-out bits per byte, {args.corpus} first {args.chars:,} chars (last 10% held out), vocab "
           f"{args.vocab_size}, {what} per run, median of {args.runs}")
-    print(f"| variant | bpb (median) | runs | steps | epochs | params | tok/s | dtype | optim |")
+    print("| variant | bpb (median) | runs | steps | epochs | params | tok/s | dtype | optim |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         rs = [r for r in results if r["variant"] == name]

@@ -105,8 +105,8 @@ def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(dat
     state = json.loads((ckpt.resolve_checkpoint(tmp_path / "full", "last") / "state.json").read_text())
     assert state["budget_fit"] == {"max_steps": 29, "at_step": 9, "rule": "max_minutes", "step_s": 0.5,
                                    "timed_steps": "5-9", "first_fit": 26}
-    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
-           if "lr" in r}
+    records = map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
+    lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
     cfg = budget_cfg(data_dir, tmp_path / "x", **over).optim
     assert [lrs[s + 1] for s in range(9)] == [lr_at(s, cfg, 26) for s in range(9)]
     assert [lrs[s + 1] for s in range(9, 29)] == [lr_at(s, cfg, 29) for s in range(9, 29)]

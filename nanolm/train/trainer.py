@@ -364,8 +364,8 @@ class Trainer:
             self.say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {self.accum} micro-batch(es) per "
                      f"rank per step | global batch {self.tokens_per_step:,} tokens/step as configured")
         self.say(f"stage: {tc.stage} | device: {self.device} | compute dtype: {str(self.dtype).removeprefix('torch.')}"
-                 f" ({self.dtype_why}) | compile: {tc.compile} | activation checkpointing: {tc.activation_checkpointing} | "
-                 f"attention kernel: {tc.sdpa_backend}")
+                 f" ({self.dtype_why}) | compile: {tc.compile} | activation checkpointing: "
+                 f"{tc.activation_checkpointing} | attention kernel: {tc.sdpa_backend}")
         active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
         self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
                  f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {self.fpt / 1e6:.1f} MFLOPs/token "
@@ -598,7 +598,7 @@ class Trainer:
     def _fit_time(self, step_times: list[float]) -> None:
         """Fix max_steps for max_minutes from the timed steps (the first one, with its one-time costs, left out
         when there are others)."""
-        tc, cfg = self.cfg.train, self.cfg
+        tc = self.cfg.train
         timed = step_times[1:] or step_times
         step_s = sorted(timed)[len(timed) // 2]
         # A validation pass is a forward (about a third of a training step's work) of eval_batches micro-batches.
@@ -702,7 +702,8 @@ class Trainer:
                     self._log(res, window)
                     window = (time.perf_counter(), 0)
                 is_best = False
-                if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < (self.max_steps or math.inf):
+                if tc.eval_interval and self.step % tc.eval_interval == 0 and \
+                        self.step < (self.max_steps or math.inf):
                     val = self.evaluate()
                     evaluated_at = self.step
                     if val and val["val_loss"] < self.best_val:
