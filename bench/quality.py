@@ -12,7 +12,8 @@ bits per byte over the UTF-8 bytes of the held-out text.
 
 Variants (`--variants`, comma-separated):
 
-    default        no preset, only the budget: the path a user with N minutes types
+    default        no preset, only the budget: the path a user with N minutes types (a budget of at most 30
+                   minutes trains the cpu-small preset: Muon + AdamW, bf16 autocast where the CPU has it)
     default-26m    the same with the model nanolm's defaults built before budget sizing (minimind-26m shape)
     adamw, muon    the default path with --optim.name adamw / muon
     fp32, bf16     the default path with --train.dtype float32 / bfloat16
@@ -23,7 +24,7 @@ Each variant runs `--runs` times, interleaved (variant A, B, ..., then A, B
 again) so that a shared machine's load falls on all alike; the table gives
 the median and each run's value, with steps, parameters and tokens/s.
 
-    python bench/quality.py --corpus shakespeare --minutes 3 --runs 3 --variants default,tiny,muon
+    python bench/quality.py --corpus shakespeare --minutes 3 --runs 3 --threads 1 --variants default,adamw,fp32
 
 Progress and the training logs go to <work>/<variant>-<run>.log; stdout gets the table and, last, one JSON
 line with every figure.
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=3.0, help="the training budget of each run")
     ap.add_argument("--tokens", type=int, default=0, help="a token budget instead of --minutes")
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--variants", default="default,default-26m,muon,fp32,tiny")
+    ap.add_argument("--variants", default="default,adamw,fp32,tiny,default-26m")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the training processes")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-quality"))
     ap.add_argument("--tag", default="", help="appended to the run directories' names (several invocations)")
