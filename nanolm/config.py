@@ -304,10 +304,17 @@ def format_data_set(d: dict[str, Any]) -> str:
     return f"{d.get('path')}:{','.join(opts)}"
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass
 class OptimConfig:
-    """AdamW and the learning-rate schedule."""
+    """The optimizer (AdamW, or Muon for the hidden matrices beside AdamW; see nanolm/train/optim.py) and the
+    learning-rate schedule, whose factor applies to every parameter group."""
 
+    name: str = "adamw"  # adamw; muon: Muon for the blocks' 2-D weights, AdamW for embeddings, norms, head
+    muon_lr: float = 0.02  # muon: the peak learning rate of the Muon matrices (nanochat's); lr stays AdamW's
+    muon_momentum: float = 0.95  # muon: Muon's (Nesterov) momentum
     lr: float = 5e-4
     min_lr: float = 5e-5
     schedule: str = "cosine"  # cosine: linear warmup then cosine decay to min_lr; constant: warmup then lr
@@ -320,6 +327,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        _check(self.name in OPTIMIZERS, f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        _check(self.muon_lr > 0, f"optim.muon_lr must be > 0, got {self.muon_lr}")
+        _check(0 <= self.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         _check(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
         _check(self.schedule in ("cosine", "constant"),
                f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
@@ -451,7 +461,10 @@ class TrainConfig:
     batch_size: int = 8  # sequences per micro-batch (per process)
     seq_len: int = 512
     grad_accum: int = 1  # micro-batches per optimizer step
-    max_steps: int = 1000  # optimizer steps; the schedule decays over these
+    # Optimizer steps; the schedule decays over these. 0 = fitted to the budget: ceil(max_tokens / tokens per step),
+    # or what max_minutes holds at the step rate timed in the first steps (recorded in state.json for --resume).
+    # A budget given on the command line or in a file without max_steps means 0.
+    max_steps: int = 1000
     max_tokens: int = 0  # stop after this many training tokens (0 = no token budget)
     max_minutes: float = 0.0  # stop after this much wall-clock time (0 = no time budget)
     eval_interval: int = 100  # steps between validation passes (0 = only at the end)
@@ -482,12 +495,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.stage in STAGES, f"train.stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
-        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last",
+        for name in ("batch_size", "seq_len", "grad_accum", "eval_batches", "log_interval", "keep_last",
                      "max_nonfinite_steps"):
             _check(getattr(self, name) > 0, f"train.{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("max_tokens", "eval_interval", "save_interval"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
         _check(self.max_minutes >= 0, f"train.max_minutes must be >= 0, got {self.max_minutes}")
+        _check(self.max_steps >= 0, f"train.max_steps must be >= 0 (0 = fitted to the budget), got {self.max_steps}")
+        _check(self.max_steps > 0 or bool(self.max_tokens or self.max_minutes),
+               "train.max_steps 0 fits the schedule to a budget; give --train.max_minutes or --train.max_tokens, "
+               "or a max_steps > 0")
         # torch.manual_seed takes at most 64 bits and numpy's generators no negative seed.
         _check(0 <= self.seed < 2**63, f"train.seed must be in [0, 2**63), got {self.seed}")
         _check(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -529,6 +546,9 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    # How the config was chosen where the user did not say (load_config's budget preset); not a field: not saved.
+    note: typing.ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.max_seq_len,
@@ -750,8 +770,21 @@ def _preset_minimind_3_moe() -> Config:
     )
 
 
+def _preset_cpu_small() -> Config:
+    # What a time budget without a preset trains (BUDGET_PRESET_MINUTES): tiny's shape with Muon, which reached
+    # 2.32 bits per byte against AdamW's 2.43 in 3 CPU-minutes on 1 MB of Shakespeare held out by position
+    # (bench/quality.py; README, "Quality per CPU-minute").
+    return Config(
+        model=ModelConfig(vocab_size=6400, d_model=128, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=256),
+        optim=OptimConfig(name="muon", lr=2e-3, min_lr=2e-4, warmup_steps=20),
+        train=TrainConfig(batch_size=8, seq_len=256, max_steps=300, eval_interval=50, eval_batches=8,
+                          save_interval=100),
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _preset_tiny,
+    "cpu-small": _preset_cpu_small,
     "minimind-26m": _preset_minimind_26m,
     "minimind-104m": _preset_minimind_104m,
     "gpt2-124m": _preset_gpt2_124m,
@@ -960,14 +993,49 @@ def overrides_to_dict(overrides: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
+def _nonzero(value: Any) -> bool:
+    """Whether a budget value from a file or the command line (a number or its text) is set and not 0."""
+    try:
+        return float(value) != 0
+    except (TypeError, ValueError):
+        return value is not None  # not a number: the Config build reports it
+
+
+# A time budget up to this many minutes, with no preset and no model settings, trains BUDGET_PRESET: nanolm's
+# default model (minimind-26m's shape) takes ~33 steps in 3 CPU-minutes and ends far behind a small one.
+BUDGET_PRESET, BUDGET_PRESET_MINUTES = "cpu-small", 30.0
+
+
+def budget_preset(preset_name: str | None, file_d: dict[str, Any], over_d: dict[str, Any]) -> str | None:
+    """The preset a short time budget picks when neither a preset nor any model.* setting is given, else None."""
+    if preset_name:
+        return None
+    given = [d for d in (file_d, over_d) if isinstance(d, dict)]
+    if any(isinstance(d.get("model"), dict) and set(d["model"]) - {"vocab_size"} for d in given):
+        return None
+    minutes = [t.get("max_minutes") for d in given if isinstance(t := d.get("train"), dict)]
+    try:
+        last = float([m for m in minutes if m is not None][-1])
+    except (IndexError, TypeError, ValueError):
+        return None
+    return BUDGET_PRESET if 0 < last <= BUDGET_PRESET_MINUTES else None
+
+
 def load_config(preset_name: str | None = None, config_file: str | Path | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:
-    """preset -> file -> overrides, validated once at the end."""
+    """preset -> file -> overrides, validated once at the end. With no preset, a time budget of at most
+    BUDGET_PRESET_MINUTES and no model settings, the preset is BUDGET_PRESET (the config's `note` says so)."""
+    file_d = read_config_file(config_file) if config_file else {}
+    over_d = overrides_to_dict(overrides) if overrides else {}
+    note = ""
+    if (picked := budget_preset(preset_name, file_d, over_d)) is not None:
+        preset_name = picked
+        note = (f"preset {picked}: no preset or model settings were given and the time budget is at most "
+                f"{BUDGET_PRESET_MINUTES:g} minutes, so the model is sized for it (pass --preset or --model.* to "
+                f"choose)")
     base = preset(preset_name) if preset_name else Config()
     d = base.to_dict()
     source = f"preset {preset_name}" if preset_name else "defaults"
-    file_d = read_config_file(config_file) if config_file else {}
-    over_d = overrides_to_dict(overrides) if overrides else {}
     # The stage (from the overrides, else the file, else the preset) brings its defaults first.
     # (A "train" that is no table is reported when the Config is built.)
     stage = next((t.get("stage") for t in (over_d.get("train"), file_d.get("train")) if isinstance(t, dict)
@@ -979,4 +1047,11 @@ def load_config(preset_name: str | None = None, config_file: str | Path | None =
     if overrides:
         d = _deep_merge(d, over_d)
         source = "command line" if not config_file else f"{config_file} + command line"
-    return Config.from_dict(d, source)
+    # A budget the user gives without max_steps shapes the schedule (max_steps 0: fitted at the start of the run).
+    given = [t for t in (file_d.get("train"), over_d.get("train")) if isinstance(t, dict)]
+    if any(_nonzero(t.get(k)) for t in given for k in ("max_minutes", "max_tokens")) \
+            and not any("max_steps" in t for t in given):
+        d["train"]["max_steps"] = 0
+    cfg = Config.from_dict(d, source)
+    cfg.note = note
+    return cfg

@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from nanolm.config import load_config
 from nanolm.corpora import resolve_sources
 from nanolm.errors import UserError
@@ -59,37 +57,11 @@ def _truncated_copies(files: Sequence[Path], dest: Path, max_chars: int) -> list
     return out
 
 
-def _calibrate_steps_per_second(cfg, seconds: float = 3.0) -> float:
-    """Time a few optimizer-step-shaped forward/backward passes of the configured model."""
-    from nanolm.model.transformer import Transformer
-    from nanolm.train.losses import lm_loss
-    model = Transformer(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len))
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 2:
-        t0 = time.perf_counter()
-        for _ in range(cfg.train.grad_accum):
-            lm_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return 1.0 / min(times[1:])
-
-
 def _train_within(cfg_overrides: dict, preset_name: str, seconds: float, *, quiet: bool = False):
-    """Train with max_steps sized to what fits in `seconds` (the schedule decays over max_steps)."""
+    """Train for `seconds`: the trainer fits max_steps to the time budget (train.max_steps 0) from the step rate
+    of its first steps, so the schedule's warmup and decay end with the budget."""
     from nanolm.train.trainer import train
-    cfg = load_config(preset_name, overrides=cfg_overrides)
-    steps_per_s = _calibrate_steps_per_second(cfg)
-    max_steps = max(10, int(steps_per_s * (seconds - 3.0) * 0.85))
-    warmup = min(cfg.optim.warmup_steps, max_steps // 10)
-    cfg = load_config(preset_name, overrides={
-        **cfg_overrides, "train.max_steps": max_steps, "train.max_minutes": seconds / 60,
-        "optim.warmup_steps": warmup, "train.eval_interval": max(1, max_steps // 4),
-        "train.save_interval": max(1, max_steps // 4), "train.log_interval": max(1, max_steps // 15)})
-    print(f"  {seconds:.0f}s: ~{steps_per_s:.2f} steps/s -> {max_steps} steps")
+    cfg = load_config(preset_name, overrides={**cfg_overrides, "train.max_minutes": seconds / 60})
     return train(cfg, quiet=quiet)
 
 

@@ -66,6 +66,23 @@ def test_two_processes_train_as_one_and_resume_as_one(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_train_as_one_with_muon(data_dir, tmp_path):
+    """optim.name muon under DDP: the Muon and AdamW steps of 2 processes follow the one-process run (to the
+    rounding of torch's bf16 orthogonalisation of a gradient summed in another order), and its checkpoint resumes."""
+    muon = {**OVER, "optim.name": "muon"}
+    one = train(tiny_cfg(data_dir, tmp_path / "one", **muon), quiet=True)
+    r = torchrun(data_dir, tmp_path / "two", **{"optim.name": "muon", "train.max_tokens": 4 * 2 * 4 * 32})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    two = losses(tmp_path / "two")
+    assert list(two) == [1, 2, 3, 4]
+    for s in two:
+        assert two[s] == pytest.approx(one.train_losses[s], rel=1e-3), s
+    resumed = train(tiny_cfg(data_dir, tmp_path / "two", **muon), resume=True, quiet=True)
+    for s in range(5, 9):
+        assert resumed.train_losses[s] == pytest.approx(one.train_losses[s], rel=1e-3), s
+
+
+@pytest.mark.slow
 def test_two_processes_weigh_every_target_token_the_same(tmp_path):
     """Rank 0's micro-batch holds 1 target token and rank 1's 9: the step's gradient is still the summed loss of
     the 10 targets over 10, as in one process holding both (DDP averages over the ranks; the step counts the

@@ -142,8 +142,11 @@ def test_manifest_content(tmp_path, tok_path):
     st = src.stat()
     assert m["sources"] == [{"path": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                              "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}]
-    assert m["options"] == {"val_fraction": 0.5, "skip_bad": False, "shard_tokens": 1000}
+    assert m["options"] == {"val_fraction": 0.5, "skip_bad": False, "shard_tokens": 1000,
+                            "long_doc_chars": prep.LONG_DOC_CHARS}
     assert m["split_policy"]["val_every"] == 2
+    assert m["split_policy"]["by_position"] == 0 and m["split_policy"]["summary"] == "by document: 1 in 2 " \
+        "(document i when i % 2 == 1)"
     assert m["skipped"] == {"bad_lines": 0, "examples": [], "empty_docs": 0}
     n = sum(len(HFTokenizer.from_file(str(tok_path)).encode(d, add_special_tokens=False).ids) + 1 for d in DOCS)
     assert m["totals"] == {"n_tokens": n, "n_docs": len(DOCS), "bytes": st.st_size}
@@ -194,6 +197,54 @@ def test_large_txt_in_pieces_tokenizes_as_a_whole(tmp_path, tok_path, monkeypatc
     prepare([tmp_path / "big.txt"], tok_path, out, val_fraction=0, workers=0, quiet=True)
     whole = HFTokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids
     assert np.fromfile(out / "train-00000.bin", dtype=np.uint16).tolist() == whole + [0]
+
+
+def _decode(tok_path: Path, doc: np.ndarray) -> str:
+    assert doc[-1] == 0 and 0 not in doc[:-1]  # exactly one EOT, at the end
+    return HFTokenizer.from_file(str(tok_path)).decode(doc[:-1].tolist(), skip_special_tokens=False)
+
+
+def test_one_long_txt_gives_its_last_val_fraction_by_position(tmp_path, tok_path, monkeypatch, capsys):
+    # One file is one document: its first int(n * 0.9) characters train, the rest validate, as nanoGPT splits.
+    # In pieces of 300 characters, so the cut falls inside a piece and the length is counted ahead.
+    text = "".join(f"line {i}: {DOCS[i % len(DOCS)].strip()}\n" for i in range(120)).replace("\r\n", "\n")
+    (tmp_path / "novel.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(formats, "TXT_PIECE_CHARS", 300)
+    monkeypatch.setattr(prep, "LONG_DOC_CHARS", 1000)
+    assert len(text) > 1000 and len(list(formats.iter_pieces(tmp_path / "novel.txt"))) > 10
+    out = tmp_path / "out"
+    m = prepare([tmp_path / "novel.txt"], tok_path, out, val_fraction=0.1, workers=0)
+    cut = int(len(text) * 0.9)
+    train, val = read_split(out, m, "train"), read_split(out, m, "val")
+    assert [_decode(tok_path, d) for d in train] == [text[:cut]]
+    assert [_decode(tok_path, d) for d in val] == [text[cut:]]
+    assert m["split_policy"]["by_position"] == 1
+    summary = "by position: the last 10% of each of 1 long document(s) (>= 1,000 characters)"
+    assert m["split_policy"]["summary"] == summary
+    assert f"validation split: {summary}" in capsys.readouterr().err
+    # The same file with val_fraction 0 stays whole; under the threshold it is one document, so no val split.
+    m0 = prepare([tmp_path / "novel.txt"], tok_path, tmp_path / "o0", val_fraction=0, workers=0, quiet=True)
+    assert m0["splits"]["val"]["n_docs"] == 0 and m0["split_policy"]["by_position"] == 0
+    monkeypatch.setattr(prep, "LONG_DOC_CHARS", len(text) + 1)
+    m1 = prepare([tmp_path / "novel.txt"], tok_path, tmp_path / "o1", val_fraction=0.1, workers=0, quiet=True)
+    assert (m1["splits"]["train"]["n_docs"], m1["splits"]["val"]["n_docs"]) == (1, 0)
+
+
+def test_short_documents_keep_the_every_kth_rule_beside_a_long_one(tmp_path, tok_path, monkeypatch):
+    monkeypatch.setattr(prep, "LONG_DOC_CHARS", 500)
+    long_doc = " ".join(f"word{i}" for i in range(150))  # 1,039 characters: one jsonl line, one piece
+    docs = DOCS[:3] + [long_doc] + DOCS[3:9]
+    out = tmp_path / "out"
+    m = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tok_path, out, val_fraction=0.25, workers=0, quiet=True)
+    cut = int(len(long_doc) * 0.75)
+    # k = 4 over the documents in input order (the long one is document 3, split by position): 1, 5, 9 go to val.
+    train = [_decode(tok_path, d) for d in read_split(out, m, "train")]
+    val = [_decode(tok_path, d) for d in read_split(out, m, "val")]
+    assert train == [docs[0], docs[2], long_doc[:cut], docs[4], docs[6], docs[7], docs[8]]
+    assert val == [docs[1], long_doc[cut:], docs[5], docs[9]]
+    assert m["split_policy"]["by_position"] == 1
+    assert m["split_policy"]["summary"] == ("by document: 1 in 4 (document i when i % 4 == 1); by position: the last "
+                                            "25% of each of 1 long document(s) (>= 500 characters)")
 
 
 def test_rerun_on_unchanged_inputs_is_a_no_op(tmp_path, tok_path, capsys):

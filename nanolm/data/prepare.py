@@ -7,12 +7,19 @@ and sha256, the options, skipped lines, throughput. Each document's tokens
 are followed by one `<|endoftext|>` (id 0); chat and preference data carry a
 loss mask (see "Chat data" and "Preference data" below).
 
-Train/validation split, by document: documents are numbered 0, 1, 2, ...
-across all sources in order, and with k = max(2, round(1 / val_fraction))
-document i goes to val when i % k == 1, to train otherwise. So document 0 is
-always training data and any corpus of two or more documents has a
-validation document; the split is deterministic and needs no look-ahead.
-val_fraction=0 means no validation split.
+Train/validation split, by document or by position: documents are numbered
+0, 1, 2, ... across all sources in order, and with k = max(2, round(1 /
+val_fraction)) a short document i goes to val when i % k == 1, to train
+otherwise. So document 0 is always training data and any corpus of two or
+more documents has a validation document. A text document of at least
+`LONG_DOC_CHARS` characters (a few training windows) is split by position
+instead, as nanoGPT splits its one file: of its n characters (as read: BOM
+dropped, line ends LF), the first int(n * (1 - val_fraction)) go to train and
+the rest to val, each part ending with `<|endoftext|>`, so one big file gets
+a held-out split. A .txt file in several pieces is counted once ahead (a read
+of the file, no tokenizing) to find where that cut falls. The split is
+deterministic; the manifest's "split_policy" says which rule applied to how
+many documents. val_fraction=0 means no validation split.
 
 Tokenization streams: the main process reads pieces of documents
 (`nanolm.data.formats`), sends them in batches to `workers` spawned processes
@@ -94,12 +101,41 @@ INFLIGHT_PER_WORKER = 2  # batches queued per worker: keeps workers busy, memory
 _OLD_TEMP = re.compile(r"^\.prepare-\d+-")
 
 
+# A text document at least this long (in characters, ~16 windows of 512 tokens) gives its tail to validation.
+LONG_DOC_CHARS = 1 << 15
+
+
 def val_every(val_fraction: float) -> int:
     """k of the split policy (document i is val when i % k == 1); 0 means no val split."""
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
             or not 0.0 <= val_fraction <= 0.5:
         raise UserError(f"val_fraction={val_fraction!r}: must be a number from 0 (no validation split) to 0.5")
     return 0 if val_fraction == 0 else max(2, round(1 / val_fraction))
+
+
+def split_policy(k: int, val_fraction: float, by_position: int, n_docs: int, dpo: bool = False,
+                 chat: bool = False) -> dict[str, Any]:
+    """The manifest's "split_policy": the rules and how many documents each took; `summary` is the line
+    `nanolm prepare` and `nanolm train` print."""
+    unit = "pair" if dpo else "conversation" if chat else "document"
+    policy: dict[str, Any] = {"val_every": k, "rule": f"{'pair' if dpo else 'document'} i goes to val when val_every > "
+                              "0 and i % val_every == 1"}
+    if not (chat or dpo):
+        policy.update(long_doc_chars=LONG_DOC_CHARS, by_position=by_position,
+                      position_rule=f"a document of at least {LONG_DOC_CHARS} characters gives its last "
+                                    f"val_fraction ({val_fraction:g}) of characters to val")
+    if k == 0:
+        summary = "none (val_fraction 0)"
+    elif by_position and by_position == n_docs - by_position:  # each long document counts as its two parts
+        summary = (f"by position: the last {val_fraction:.0%} of each of {by_position} long {unit}(s) "
+                   f"(>= {LONG_DOC_CHARS:,} characters)")
+    else:
+        summary = f"by {unit}: 1 in {k} ({unit} i when i % {k} == 1)"
+        if by_position:
+            summary += (f"; by position: the last {val_fraction:.0%} of each of {by_position} long {unit}(s) "
+                        f"(>= {LONG_DOC_CHARS:,} characters)")
+    policy["summary"] = summary
+    return policy
 
 
 # --- worker side ---------------------------------------------------------------
@@ -250,8 +286,9 @@ class _Batch:
     nbytes: int = 0
 
 
-# What a reader yields per item: (item, ends a document, characters, bytes read).
-Record = tuple[Any, bool, int, int]
+# What a reader yields per item: (item, ends a document, characters, bytes read, split), split None for the
+# document rule (i % k == 1), else "train" or "val" (a part of a long document split by position).
+Record = tuple[Any, bool, int, int, "str | None"]
 
 
 def _batches(files: list[Path], sizes: list[int], k: int,
@@ -261,14 +298,14 @@ def _batches(files: list[Path], sizes: list[int], k: int,
     batch = _Batch()
     for path, size in zip(files, sizes):
         read = 0
-        for item, last, chars, nbytes in records(path):
+        for item, last, chars, nbytes, split in records(path):
             batch.items.append(item)
             batch.lasts.append(last)
-            batch.is_val.append(k > 0 and doc % k == 1)
+            batch.is_val.append(k > 0 and doc % k == 1 if split is None else split == "val")
             batch.chars += chars
             batch.nbytes += nbytes
             read += nbytes
-            doc += last
+            doc += last and split != "train"  # a long document's train head and val tail are one document
             if batch.chars >= BATCH_CHARS or len(batch.items) >= BATCH_PIECES:
                 yield batch
                 batch = _Batch()
@@ -277,11 +314,36 @@ def _batches(files: list[Path], sizes: list[int], k: int,
         yield batch
 
 
-def _text_records(skip_bad: bool, stats: ReadStats) -> Callable[[Path], Iterator[Record]]:
-    """Text pieces (a long .txt document comes in several)."""
+def _text_records(skip_bad: bool, stats: ReadStats, val_fraction: float,
+                  split_counts: dict[str, int]) -> Callable[[Path], Iterator[Record]]:
+    """Text pieces (a long .txt document comes in several), a long document's cut into its train head and val
+    tail by position (see the module doc); split_counts["by_position"] counts those documents."""
     def records(path: Path) -> Iterator[Record]:
-        for piece in iter_pieces(path, skip_bad=skip_bad, stats=stats):
-            yield piece.text, piece.last, len(piece.text), piece.nbytes
+        pieces = iter_pieces(path, skip_bad=skip_bad, stats=stats)
+        whole = True  # the next piece starts a document
+        total = start = cut = 0
+        for piece in pieces:
+            text = piece.text
+            if whole:
+                # The document's length: this piece's when it is the whole document, else the file's, counted ahead.
+                total = len(text) if piece.last else sum(
+                    len(p.text) for p in iter_pieces(path, skip_bad=skip_bad, stats=ReadStats()))
+                start, by_position = 0, val_fraction > 0 and total >= LONG_DOC_CHARS
+                cut = int(total * (1 - val_fraction)) if by_position else -1
+                split_counts["by_position"] += by_position
+            whole = piece.last
+            end = start + len(text)
+            if cut < 0:
+                yield text, piece.last, len(text), piece.nbytes, None
+            elif end <= cut:  # the head; the piece that reaches the cut ends the train part
+                yield text, end == cut, len(text), piece.nbytes, "train"
+            elif start >= cut:
+                yield text, piece.last, len(text), piece.nbytes, "val"
+            else:
+                c = cut - start
+                yield text[:c], True, c, piece.nbytes, "train"
+                yield text[c:], piece.last, len(text) - c, 0, "val"
+            start = end
     return records
 
 
@@ -295,7 +357,7 @@ def _chat_records(skip_bad: bool, stats: ReadStats, tok: Tokenizer) -> Callable[
     def records(path: Path) -> Iterator[Record]:
         for conv, nbytes in iter_chat_records(path, skip_bad=skip_bad, stats=stats, fmt=tok.chat_format,
                                               tokenizer=str(tok.path)):
-            yield conv, True, _chars(conv), nbytes
+            yield conv, True, _chars(conv), nbytes, None
     return records
 
 
@@ -304,7 +366,7 @@ def _pair_records(skip_bad: bool, stats: ReadStats, tok: Tokenizer) -> Callable[
     def records(path: Path) -> Iterator[Record]:
         for pair, nbytes in iter_preference_records(path, skip_bad=skip_bad, stats=stats, fmt=tok.chat_format,
                                                     tokenizer=str(tok.path)):
-            yield pair, True, _chars(pair[0]) + len(pair[1].messages[-1].content), nbytes
+            yield pair, True, _chars(pair[0]) + len(pair[1].messages[-1].content), nbytes, None
     return records
 
 
@@ -459,6 +521,9 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     options: dict[str, Any] = {"val_fraction": val_fraction, "skip_bad": skip_bad, "shard_tokens": shard_tokens}
     if chat or dpo:
         options = {"format": format, "max_tokens": max_tokens, **options}
+    else:  # text: the split rule of long documents is part of what was made
+        options["long_doc_chars"] = LONG_DOC_CHARS
+    split_counts = {"by_position": 0}
     before = [_stat(f) for f in files]
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if out_dir.parent.is_dir():
@@ -532,7 +597,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                               lambda b: (_encode_pairs, (b.items, max_tokens)), writing(consume_pairs), tok.path,
                               dtype, workers)
                 else:
-                    _tokenize(_batches(files, sizes, k, _text_records(skip_bad, stats)),
+                    _tokenize(_batches(files, sizes, k, _text_records(skip_bad, stats, val_fraction, split_counts)),
                               lambda b: (_encode_pieces, (b.items, b.lasts)), writing(consume_text), tok.path,
                               dtype, workers)
             seconds = time.perf_counter() - start
@@ -572,9 +637,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                 "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
                 "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
                 "options": options,
-                "split_policy": {"val_every": k,
-                                 "rule": f"{'pair' if dpo else 'document'} i goes to val when val_every > 0 and "
-                                         "i % val_every == 1"},
+                "split_policy": split_policy(k, val_fraction, split_counts["by_position"], n_docs, dpo, chat),
                 "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
                 "throughput": {"seconds": round(seconds, 3), "workers": workers,
                                "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,
@@ -623,6 +686,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         log(f"trainable (final reply) tokens: {fmt_count(n_trainable)} = {100 * n_trainable / n_tokens:.1f}% of all; "
             f"truncated {fitting['truncated']} pair(s) with a conversation longer than {max_tokens} tokens, skipped "
             f"{fitting['too_long']} that could not be cut to fit")
+    log(f"validation split: {manifest['split_policy']['summary']}")
     if k and va["n_docs"] == 0:
         one = "pair" if dpo else docs[:-1]
         log(f"note: only one {one}, so there is no validation split; give more {docs} for one")

@@ -18,7 +18,14 @@ Every stage runs through a `Trainer`:
   checkpoint;
 - `run()` repeats steps until `max_steps`, the token or time budget, the end
   of a curriculum or Ctrl-C, logging, evaluating and saving on the configured
-  intervals, and evaluates and saves once more at the end.
+  intervals, and evaluates and saves once more at the end. With
+  `train.max_steps = 0` the schedule is fitted to the budget: a token budget
+  fixes max_steps at the start, a time budget after the first
+  `schedule.probe_steps` steps (all inside the warmup, whose learning rates do
+  not depend on it) from their measured rate, and once more a quarter into
+  that plan from the rate of the whole loop since (evaluations included, and
+  robust to a busy moment in the probe); state.json records the decision, so a
+  resumed run keeps it.
 
 `train(cfg)` is `Trainer(cfg).run()`.
 """
@@ -48,12 +55,12 @@ from nanolm.model import lora
 from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
-from nanolm.runtime import attention_kernel, autocast, resolve_dtype, seed_everything
+from nanolm.runtime import attention_kernel, autocast, seed_everything, train_dtype
 from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
 from nanolm.train.optim import build_optimizer
-from nanolm.train.schedule import lr_at
+from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
 from nanolm.train.grpo import GRPOObjective, step_metrics
 from nanolm.train.objectives import DistillObjective, DPOObjective, LMObjective, Objective
 
@@ -91,6 +98,10 @@ class StepResult:
         out.update({k: distributed.sum_across_ranks(v, info).item() / self.micro_batches
                     for k, v in self.means.items()})
         return out
+
+
+# A planned run that sees its training tokens more often than this is warned about at the start.
+SEEN_TIMES_WARNING = 4
 
 
 class _StopFlag:
@@ -176,7 +187,7 @@ class Trainer:
         self.run_dir = Path(tc.out_dir)
         self.info = info = distributed.setup(tc.device)  # one process, or this rank of a torchrun launch
         self.device = info.device
-        self.dtype = resolve_dtype(tc.dtype, self.device)
+        self.dtype, self.dtype_why = train_dtype(tc.dtype, self.device, cfg.model.d_model)
         seed_everything(tc.seed)
         self.accum = distributed.per_rank_accum(tc.grad_accum, info)  # this rank's micro-batches per step
         self.quiet = quiet
@@ -199,6 +210,9 @@ class Trainer:
         resume_src = _resume_source(cfg, self.run_dir, resume)
         self.model, self.adapter_base = self._policy(resume_src)
         self.model.to(self.device)
+        if tc.parallel == "fsdp" and info.enabled and cfg.optim.name == "muon":
+            raise UserError("optim.name=muon orthogonalises each whole weight matrix, which train.parallel=fsdp "
+                            "shards over the processes; use --train.parallel ddp (or --optim.name adamw)")
         if tc.parallel == "fsdp" and info.enabled and cfg.uses_lora:
             raise UserError("train.parallel=fsdp does not shard LoRA runs (their base is frozen and adapters are "
                             "small); use --train.parallel ddp")
@@ -210,6 +224,12 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
 
         self.step, self.tokens, self.best_val, self.elapsed_before = 0, 0, float("inf"), 0.0
+        self.clock = time.perf_counter  # the clock of max_minutes, elapsed_s and the step rate of a budget fit
+        # The steps the schedule decays over: configured, or fitted to the budget (None until the fit is made).
+        self.max_steps: int | None = tc.max_steps or None
+        self.budget_fit: dict[str, Any] | None = None  # how a fitted max_steps was chosen (state.json)
+        if self.max_steps is None and tc.max_tokens and not tc.max_minutes:
+            self._fit(steps_for_tokens(tc.max_tokens, self.tokens_per_step), {"rule": "max_tokens"}, announce=False)
         if resume_src is None and info.is_main:  # a fresh start: what a run killed before its first save logged
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(self.run_dir, enabled=info.is_main,
@@ -226,7 +246,7 @@ class Trainer:
         self.peak, self.peak_src = peak_flops(self.device, self.dtype)
 
         self.nonfinite_in_row, self.nonfinite_total, self.first_nonfinite = 0, 0, ""
-        self.t_start = time.perf_counter()  # the clock of max_minutes and of elapsed_s
+        self.t_start = self.clock()  # the clock of max_minutes and of elapsed_s
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -412,6 +432,8 @@ class Trainer:
             best = state.get("best_val_loss")  # of train.best_metric, as minimised (a task score negated)
             self.best_val = float(best) if best is not None else float("inf")
             self.elapsed_before = float(state.get("elapsed_s", 0.0))
+            if self.cfg.train.max_steps == 0 and state.get("budget_fit"):  # the fitted schedule, as decided
+                self.max_steps, self.budget_fit = int(state["budget_fit"]["max_steps"]), dict(state["budget_fit"])
             self.data.load_state_dict(state["loader"])
             ckpt.set_rng_state(state["rng"])
         except UserError as e:  # the data position does not fit this data
@@ -439,12 +461,14 @@ class Trainer:
         self.say(f"run dir: {self.run_dir.resolve()} (config saved as config.json)")
         for line in cfg.summary():
             self.say(f"  {line}")
+        if cfg.note:
+            self.say(cfg.note)
         if info.enabled:
             self.say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {self.accum} micro-batch(es) per "
                      f"rank per step | global batch {self.tokens_per_step:,} tokens/step as configured")
         self.say(f"stage: {tc.stage} | device: {self.device} | compute dtype: {str(self.dtype).removeprefix('torch.')}"
-                 f" | compile: {tc.compile} | activation checkpointing: {tc.activation_checkpointing} | "
-                 f"attention kernel: {tc.sdpa_backend}")
+                 f" ({self.dtype_why}) | compile: {tc.compile} | activation checkpointing: "
+                 f"{tc.activation_checkpointing} | attention kernel: {tc.sdpa_backend}")
         active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
         self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
                  f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {self.fpt / 1e6:.1f} MFLOPs/token "
@@ -463,13 +487,27 @@ class Trainer:
                      f" per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per "
                      f"rollout | loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | "
                      f"validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
+        for s in data.sets:  # which rule made each set's val split (the manifest's split_policy)
+            rule = s.data.manifest.get("split_policy", {}).get("summary")
+            if rule:
+                self.say(f"val split{f' of {s.name}' if several else ''}: {rule}")
         for tracker in self.metrics.trackers:
             self.say(f"tracking: {tracker.describe()}")
-        self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}, "
-                 f"warmup {cfg.optim.warmup_steps}, max_steps {tc.max_steps}"
+        if tc.max_steps:
+            steps = f"max_steps {self.max_steps}"
+        elif self.budget_fit:
+            steps = self._fit_text()
+        else:
+            steps = (f"max_steps fitted to the time budget at the step rate of the first "
+                     f"{probe_steps(cfg.optim.warmup_steps)} steps")
+        muon = (f" (AdamW; Muon matrices {cfg.optim.muon_lr:g} x the same factor)" if cfg.optim.name == "muon"
+                else "")
+        self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}{muon}, "
+                 f"warmup {cfg.optim.warmup_steps}, {steps}"
                  + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")
                  + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
                  + f" | MFU peak: {self.peak / 1e12:.2f} TFLOP/s ({self.peak_src})")
+        self._warn_repeats()
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -518,9 +556,10 @@ class Trainer:
         is not applied (the first of a streak is replayed to name the layer where it began).
         """
         cfg, info, device = self.cfg, self.info, self.device
-        lr = lr_at(self.step, cfg.optim, cfg.train.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        # Before a time budget's fit, only warmup steps run, whose lr does not depend on max_steps.
+        lr = lr_at(self.step, cfg.optim, self.max_steps or cfg.optim.warmup_steps + 1)
+        for group in self.optimizer.param_groups:  # Muon's groups scale the schedule (nanolm/train/optim.py)
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         if batches is None:
             batches = [self.data.next_batch() for _ in range(self.accum)]
         extra: dict[str, float] = {}
@@ -668,7 +707,7 @@ class Trainer:
         if self.info.is_main:
             state = {"tokens": self.tokens, "loader": self.data.state_dict(), "rng": ckpt.rng_state(),
                      "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
-                     "elapsed_s": self.elapsed()}
+                     "elapsed_s": self.elapsed(), **({"budget_fit": self.budget_fit} if self.budget_fit else {})}
             path = ckpt.save_checkpoint(self.run_dir, self.step, self.model, optim_state, self.cfg, state,
                                         tokenizer_dir=self.tok_dir, keep_last=self.cfg.train.keep_last,
                                         is_best=is_best, adapter_base=self.adapter_base, weights=weights)
@@ -684,14 +723,72 @@ class Trainer:
 
     def elapsed(self) -> float:
         """Seconds of training in this run so far, the runs it resumed included."""
-        return self.elapsed_before + time.perf_counter() - self.t_start
+        return self.elapsed_before + self.clock() - self.t_start
+
+    def _fit(self, max_steps: int, how: dict[str, Any], announce: bool = True) -> None:
+        """Fix the schedule's max_steps for a budget (train.max_steps 0), and say so (else report() does)."""
+        tc = self.cfg.train
+        if tc.max_tokens:  # a token budget caps a time budget's steps too
+            max_steps = min(max_steps, steps_for_tokens(tc.max_tokens, self.tokens_per_step))
+        self.max_steps = max(max_steps, self.step + 1)
+        self.budget_fit = {"max_steps": self.max_steps, "at_step": self.step, **how}
+        if announce:
+            self.say(f"schedule: {self._fit_text()}")
+            self._warn_repeats()
+
+    def _fit_text(self) -> str:
+        how = self.budget_fit or {}
+        rate = (f" at {how['step_s']:.3f}s/step over steps {how['timed_steps']}" if "step_s" in how else "")
+        return (f"max_steps {self.max_steps} fitted to {how.get('rule')}{rate}: warmup {self.cfg.optim.warmup_steps}, "
+                f"then {self.cfg.optim.schedule} to step {self.max_steps}"
+                + (" (note: no more steps than the warmup)" if self.max_steps <= self.cfg.optim.warmup_steps else ""))
+
+    def _warn_repeats(self) -> None:
+        """Warn when the planned steps see the training data more than SEEN_TIMES_WARNING times."""
+        if self.max_steps is None or len(self.data.sets) > 1 or self.cfg.train.stage != "pretrain":
+            return
+        epochs = (self.max_steps - self.step) * self.tokens_per_step / max(1, self.data.n_tokens)
+        if epochs > SEEN_TIMES_WARNING and len(self.data.sets) == 1:
+            self.say(f"warning: the planned {self.max_steps} steps see the {fmt_count(self.data.n_tokens)} training "
+                     f"tokens {epochs:.1f} times; past ~{SEEN_TIMES_WARNING} a model this size starts to memorise "
+                     "them: use more data, or a smaller model or budget")
+
+    def _fit_time(self, step_times: list[float]) -> None:
+        """Fix max_steps for max_minutes from the timed steps (the first one, with its one-time costs, left out
+        when there are others)."""
+        tc = self.cfg.train
+        timed = step_times[1:] or step_times
+        step_s = sorted(timed)[len(timed) // 2]
+        # A validation pass is a forward (about a third of a training step's work) of eval_batches micro-batches.
+        eval_fraction = tc.eval_batches / (3 * self.accum)
+        fitted = steps_for_time(tc.max_minutes * 60, self.elapsed(), self.step, step_s,
+                                eval_interval=tc.eval_interval if self.val_sets else 0,
+                                eval_step_fraction=eval_fraction if self.val_sets else 0.0)
+        refit_at = self.step + max(1, (max(fitted, self.step + 1) - self.step) // 4)
+        self._fit(fitted, {"rule": "max_minutes", "step_s": round(step_s, 6),
+                           "timed_steps": f"{self.step - len(timed) + 1}-{self.step}", "refit_at": refit_at,
+                           "elapsed_s": round(self.elapsed(), 6)})
+
+    def _refit_time(self) -> None:
+        """A quarter into the first fit's plan, fit max_steps again from the rate since that fit (all the loop's
+        costs included: evaluations, saves, a machine that got busier or quieter), once; recorded as the first."""
+        fit = self.budget_fit
+        assert fit is not None
+        tc = self.cfg.train
+        rate = (self.elapsed() - fit["elapsed_s"]) / max(1, self.step - fit["at_step"])
+        fitted = steps_for_time(tc.max_minutes * 60, self.elapsed(), self.step, rate,
+                                eval_step_fraction=tc.eval_batches / (3 * self.accum) if self.val_sets else 0.0)
+        first = fit["max_steps"]
+        self._fit(fitted, {"rule": "max_minutes", "step_s": round(rate, 6),
+                           "timed_steps": f"{fit['at_step'] + 1}-{self.step}", "first_fit": first}, announce=False)
+        self.say(f"schedule: refit after step {self.step}: {self._fit_text()} (was {first})")
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def _stop_reason(self, flag: _StopFlag) -> str | None:
         """Why the run stops before its next step, or None."""
         tc = self.cfg.train
-        if self.step >= tc.max_steps:
+        if self.max_steps is not None and self.step >= self.max_steps:
             return "max_steps"
         for event in self.data.pop_events():  # a curriculum moved on during the last step
             self.say(f"step {self.step:>6} | {event['message']}")
@@ -724,7 +821,7 @@ class Trainer:
             torch.cuda.synchronize()
         tok_s = window[1] / (time.perf_counter() - window[0])
         mfu = tok_s * self.fpt / self.peak
-        remaining = (tc.max_steps - self.step) * self.tokens_per_step / tok_s
+        remaining = (self.max_steps - self.step) * self.tokens_per_step / tok_s if self.max_steps else math.inf
         if tc.max_tokens:
             remaining = min(remaining, max(0, tc.max_tokens - self.tokens) / tok_s)
         if tc.max_minutes:
@@ -736,7 +833,7 @@ class Trainer:
                             "grad_norm": res.grad_norm.item(), "tokens_per_s": tok_s, "mfu": mfu,
                             "elapsed_s": self.elapsed(), **where})
         shown_set = f" [{where['data']['set']} epoch {where['data']['epoch']}]" if several else ""
-        self.say(f"step {self.step:>6}/{tc.max_steps}{shown_set} | loss {loss:.4f}{extra} | lr {res.lr:.2e} | "
+        self.say(f"step {self.step:>6}/{self.max_steps or '?'}{shown_set} | loss {loss:.4f}{extra} | lr {res.lr:.2e} | "
                  f"grad {res.grad_norm.item():.3f} | {fmt_count(tok_s)} tok/s | MFU {mfu * 100:.1f}% | "
                  f"ETA {fmt_duration(remaining)}")
 
@@ -747,27 +844,37 @@ class Trainer:
         self.losses: dict[int, float] = {}
         last_saved: Path | None = None
         evaluated_at, steps_done, stop_reason = -1, 0, "max_steps"
-        self.t_start = time.perf_counter()
+        self.t_start = self.clock()
         window = (time.perf_counter(), 0)
+        step_times: list[float] = []  # of this run's first steps, while a time budget's fit waits for them
         self.say(f"setup took {self.t_start - self.t_setup:.1f}s; training from step {self.step}")
         with _StopFlag() as flag:
             while (reason := self._stop_reason(flag)) is None:
+                t0 = self.clock()
                 res = self.train_step()
                 steps_done += 1
+                if self.max_steps is None:
+                    step_times.append(self.clock() - t0)
+                    if len(step_times) >= probe_steps(self.cfg.optim.warmup_steps) or self.step > \
+                            self.cfg.optim.warmup_steps:
+                        self._fit_time(step_times)
                 window = (window[0], window[1] + res.tokens)
                 if self.nonfinite_in_row >= tc.max_nonfinite_steps:
                     reason = "nonfinite"
                     break
-                if self.step % tc.log_interval == 0 or self.step == tc.max_steps:
+                if self.step % tc.log_interval == 0 or self.step == self.max_steps:
                     self._log(res, window)
                     window = (time.perf_counter(), 0)
                 is_best = False
-                if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.max_steps:
+                if tc.eval_interval and self.step % tc.eval_interval == 0 and \
+                        self.step < (self.max_steps or math.inf):
                     val = self.evaluate()
                     evaluated_at = self.step
                     score = self._best_score(val)
                     if score is not None and score < self.best_val:
                         self.best_val, is_best = score, True
+                if self.budget_fit and self.step == self.budget_fit.get("refit_at"):  # after this step's eval
+                    self._refit_time()
                 if is_best or (tc.save_interval and self.step % tc.save_interval == 0):
                     last_saved = self.save(is_best=is_best)
             stop_reason = reason

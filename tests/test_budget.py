@@ -1,0 +1,144 @@
+"""A token or time budget without max_steps shapes the schedule: the fit, its record in state.json, exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanolm import checkpoint as ckpt
+from nanolm.config import OptimConfig, load_config
+from nanolm.errors import UserError
+from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
+from nanolm.train.trainer import Trainer
+
+
+def budget_cfg(data_dir: Path, out: Path, **over):
+    """The tiny model of test_train with no max_steps: the budget in `over` fits it."""
+    base = {"data.path": str(data_dir), "train.out_dir": str(out), "model.vocab_size": 400,
+            "model.d_model": 32, "model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2,
+            "model.max_seq_len": 32, "train.seq_len": 32, "train.batch_size": 4,
+            "train.log_interval": 1, "train.eval_interval": 5, "train.eval_batches": 2,
+            "train.save_interval": 5, "optim.warmup_steps": 3, "optim.lr": 3e-3, "optim.min_lr": 3e-4,
+            "model.dropout": 0.1}
+    base.update(over)
+    return load_config("tiny", overrides=base)
+
+
+def test_fit_arithmetic():
+    assert [probe_steps(w) for w in (0, 1, 3, 7, 100)] == [1, 2, 4, 8, 8]
+    assert [steps_for_tokens(t, 128) for t in (1, 128, 129, 1280)] == [1, 1, 2, 10]
+    # 60 s budget, 10 s gone after 4 steps of 0.5 s: 50 / 0.5 = 100 more steps.
+    assert steps_for_time(60, 10, 4, 0.5) == 104
+    # Evaluations every 10 steps costing 2 steps each: a step costs 0.6 s, and the final one takes 1 s first.
+    assert steps_for_time(60, 10, 4, 0.5, eval_interval=10, eval_step_fraction=2.0) == 4 + math.floor(49 / 0.6)
+    assert steps_for_time(60, 70, 4, 0.5) == 5  # past the budget already: one more step
+    # The probe steps are warmup steps: their lr does not depend on max_steps.
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=3)
+    assert all(lr_at(s, cfg, 5) == lr_at(s, cfg, 500) for s in range(probe_steps(3)))
+
+
+def test_a_budget_without_max_steps_means_a_fitted_schedule(tmp_path):
+    assert load_config("tiny", overrides={"train.max_minutes": "3"}).train.max_steps == 0
+    assert load_config("tiny", overrides={"train.max_tokens": "1000"}).train.max_steps == 0
+    assert load_config("tiny", overrides={"train.max_minutes": "3", "train.max_steps": "50"}).train.max_steps == 50
+    assert load_config("tiny", overrides={"train.max_minutes": "0"}).train.max_steps == 300  # no budget: the preset's
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nmax_minutes = 2\n")
+    assert load_config("tiny", config_file=f).train.max_steps == 0
+    f.write_text("[train]\nmax_minutes = 2\nmax_steps = 40\n")
+    assert load_config("tiny", config_file=f, overrides={"train.max_minutes": "1"}).train.max_steps == 40
+    with pytest.raises(UserError, match="train.max_steps 0 fits the schedule to a budget; give --train.max_minutes"):
+        load_config("tiny", overrides={"train.max_steps": "0"})
+
+
+def test_token_budget_fixes_max_steps_at_start(data_dir, tmp_path):
+    cfg = budget_cfg(data_dir, tmp_path / "run", **{"train.max_tokens": 10 * 4 * 32 - 5})
+    res = Trainer(cfg, quiet=True).run()
+    assert (res.step, res.stop_reason) == (10, "max_steps")
+    state = json.loads((ckpt.resolve_checkpoint(tmp_path / "run", "last") / "state.json").read_text())
+    assert state["budget_fit"] == {"max_steps": 10, "at_step": 0, "rule": "max_tokens"}
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+           if "lr" in r]
+    assert lrs == [lr_at(s, cfg.optim, 10) for s in range(10)]  # the cosine reaches min_lr at step 10
+    assert lr_at(10, cfg.optim, 10) == cfg.optim.min_lr
+
+
+class FakeClock:
+    """Seconds that pass only in training steps (0.5 each), plus `jump` after step `jump_at`."""
+
+    def __init__(self, jump_at: int = -1, jump: float = 0.0) -> None:
+        self.now, self.jump_at, self.jump = 0.0, jump_at, jump
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_trainer(cfg, monkeypatch, clock: FakeClock, **kw) -> Trainer:
+    tr = Trainer(cfg, quiet=True, **kw)
+    tr.clock = clock
+    step = tr.train_step
+
+    def timed(*a, **k):
+        out = step(*a, **k)
+        clock.now += 0.5
+        if tr.step == clock.jump_at:
+            clock.now += clock.jump
+        return out
+    monkeypatch.setattr(tr, "train_step", timed)
+    return tr
+
+
+def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(data_dir, tmp_path, monkeypatch):
+    # 15 s; 4 probe steps (warmup 3) of 0.5 s each leave 13 s. A step costs 0.5 s plus a fifth of an evaluation
+    # (2 micro-batches forward = 2/3 of a step), and the final evaluation 1/3 s: floor(12.667 / 0.5667) = 22 more.
+    # A quarter into that plan (step 4 + 22 // 4 = 9) the rate since the fit, 0.5 s/step (the fake clock stands
+    # still in evaluations), refits: 9 + floor((15 - 4.5 - 1/3) / 0.5) = 29.
+    over = {"train.max_minutes": 0.25}
+    full = timed_trainer(budget_cfg(data_dir, tmp_path / "full", **over), monkeypatch, FakeClock()).run()
+    first = 4 + math.floor((15 - 2 - 0.5 * 2 / 3) / (0.5 * (1 + 2 / 3 / 5)))
+    refit = 9 + math.floor((15 - 4.5 - 0.5 * 2 / 3) / 0.5)
+    assert (first, refit) == (26, 29) and (full.step, full.stop_reason) == (29, "max_steps")
+    state = json.loads((ckpt.resolve_checkpoint(tmp_path / "full", "last") / "state.json").read_text())
+    assert state["budget_fit"] == {"max_steps": 29, "at_step": 9, "rule": "max_minutes", "step_s": 0.5,
+                                   "timed_steps": "5-9", "first_fit": 26}
+    records = map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
+    lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
+    cfg = budget_cfg(data_dir, tmp_path / "x", **over).optim
+    assert [lrs[s + 1] for s in range(9)] == [lr_at(s, cfg, 26) for s in range(9)]
+    assert [lrs[s + 1] for s in range(9, 29)] == [lr_at(s, cfg, 29) for s in range(9, 29)]
+
+    # The same run, stopped by its clock after step 10 (the budget is spent), then resumed with more minutes
+    # and a slower clock: the recorded fit holds, so the steps after the resume are those of the full run.
+    part = timed_trainer(budget_cfg(data_dir, tmp_path / "part", **over), monkeypatch,
+                         FakeClock(jump_at=10, jump=100.0)).run()
+    assert (part.step, part.stop_reason) == (10, "max_minutes")
+    resumed = timed_trainer(budget_cfg(data_dir, tmp_path / "part", **{"train.max_minutes": 10}), monkeypatch,
+                            FakeClock(), resume=True).run()
+    assert (resumed.step, resumed.stop_reason) == (29, "max_steps")
+    assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 30)}
+    a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
+    b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_short_time_budget_without_a_preset_trains_the_budget_preset(tmp_path):
+    from nanolm.config import BUDGET_PRESET, preset
+    cfg = load_config(overrides={"train.max_minutes": "3"})
+    assert BUDGET_PRESET == "cpu-small" and cfg.model == preset("cpu-small").model
+    assert cfg.train.max_steps == 0 and cfg.train.batch_size == preset("cpu-small").train.batch_size
+    assert cfg.optim.name == "muon"
+    assert cfg.note.startswith("preset cpu-small: no preset or model settings were given and the time budget is at "
+                               "most 30 minutes")
+    assert "note" not in cfg.to_dict()  # said at start-up, not saved
+    # The vocabulary follows the tokenizer and may be given; any other model setting, a preset, a long or no
+    # budget keep the defaults.
+    assert load_config(overrides={"train.max_minutes": "3", "model.vocab_size": "2048"}).model.d_model == 128
+    assert load_config(overrides={"train.max_minutes": "3", "model.n_layer": "6"}).model.d_model == 512
+    assert load_config("tiny", overrides={"train.max_minutes": "3"}).note == ""
+    assert load_config(overrides={"train.max_minutes": "60"}).model.d_model == 512
+    assert load_config(overrides={"train.max_tokens": "100000"}).model.d_model == 512
+    assert load_config().note == "" and load_config().model.d_model == 512

@@ -1,0 +1,44 @@
+"""dtype=auto for training on a CPU: bf16 autocast where the CPU has native bf16 and the model is wide enough."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanolm.errors import UserError
+from nanolm.runtime import BF16_MIN_D_MODEL, cpu_flags, train_dtype
+
+CPU = torch.device("cpu")
+
+
+def test_auto_picks_bf16_only_with_native_bf16_and_a_wide_model():
+    assert BF16_MIN_D_MODEL == 128
+    assert train_dtype("auto", CPU, 512, {"avx2", "avx512f", "avx512_bf16"}) == (
+        torch.bfloat16, "auto: this CPU has avx512_bf16 (native bf16 matmuls)")
+    assert train_dtype("auto", CPU, 256, {"amx_bf16", "amx_tile", "avx512_bf16"}) == (
+        torch.bfloat16, "auto: this CPU has amx_bf16 (native bf16 matmuls)")
+    assert train_dtype("auto", CPU, 512, {"avx2", "avx512f"}) == (
+        torch.float32, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    assert train_dtype("auto", CPU, 128, {"avx512_bf16"})[0] == torch.bfloat16
+    assert train_dtype("auto", CPU, 64, {"avx512_bf16"}) == (
+        torch.float32, "auto: this CPU has avx512_bf16, but at d_model 64 < 128 bf16 autocast is no faster than "
+        "float32")
+    assert train_dtype("auto", CPU, 512, set()) == (
+        torch.float32, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    # An explicit dtype is kept whatever the CPU.
+    assert train_dtype("float32", CPU, 512, {"avx512_bf16"}) == (torch.float32, "as configured")
+    assert train_dtype("bfloat16", CPU, 64, set()) == (torch.bfloat16, "as configured")
+    with pytest.raises(UserError, match="train.dtype=float16 is for CUDA"):
+        train_dtype("float16", CPU, 512, {"avx512_bf16"})
+
+
+def test_cpu_flags_reads_this_machine():
+    flags = cpu_flags()
+    assert isinstance(flags, set)
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        assert flags == set()
+        return
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    assert flags == set(line.partition(":")[2].split())
