@@ -41,7 +41,7 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
             val_fraction=0.25, quiet=True)
     common = {"model.vocab_size": a.vocab, "model.d_model": a.d_model, "model.n_layer": a.n_layer,
               "model.n_head": 4, "model.n_kv_head": 2, "model.max_seq_len": 96, "train.seq_len": 96,
-              "model.dropout": 0.0, "train.eval_interval": 0, "train.save_interval": 0, "train.log_interval": 10,
+              "model.dropout": 0.0, "train.eval_interval": 0, "train.save_interval": 0, "train.log_interval": 1,
               "train.seed": seed}
     train(load_config("tiny", overrides={**common, "data.path": str(work / "sft"), "train.out_dir":
                                          str(work / "sftrun"), "train.max_steps": a.sft_steps,
@@ -61,7 +61,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     after = [r for r in rows if "val_reward" in r][-1]
     steps = [r for r in rows if "reward" in r]
     return {"seed": seed, "before": before["val_reward"], "after": after["val_reward"],
-            "train_reward_first": steps[0]["reward"], "train_reward_last": steps[-1]["reward"],
+            "train_reward_first": sum(r["reward"] for r in steps[:5]) / len(steps[:5]),
+            "train_reward_last": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:]),
             "zero_var_first": steps[0]["zero_var_groups"], "sft_s": t1 - t0, "grpo_s": time.perf_counter() - t1}
 
 
@@ -83,13 +84,17 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
     res = []
     for s in a.seeds:
-        with tempfile.TemporaryDirectory() as d:
-            r = run(s, a, Path(d))
+        if a.keep:
+            r = run(s, a, Path(a.keep) / f"seed{s}")
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                r = run(s, a, Path(d))
         res.append(r)
-        print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | train reward "
+        print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | train reward (first 5 steps -> last 5) "
               f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f} | zero-var groups at step 1 "
               f"{r['zero_var_first']:.2f} | SFT {r['sft_s']:.0f} s, GRPO {r['grpo_s']:.0f} s", flush=True)
     med = statistics.median
