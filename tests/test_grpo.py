@@ -318,13 +318,13 @@ def test_arith_easy_level_single_digit_sums_and_differences(tmp_path):
     for r in rows["prompts"] + rows["heldout"]:
         q, (x, y) = r["prompt"], [int(v) for v in re.findall(r"\d+", r["prompt"])]
         assert 1 <= x <= 9 and 1 <= y <= 9
-        plus = q.startswith(("Tom", "Anna")) or "又" in q
+        plus = q.startswith(("Tom", "Anna", "A farm")) or "又" in q
         assert int(r["answer"]) == (x + y if plus else x - y)
-    # two templates per operation and language: Anna's sweets and the birds come up, the default has neither
+    # two templates per operation and language: the sweets and the birds come up, the default has neither
     assert any(q.startswith("Anna") for q in questions) and any(q.startswith("There are") for q in questions)
-    assert not any(p["question"].startswith(("Anna", "There are")) for p in problems(300, 0))
+    assert not any(p["question"].startswith(("Anna", "There are", "A farm", "A plate")) for p in problems(300, 0))
     with pytest.raises(ValueError, match="distinct problems asked for"):
-        problems(400, 0, level="easy")
+        problems(460, 0, level="easy")
     with pytest.raises(ValueError, match="unknown arith level 'hard': use one of easy, standard"):
         problems(10, 0, level="hard")
 

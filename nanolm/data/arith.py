@@ -13,7 +13,7 @@ Problems are templated sentences in English and Chinese (half each) with
 numbers drawn from `random.Random(seed)`, so that the answer is exact and
 computed, never looked up. Two levels: `standard` (the default) is one
 operation (+, -, x) of two numbers up to 20, or two of three; `easy` is one
-sum or difference of two numbers up to 9, in two templates each: a small
+sum or difference of two numbers up to 9, in three templates each: a small
 model learns part of it in a short SFT, which leaves RL groups with mixed
 rewards to learn from (`max_number` changes the range of either). A worked reply states the operations (`7 + 5 = 12`) then the
 answer, which is what SFT teaches and what RL then rewards.
@@ -71,11 +71,24 @@ def _sub2(a: int, b: int, zh: bool) -> Problem:
     return q, f"{a} - {b} = {a - b}", a - b
 
 
+def _add3(a: int, b: int, zh: bool) -> Problem:
+    q = f"院子里有{a}只鸡，又跑来{b}只。现在院子里有几只鸡？" if zh else \
+        f"A farm has {a} hens and {b} more hens arrive. How many hens are on the farm now?"
+    return q, f"{a} + {b} = {a + b}", a + b
+
+
+def _sub3(a: int, b: int, zh: bool) -> Problem:
+    a, b = max(a, b), min(a, b)
+    q = f"盘子里有{a}个饺子，吃掉了{b}个。盘子里还剩几个饺子？" if zh else \
+        f"A plate has {a} cookies and {b} are eaten. How many cookies are left on the plate?"
+    return q, f"{a} - {b} = {a - b}", a - b
+
+
 TWO: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _mul]
 THREE: list[Callable[[int, int, int, bool], Problem]] = [_add_sub]
-# level "easy": one sum or difference of two numbers (single digits by default), in two templates each, so a
+# level "easy": one sum or difference of two numbers (single digits by default), in three templates each, so a
 # small model learns part of it in a short SFT and RL has mixed groups to learn from
-EASY: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _add2, _sub2]
+EASY: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _add2, _sub2, _add3, _sub3]
 LEVELS = {"easy": 9, "standard": 20}  # level -> default max_number
 
 
