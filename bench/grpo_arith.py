@@ -57,12 +57,24 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "optim.lr": a.lr, "optim.min_lr": a.lr, "grpo.group_size": a.group, "grpo.max_new_tokens": a.max_new_tokens,
         "grpo.temperature": a.temperature, "grpo.rewards": "answer", "grpo.beta": a.beta})
     t = Trainer(cfg, quiet=True)
+
+    def train_greedy() -> float:  # the same greedy decoding on the prompts GRPO trains on
+        from nanolm.data.loader import iter_eval_batches
+        from nanolm.data.shards import PackedData
+        t.model.eval()
+        got = t.objective.evaluate(t.model, iter_eval_batches(PackedData(work / "prompts", "train"), 8, 1, 1000),
+                                   t.compute, t.token_bytes)
+        t.model.train()
+        return got["val_reward"]
     before = t.evaluate()
+    train_before = train_greedy()
     t.run()
+    train_after = train_greedy()
     rows = [json.loads(x) for x in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
     after = [r for r in rows if "val_reward" in r][-1]
     steps = [r for r in rows if "reward" in r]
     return {"seed": seed, "before": before["val_reward"], "after": after["val_reward"],
+            "train_before": train_before, "train_after": train_after,
             "train_reward_first": sum(r["reward"] for r in steps[:5]) / len(steps[:5]),
             "train_reward_last": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:]),
             "zero_var_first": steps[0]["zero_var_groups"], "sft_s": t1 - t0, "grpo_s": time.perf_counter() - t1}
@@ -96,7 +108,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as d:
                 r = run(s, a, Path(d))
         res.append(r)
-        print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | train reward (first 5 steps -> last 5) "
+        print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | greedy on the train prompts "
+              f"{r['train_before']:.3f} -> {r['train_after']:.3f} | sampled train reward (first 5 steps -> last 5) "
               f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f} | zero-var groups at step 1 "
               f"{r['zero_var_first']:.2f} | SFT {r['sft_s']:.0f} s, GRPO {r['grpo_s']:.0f} s", flush=True)
     med = statistics.median
