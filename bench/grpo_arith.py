@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--sft-lr", type=float, default=1e-2)
-    p.add_argument("--grpo-steps", type=int, default=40)
+    p.add_argument("--grpo-steps", type=int, default=100)
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
