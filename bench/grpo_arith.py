@@ -113,8 +113,10 @@ def main() -> None:
               f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f} | zero-var groups at step 1 "
               f"{r['zero_var_first']:.2f} | SFT {r['sft_s']:.0f} s, GRPO {r['grpo_s']:.0f} s", flush=True)
     med = statistics.median
-    print(f"median of {len(res)} seeds: {med(r['before'] for r in res):.3f} -> {med(r['after'] for r in res):.3f} "
-          f"(gain {med(r['after'] - r['before'] for r in res):+.3f})")
+    print(f"median of {len(res)} seeds, held out: {med(r['before'] for r in res):.3f} -> "
+          f"{med(r['after'] for r in res):.3f} "
+          f"(gain {med(r['after'] - r['before'] for r in res):+.3f}); on the train prompts "
+          f"{med(r['train_before'] for r in res):.3f} -> {med(r['train_after'] for r in res):.3f}")
 
 
 if __name__ == "__main__":
