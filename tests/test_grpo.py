@@ -323,10 +323,12 @@ def test_arith_easy_level_single_digit_sums_and_differences(tmp_path):
     # two templates per operation and language: the sweets and the birds come up, the default has neither
     assert any(q.startswith("Anna") for q in questions) and any(q.startswith("There are") for q in questions)
     assert not any(p["question"].startswith(("Anna", "There are", "A farm", "A plate")) for p in problems(300, 0))
-    with pytest.raises(ValueError, match="distinct problems asked for"):
+    with pytest.raises(UserError, match="460 distinct problems asked for .* makes about 756: ask for at most 453"):
         problems(460, 0, level="easy")
-    with pytest.raises(ValueError, match="unknown arith level 'hard': use one of easy, standard"):
+    with pytest.raises(UserError, match="unknown arith level 'hard': use one of easy, standard"):
         problems(10, 0, level="hard")
+    with pytest.raises(UserError, match="--max-number 0: the numbers are drawn from 1..max_number"):
+        problems(10, 0, max_number=0)
 
 
 # ----------------------------------------------------------------------------- end to end on the built-in task

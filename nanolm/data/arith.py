@@ -26,6 +26,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from nanolm.errors import UserError
 from nanolm.io import write_text_atomic
 
 # (question, worked steps) templates: a function of the drawn numbers giving the text and the answer.
@@ -98,10 +99,10 @@ def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "
     level "standard" (the default): +, - or x of two numbers up to max_number (20; the factor up to 9), or + then
     - of three; level "easy": a sum or a difference of two numbers up to max_number (9)."""
     if level not in LEVELS:
-        raise ValueError(f"unknown arith level {level!r}: use one of {', '.join(LEVELS)}")
+        raise UserError(f"unknown arith level {level!r}: use one of {', '.join(LEVELS)}")
     max_number = LEVELS[level] if max_number is None else max_number
     if max_number < 1:
-        raise ValueError(f"max_number={max_number}: the numbers are drawn from 1..max_number; use 1 or more")
+        raise UserError(f"--max-number {max_number}: the numbers are drawn from 1..max_number; use 1 or more")
     rng = random.Random(seed)
     seen: set[str] = set()  # question texts: (a, b) and (b, a) of a subtraction are one problem
     out: list[dict[str, Any]] = []
@@ -110,8 +111,9 @@ def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "
     else:
         space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)  # (template, numbers): fewer
     if n > space * 0.6:
-        raise ValueError(f"{n} distinct problems asked for; numbers up to {max_number} make about {space}: ask for "
-                         "fewer or raise max_number")
+        raise UserError(f"{n} distinct problems asked for (--n-sft + --n-prompts + --n-heldout); level {level} with "
+                        f"numbers up to {max_number} makes about {space}: ask for at most {int(space * 0.6)} or raise "
+                        "--max-number")
     while len(out) < n:
         zh = rng.random() < 0.5
         if level == "easy":
