@@ -33,7 +33,8 @@ def _cmd_data(args: argparse.Namespace) -> None:
         print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
     elif args.data_cmd == "arith":
         from nanolm.data.arith import write_arith
-        for name, path in write_arith(Path(args.out), args.n_sft, args.n_prompts, args.n_heldout, args.seed).items():
+        for name, path in write_arith(Path(args.out), args.n_sft, args.n_prompts, args.n_heldout, args.seed,
+                                      max_number=args.max_number, level=args.level).items():
             print(f"{name}: {path}")
     else:
         for name in args.names:
@@ -306,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--n-prompts", type=int, default=1000, help="RL prompts to train on")
     ar.add_argument("--n-heldout", type=int, default=200, help="held-out RL prompts (no problem shared)")
     ar.add_argument("--seed", type=int, default=0)
+    ar.add_argument("--level", choices=["standard", "easy"], default="standard",
+                    help="standard: +, -, x of numbers up to 20 and two-step problems; easy: one sum or difference "
+                         "of single digits (a small model learns part of it in minutes)")
+    ar.add_argument("--max-number", type=int, default=None, help="largest number drawn (default 20, easy: 9)")
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")

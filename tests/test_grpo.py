@@ -296,6 +296,41 @@ def test_arith_task_sets_are_disjoint_and_answers_computed(tmp_path):
             assert int(r["answer"]) == nums[0] + nums[1] - nums[2]
 
 
+def test_arith_easy_level_single_digit_sums_and_differences(tmp_path):
+    import re
+    from nanolm.cli import main
+    from nanolm.data.arith import problems
+    from nanolm.train.rewards import answer_reward
+    assert main(["data", "arith", "--out", str(tmp_path), "--level", "easy", "--n-sft", "150", "--n-prompts", "100",
+                 "--n-heldout", "40", "--seed", "2"]) in (0, None)
+    rows = {n: [json.loads(x) for x in (tmp_path / f"{n}.jsonl").read_text(encoding="utf-8").splitlines()]
+            for n in ("sft", "prompts", "heldout")}
+    assert [len(v) for v in rows.values()] == [150, 100, 40]
+    questions = [r["messages"][0]["content"] for r in rows["sft"]] + [r["prompt"] for r in rows["prompts"]] + \
+        [r["prompt"] for r in rows["heldout"]]
+    assert len(set(questions)) == 290  # no problem in two sets
+    assert {any("\u4e00" <= c <= "\u9fff" for c in q) for q in questions} == {True, False}
+    for r in rows["sft"]:
+        (a, op, b, c), = re.findall(r"(\d+) ([-+×]) (\d+) = (\d+)", r["messages"][1]["content"])  # one step
+        assert op in "+-" and 1 <= int(a) <= 9 and 1 <= int(b) <= 9
+        assert int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+        assert answer_reward("", r["messages"][1]["content"], {"answer": c}) == 1.0
+    for r in rows["prompts"] + rows["heldout"]:
+        q, (x, y) = r["prompt"], [int(v) for v in re.findall(r"\d+", r["prompt"])]
+        assert 1 <= x <= 9 and 1 <= y <= 9
+        plus = q.startswith(("Tom", "Anna", "A farm")) or "又" in q
+        assert int(r["answer"]) == (x + y if plus else x - y)
+    # two templates per operation and language: the sweets and the birds come up, the default has neither
+    assert any(q.startswith("Anna") for q in questions) and any(q.startswith("There are") for q in questions)
+    assert not any(p["question"].startswith(("Anna", "There are", "A farm", "A plate")) for p in problems(300, 0))
+    with pytest.raises(UserError, match="460 distinct problems asked for .* makes about 756: ask for at most 453"):
+        problems(460, 0, level="easy")
+    with pytest.raises(UserError, match="unknown arith level 'hard': use one of easy, standard"):
+        problems(10, 0, level="hard")
+    with pytest.raises(UserError, match="--max-number 0: the numbers are drawn from 1..max_number"):
+        problems(10, 0, max_number=0)
+
+
 # ----------------------------------------------------------------------------- end to end on the built-in task
 
 E2E_MARGIN = 0.2  # the held-out reward must rise by at least this much
@@ -310,7 +345,11 @@ def test_sft_then_grpo_raises_the_held_out_reward(tmp_path):
 
     The answer reward on this task did not rise measurably at this scale in CPU minutes (greedy held-out
     accuracy 0.12-0.20 after SFT; 30 GRPO steps gave 0.15 -> 0.175, 0.12 -> 0.16, 0.12 -> 0.08): the 0.2M-parameter
-    model has not learnt the sums it would sharpen, so this test rewards a behaviour it can learn in seconds."""
+    model has not learnt the sums it would sharpen, so this test rewards a behaviour it can learn in seconds.
+    The easy level (`--level easy`, single-digit sums and differences) does give a middling SFT (held-out
+    0.25-0.46 for most seeds after 300 steps) and GRPO with the answer reward raises the sampled train reward
+    (e.g. 0.16 -> 0.27 over 100 steps), but not the greedy held-out accuracy by a margin a test could state over
+    seeds: bench/grpo_arith.py measures it, see notes/README-16.md."""
     from nanolm.config import load_config
     from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts

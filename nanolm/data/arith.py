@@ -10,9 +10,12 @@
 - `heldout.jsonl`: more prompts of the same form, for evaluation only.
 
 Problems are templated sentences in English and Chinese (half each) with
-numbers drawn from `random.Random(seed)`: one operation (+, -, x) of two
-numbers, or two of three, so that the answer is exact and computed, never
-looked up. A worked reply states the operations (`7 + 5 = 12`) then the
+numbers drawn from `random.Random(seed)`, so that the answer is exact and
+computed, never looked up. Two levels: `standard` (the default) is one
+operation (+, -, x) of two numbers up to 20, or two of three; `easy` is one
+sum or difference of two numbers up to 9, in three templates each: a small
+model learns part of it in a short SFT, which leaves RL groups with mixed
+rewards to learn from (`max_number` changes the range of either). A worked reply states the operations (`7 + 5 = 12`) then the
 answer, which is what SFT teaches and what RL then rewards.
 """
 
@@ -23,6 +26,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from nanolm.errors import UserError
 from nanolm.io import write_text_atomic
 
 # (question, worked steps) templates: a function of the drawn numbers giving the text and the answer.
@@ -55,22 +59,66 @@ def _add_sub(a: int, b: int, c: int, zh: bool) -> Problem:
     return q, f"{a} + {b} = {a + b}, {a + b} - {c} = {a + b - c}", a + b - c
 
 
+def _add2(a: int, b: int, zh: bool) -> Problem:
+    q = f"小红有{a}块糖，又买了{b}块。她一共有几块糖？" if zh else \
+        f"Anna has {a} sweets and buys {b} more. How many sweets does Anna have in all?"
+    return q, f"{a} + {b} = {a + b}", a + b
+
+
+def _sub2(a: int, b: int, zh: bool) -> Problem:
+    a, b = max(a, b), min(a, b)
+    q = f"树上有{a}只鸟，飞走了{b}只。树上还有几只鸟？" if zh else \
+        f"There are {a} birds in a tree and {b} fly away. How many birds are still in the tree?"
+    return q, f"{a} - {b} = {a - b}", a - b
+
+
+def _add3(a: int, b: int, zh: bool) -> Problem:
+    q = f"院子里有{a}只鸡，又跑来{b}只。现在院子里有几只鸡？" if zh else \
+        f"A farm has {a} hens and {b} more hens arrive. How many hens are on the farm now?"
+    return q, f"{a} + {b} = {a + b}", a + b
+
+
+def _sub3(a: int, b: int, zh: bool) -> Problem:
+    a, b = max(a, b), min(a, b)
+    q = f"盘子里有{a}个饺子，吃掉了{b}个。盘子里还剩几个饺子？" if zh else \
+        f"A plate has {a} cookies and {b} are eaten. How many cookies are left on the plate?"
+    return q, f"{a} - {b} = {a - b}", a - b
+
+
 TWO: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _mul]
 THREE: list[Callable[[int, int, int, bool], Problem]] = [_add_sub]
+# level "easy": one sum or difference of two numbers (single digits by default), in three templates each, so a
+# small model learns part of it in a short SFT and RL has mixed groups to learn from
+EASY: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _add2, _sub2, _add3, _sub3]
+LEVELS = {"easy": 9, "standard": 20}  # level -> default max_number
 
 
-def problems(n: int, seed: int, *, max_number: int = 20) -> list[dict[str, Any]]:
-    """n distinct problems: {"question", "steps", "answer" (int), "lang"}, drawn with random.Random(seed)."""
+def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "standard") -> list[dict[str, Any]]:
+    """n distinct problems: {"question", "steps", "answer" (int), "lang"}, drawn with random.Random(seed).
+
+    level "standard" (the default): +, - or x of two numbers up to max_number (20; the factor up to 9), or + then
+    - of three; level "easy": a sum or a difference of two numbers up to max_number (9)."""
+    if level not in LEVELS:
+        raise UserError(f"unknown arith level {level!r}: use one of {', '.join(LEVELS)}")
+    max_number = LEVELS[level] if max_number is None else max_number
+    if max_number < 1:
+        raise UserError(f"--max-number {max_number}: the numbers are drawn from 1..max_number; use 1 or more")
     rng = random.Random(seed)
     seen: set[str] = set()  # question texts: (a, b) and (b, a) of a subtraction are one problem
     out: list[dict[str, Any]] = []
-    space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)  # (template, numbers): fewer problems
+    if level == "easy":
+        space = 2 * len(EASY) * (max_number ** 2 + max_number * (max_number + 1) // 2) // 2  # + ordered, - not
+    else:
+        space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)  # (template, numbers): fewer
     if n > space * 0.6:
-        raise ValueError(f"{n} distinct problems asked for; numbers up to {max_number} make about {space}: ask for "
-                         "fewer or raise max_number")
+        raise UserError(f"{n} distinct problems asked for (--n-sft + --n-prompts + --n-heldout); level {level} with "
+                        f"numbers up to {max_number} makes about {space}: ask for at most {int(space * 0.6)} or raise "
+                        "--max-number")
     while len(out) < n:
         zh = rng.random() < 0.5
-        if rng.random() < 0.75:
+        if level == "easy":
+            q, steps, ans = EASY[rng.randrange(len(EASY))](rng.randint(1, max_number), rng.randint(1, max_number), zh)
+        elif rng.random() < 0.75:
             t = rng.randrange(len(TWO))
             nums = (rng.randint(1, max_number), rng.randint(1, max_number if t != 2 else 9))
             q, steps, ans = TWO[t](*nums, zh)
@@ -90,10 +138,10 @@ def worked_reply(p: dict[str, Any]) -> str:
 
 
 def write_arith(out: Path, n_sft: int, n_prompts: int, n_heldout: int, seed: int = 0,
-                max_number: int = 20) -> dict[str, Path]:
+                max_number: int | None = None, level: str = "standard") -> dict[str, Path]:
     """Write sft.jsonl, prompts.jsonl and heldout.jsonl of distinct problems into `out`; returns their paths."""
+    ps = problems(n_sft + n_prompts + n_heldout, seed, max_number=max_number, level=level)
     out.mkdir(parents=True, exist_ok=True)
-    ps = problems(n_sft + n_prompts + n_heldout, seed, max_number=max_number)
     sft, rl, held = ps[:n_sft], ps[n_sft:n_sft + n_prompts], ps[n_sft + n_prompts:]
 
     def line(obj: dict[str, Any]) -> str:
