@@ -26,7 +26,7 @@ the median and each run's value, with steps, parameters and tokens/s.
 
     python bench/quality.py --corpus shakespeare --minutes 3 --runs 3 --threads 1 --variants default,adamw,fp32
 
-Progress and the training logs go to <work>/<variant>-<run>.log; stdout gets the table and, last, one JSON
+Progress and the training logs go to <work>/runs/<variant>-<run>.log; stdout gets the table and, last, one JSON
 line with every figure.
 """
 
@@ -107,7 +107,7 @@ def run_one(data: Path, work: Path, name: str, i: int, budget: list[str], thread
     cmd = [sys.executable, "-m", "nanolm", "train", "--data", str(data), "--train.out_dir", str(out), *budget,
            *variant_args(name)]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-    log = out.with_suffix(".log")
+    log = out.parent / f"{out.name}.log"  # not with_suffix: a value such as 4e-3 has a dot
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
