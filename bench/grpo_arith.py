@@ -11,6 +11,8 @@ greedily before and after GRPO; prints the held-out answer accuracy before
 
     PYTHONPATH=. python bench/grpo_arith.py                   # seeds 0 1 2
     PYTHONPATH=. python bench/grpo_arith.py --seeds 3 --grpo-steps 40 --temperature 0.7
+    PYTHONPATH=. python bench/grpo_arith.py --max-number 20 --n-sft 1200 --n-prompts 600 --n-heldout 200 \
+        --sft-steps 600 --grpo-steps 75             # a problem space too large to memorise, 200 held out
 
 With OMP_NUM_THREADS=1 two runs share a 2-core machine without fighting over threads.
 """
