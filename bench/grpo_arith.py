@@ -11,6 +11,8 @@ greedily before and after GRPO; prints the held-out answer accuracy before
 
     PYTHONPATH=. python bench/grpo_arith.py                   # seeds 0 1 2
     PYTHONPATH=. python bench/grpo_arith.py --seeds 3 --grpo-steps 40 --temperature 0.7
+    PYTHONPATH=. python bench/grpo_arith.py --max-number 20 --n-sft 1200 --n-prompts 600 --n-heldout 200 \
+        --sft-steps 600 --grpo-steps 75             # a problem space too large to memorise, 200 held out
 
 With OMP_NUM_THREADS=1 two runs share a 2-core machine without fighting over threads.
 """
@@ -35,7 +37,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nanolm.train.trainer import Trainer, train
 
     t0 = time.perf_counter()
-    files = write_arith(work / "arith", a.n_sft, a.n_prompts, a.n_heldout, seed=seed, level="easy")
+    files = write_arith(work / "arith", a.n_sft, a.n_prompts, a.n_heldout, seed=seed, level="easy",
+                        max_number=a.max_number)
     train_tokenizer(iter_texts([files["sft"]], format="chat"), work / "tok", vocab_size=a.vocab, quiet=True)
     prepare([files["sft"]], work / "tok", work / "sft", format="chat", val_fraction=0, workers=0, quiet=True)
     # the prompts file then the held-out file; the val split (every 4th record) is the held-out set
@@ -86,6 +89,7 @@ def main() -> None:
     p.add_argument("--n-sft", type=int, default=200)
     p.add_argument("--n-prompts", type=int, default=200)
     p.add_argument("--n-heldout", type=int, default=50)
+    p.add_argument("--max-number", type=int, default=None, help="numbers up to this (the easy level's default: 9)")
     p.add_argument("--vocab", type=int, default=400)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=2)
