@@ -170,3 +170,18 @@ def test_prompt_record_errors_name_file_and_line(tmp_path, line, problem):
     assert str(e.value).startswith(f"{p}:2: ") and problem in str(e.value)
     stats = ReadStats()
     assert len(list(iter_prompt_records(p, skip_bad=True, stats=stats))) == 1 and stats.bad_lines == 1
+
+
+def test_a_bad_line_reads_alike_with_or_without_its_line_break(tmp_path):
+    """A line is parsed without its line break: `"` is the same unterminated string at the file's end and before
+    a newline (found by test_hostile's property test)."""
+    from nanolm.data.formats import iter_preference_records
+    errors = []
+    for data in (b'"', b'"\n', b'"\r\n'):
+        path = tmp_path / "pairs.jsonl"
+        path.write_bytes(data)
+        with pytest.raises(UserError) as e:
+            list(iter_preference_records(path))
+        errors.append(str(e.value))
+    assert errors == [f"{tmp_path / 'pairs.jsonl'}:1: invalid JSON (Unterminated string starting at at column 1); "
+                      "fix the line or pass --skip-bad to skip such lines"] * 3

@@ -366,11 +366,11 @@ def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
                 m = _BAD_BYTE.search(line)
                 if m:
                     raise _BadRecord(_bad_utf8(m))
+                body = line.rstrip("\r\n")  # parsed without its line break, so a line reads alike at the file's end
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(body)
                 except json.JSONDecodeError as e:
-                    # Past the end of the text means at its end, not after the line break.
-                    col = min(e.pos, len(line.rstrip("\r\n"))) + 1
+                    col = min(e.pos, len(body)) + 1  # past the end of the text means at its end
                     raise _BadRecord(f"invalid JSON ({e.msg} at column {col})") from None
                 except RecursionError:  # e.g. a line of a million "["
                     raise _BadRecord("invalid JSON (nested too deeply)") from None
