@@ -183,5 +183,5 @@ def test_a_bad_line_reads_alike_with_or_without_its_line_break(tmp_path):
         with pytest.raises(UserError) as e:
             list(iter_preference_records(path))
         errors.append(str(e.value))
-    assert errors == [f"{tmp_path / 'pairs.jsonl'}:1: invalid JSON (Unterminated string starting at at column 1); "
+    assert errors == [f"{tmp_path / 'pairs.jsonl'}:1: invalid JSON (Unterminated string starting at column 1); "
                       "fix the line or pass --skip-bad to skip such lines"] * 3

@@ -371,7 +371,7 @@ def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
                     obj = json.loads(body)
                 except json.JSONDecodeError as e:
                     col = min(e.pos, len(body)) + 1  # past the end of the text means at its end
-                    raise _BadRecord(f"invalid JSON ({e.msg} at column {col})") from None
+                    raise _BadRecord(f"invalid JSON ({e.msg.removesuffix(' at')} at column {col})") from None
                 except RecursionError:  # e.g. a line of a million "["
                     raise _BadRecord("invalid JSON (nested too deeply)") from None
                 value = parse(obj)

@@ -325,7 +325,8 @@ def _rows(path: Path) -> Iterator[tuple[str, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix the line") from None
+                raise UserError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
+                                "fix the line") from None
             if not isinstance(row, dict):
                 raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}; fix the line")
             yield where, row
