@@ -323,12 +323,34 @@ def test_arith_easy_level_single_digit_sums_and_differences(tmp_path):
     # two templates per operation and language: the sweets and the birds come up, the default has neither
     assert any(q.startswith("Anna") for q in questions) and any(q.startswith("There are") for q in questions)
     assert not any(p["question"].startswith(("Anna", "There are", "A farm", "A plate")) for p in problems(300, 0))
-    with pytest.raises(UserError, match="460 distinct problems asked for .* makes about 756: ask for at most 453"):
+    with pytest.raises(UserError, match=r"460 distinct train problems asked for \(--n-sft \+ --n-prompts\); level easy "
+                                        "with numbers up to 9 makes about 680: ask for at most 408"):
         problems(460, 0, level="easy")
+    with pytest.raises(UserError, match=r"50 distinct heldout problems asked for \(--n-heldout\); .* makes about 76: "
+                                        "ask for at most 45"):
+        problems(50, 0, level="easy", split="heldout")
     with pytest.raises(UserError, match="unknown arith level 'hard': use one of easy, standard"):
         problems(10, 0, level="hard")
     with pytest.raises(UserError, match="--max-number 0: the numbers are drawn from 1..max_number"):
         problems(10, 0, max_number=0)
+
+
+def test_arith_held_out_problems_are_never_written_for_training(tmp_path):
+    """The held-out split is fixed by the numbers of a problem's steps: no seed or count of training problems
+    (SFT or RL prompts) ever draws one, and heldout.jsonl and the built-in `arith` task hold only those."""
+    from nanolm.data.arith import held_out, problems, write_arith
+    from nanolm.eval.builtin import arith_task
+    train = {p["question"] for seed in range(3) for p in problems(1000, seed)}
+    held = problems(300, 0, split="heldout")
+    assert all(held_out(p["steps"]) for p in held) and not train & {p["question"] for p in held}
+    assert not any(held_out(p["steps"]) for seed in range(3) for p in problems(1000, seed))
+    files = write_arith(tmp_path, 30, 20, 10, seed=5)
+    trained = [json.loads(x)["messages"][1]["content"] for x in files["sft"].read_text("utf-8").splitlines()]
+    assert not any(held_out(t.split("####")[0]) for t in trained)
+    task = arith_task(40)
+    assert [it.question for it in task.items] == [p["question"] for p in held[:40]]
+    assert [it.answer for it in task.items] == [str(p["answer"]) for p in held[:40]]
+    assert task.kind == "gen" and task.items[0].prompt.endswith(("Answer:", "答案："))
 
 
 # ----------------------------------------------------------------------------- end to end on the built-in task

@@ -1,16 +1,22 @@
-"""The built-in tool-use set: every tool result is the calculator's own, every reply quotes it, and the
-conversations prepare as chat data with the mask on the calls and replies."""
+"""The built-in tool-use set: every tool result is the calculator's own, every reply quotes it, each record offers
+one to three tools, the conversations prepare as chat data with the mask on the calls and replies, and the `calc`
+benchmark's questions are disjoint from everything the set writes."""
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 
 import numpy as np
+import pytest
 
 from nanolm.data import chatml
 from nanolm.data.formats import iter_chat_records
 from nanolm.data.prepare import prepare
-from nanolm.data.tooluse import build_calculator_conversations
+from nanolm.corpora.holdout import numbers_held_out
+from nanolm.data.tooluse import (HELDOUT_EN, HELDOUT_ZH, OTHER_TOOLS, _QUESTIONS_EN, _QUESTIONS_ZH,
+                                 build_calculator_conversations, calc_items, operands)
 from nanolm.infer.tools import BUILTIN_TOOLS, calculator
 from nanolm.tokenizer import Tokenizer
 
@@ -24,18 +30,60 @@ def test_results_are_computed_by_the_calculator_and_quoted(tmp_path):
     assert out.read_bytes() == build(tmp_path / "again.jsonl", 200, seed=3).read_bytes()
     convs = [c for c, _ in iter_chat_records(out)]
     assert len(convs) == 200
-    calls = 0
+    calls, offered = 0, collections.Counter()
+    texts = {json.dumps(t, ensure_ascii=False): t["function"]["name"] for t in (*BUILTIN_TOOLS, *OTHER_TOOLS)}
     for conv in convs:
-        assert conv.tools == tuple(json.dumps(t, ensure_ascii=False) for t in BUILTIN_TOOLS)
+        names = [texts[t] for t in conv.tools]  # each offered tool is a built-in or one of the compact others
+        assert 1 <= len(names) <= 3 and len(set(names)) == len(names)
+        offered[len(names)] += 1
         m = conv.messages
         if len(m) == 2:  # no tool needed
             continue
+        assert "calculator" in names
         calls += 1
         (call,) = m[1].tool_calls
         assert call.name == "calculator" and m[2].role == "tool"
         assert m[2].content == calculator(json.loads(call.arguments)) and not m[2].content.startswith("error")
         assert m[2].content in m[3].content
     assert 150 < calls < 200  # most ask for arithmetic, some do not
+    assert all(offered[k] > 30 for k in (1, 2, 3))  # one, two and three tools all come up
+
+
+def _template_re(template: str) -> re.Pattern:
+    return re.compile(re.sub(r"\\\{[abc]\\\}", r"\\d+", re.escape(template)) + "$")
+
+
+def test_calc_items_are_disjoint_from_the_tool_use_set(tmp_path):
+    """The calc benchmark's phrasings match no training template and no training template matches them; its
+    number pairs are held out, and no conversation of a large set uses a held-out operand tuple."""
+    train_templates = [q for q, _ in _QUESTIONS_ZH + _QUESTIONS_EN]
+    held_templates = [q for q, _ in HELDOUT_ZH + HELDOUT_EN]
+    items = calc_items(400, calculator=calculator)
+    assert len({it.question for it in items}) == 400
+    assert sum(bool(re.search("[\u4e00-\u9fff]", it.question)) for it in items) == 200
+    for it in items:
+        assert not any(_template_re(t).match(it.question) for t in train_templates), it.question
+        assert any(_template_re(t).match(it.question) for t in held_templates)
+        assert numbers_held_out("calc", *operands(it.expression)) and len(operands(it.expression)) == 2
+        assert it.answer == calculator({"expression": it.expression}) and not it.answer.startswith("error")
+    out = build(tmp_path / "big.jsonl", 6000, seed=0)
+    questions = set()
+    for conv, _ in iter_chat_records(out):
+        m = conv.messages
+        questions.add(m[0].content)
+        if len(m) == 4:
+            assert not numbers_held_out("calc", *operands(json.loads(m[1].tool_calls[0].arguments)["expression"]))
+            assert not any(_template_re(t).match(m[0].content) for t in held_templates)
+    assert not questions & {it.question for it in items}
+    assert calc_items(50, calculator=calculator) == items[:50]
+
+
+def test_operands_and_the_held_out_share():
+    assert operands("(12 + 5) * 3") == (12, 5, 3)
+    share = sum(numbers_held_out("calc", a, b) for a in range(10, 100) for b in range(10, 100)) / 90 ** 2
+    assert 0.08 < share < 0.12
+    with pytest.raises(Exception, match="no `calculator`"):
+        build_calculator_conversations("x.jsonl", 3, calculator=calculator, tools=BUILTIN_TOOLS[1:])
 
 
 def test_the_set_prepares_with_the_mask_on_calls_and_replies(tmp_path, tokenizer_dir):

@@ -1,4 +1,4 @@
-"""Items of the built-in chat corpora kept out of training, for the built-in benchmark (`nanolm.eval.builtin`).
+"""Items of the built-in data kept out of training, for the built-in benchmarks (`nanolm.eval.builtin`).
 
 An idiom is held out when a sha256 of it falls in the first HELD_OUT_PER_MILLE
 of a thousand buckets: about 3% of the idioms corpus (about 930 of its 30,895
@@ -9,6 +9,10 @@ preferences`), its training view is read instead: the cached corpus without
 the held-out conversations, written once in the cache. The cached corpus itself
 stays whole and pinned (its sha256 is the registry's), and the benchmark is
 built from it.
+
+Generated problems (the tool-use set's arithmetic, the arithmetic task) hold
+out their numbers the same way (`numbers_held_out`): about 10% of the number
+tuples of each problem shape, never written into training data.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import re
 from pathlib import Path
 
 HELD_OUT_PER_MILLE = 30
+HELD_OUT_NUMBERS_PER_MILLE = 100  # of generated problems' number tuples (`numbers_held_out`)
 _SALT = b"nanolm held-out v1:"
 _QUOTED = re.compile("「([^」]+)」")
 
@@ -40,6 +45,16 @@ def conversation_held_out(line: str) -> bool:
     question = json.loads(line)["conversations"][0]["content"]
     idiom = idiom_of(question)
     return idiom is not None and is_held_out(idiom)
+
+
+def numbers_held_out(task: str, *numbers: int) -> bool:
+    """Whether the numbers of a generated problem (`task`: "calc" for the tool-use set, "arith" for the
+    arithmetic task) belong to its built-in benchmark: a sha256 of the task and the ordered numbers falls in the
+    first HELD_OUT_NUMBERS_PER_MILLE of a thousand buckets. The generators never write such numbers into data
+    they make for training, so the benchmark's problems are new to every model nanolm trains."""
+    key = f"{task}:" + ",".join(str(n) for n in numbers)
+    h = int.from_bytes(hashlib.sha256(_SALT + key.encode("utf-8")).digest()[:8], "big")
+    return h % 1000 < HELD_OUT_NUMBERS_PER_MILLE
 
 
 # Built-in corpora with a held-out part: name -> the test of one of its lines.

@@ -7,7 +7,10 @@
   ends with `#### <answer>` (the GSM8K convention the answer reward reads);
 - `prompts.jsonl`: RL prompts `{"prompt": ..., "answer": "<n>"}` to train on
   (`nanolm prepare --format prompts`, then `--stage grpo`);
-- `heldout.jsonl`: more prompts of the same form, for evaluation only.
+- `heldout.jsonl`: more prompts of the same form, for evaluation only: problems
+  whose numbers are held out (`held_out`, about 10% of them), which no seed
+  ever writes into the other two files; the built-in `arith` benchmark
+  (`nanolm eval --task arith`) is drawn from the same held-out problems.
 
 Problems are templated sentences in English and Chinese (half each) with
 numbers drawn from `random.Random(seed)`, so that the answer is exact and
@@ -23,9 +26,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any, Callable
 
+from nanolm.corpora.holdout import HELD_OUT_NUMBERS_PER_MILLE, numbers_held_out
 from nanolm.errors import UserError
 from nanolm.io import write_text_atomic
 
@@ -93,11 +98,25 @@ EASY: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _add2, _sub2, _ad
 LEVELS = {"easy": 9, "standard": 20}  # level -> default max_number
 
 
-def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "standard") -> list[dict[str, Any]]:
+SPLITS = {"train": 1 - HELD_OUT_NUMBERS_PER_MILLE / 1000, "heldout": HELD_OUT_NUMBERS_PER_MILLE / 1000}
+
+
+def held_out(steps: str) -> bool:
+    """Whether a problem belongs to the held-out split: by the numbers of its worked steps ("7 + 5 = 12"), so a
+    problem's split does not depend on its template, language or the order its numbers were drawn in."""
+    return numbers_held_out("arith", *(int(x) for x in re.findall(r"\d+", steps)))
+
+
+def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "standard",
+             split: str = "train") -> list[dict[str, Any]]:
     """n distinct problems: {"question", "steps", "answer" (int), "lang"}, drawn with random.Random(seed).
 
     level "standard" (the default): +, - or x of two numbers up to max_number (20; the factor up to 9), or + then
-    - of three; level "easy": a sum or a difference of two numbers up to max_number (9)."""
+    - of three; level "easy": a sum or a difference of two numbers up to max_number (9). split "train": problems
+    whose numbers are not held out (`held_out`), for SFT and RL prompts; "heldout": only those, for evaluation
+    (the built-in `arith` benchmark and heldout.jsonl): no seed or count makes a training problem a held-out one."""
+    if split not in SPLITS:
+        raise UserError(f"unknown arith split {split!r}: use one of {', '.join(SPLITS)}")
     if level not in LEVELS:
         raise UserError(f"unknown arith level {level!r}: use one of {', '.join(LEVELS)}")
     max_number = LEVELS[level] if max_number is None else max_number
@@ -110,10 +129,11 @@ def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "
         space = 2 * len(EASY) * (max_number ** 2 + max_number * (max_number + 1) // 2) // 2  # + ordered, - not
     else:
         space = 2 * (len(TWO) * max_number ** 2 + len(THREE) * max_number ** 3)  # (template, numbers): fewer
+    space = round(space * SPLITS[split])
     if n > space * 0.6:
-        raise UserError(f"{n} distinct problems asked for (--n-sft + --n-prompts + --n-heldout); level {level} with "
-                        f"numbers up to {max_number} makes about {space}: ask for at most {int(space * 0.6)} or raise "
-                        "--max-number")
+        what = "--n-sft + --n-prompts" if split == "train" else "--n-heldout"
+        raise UserError(f"{n} distinct {split} problems asked for ({what}); level {level} with numbers up to "
+                        f"{max_number} makes about {space}: ask for at most {int(space * 0.6)} or raise --max-number")
     while len(out) < n:
         zh = rng.random() < 0.5
         if level == "easy":
@@ -126,7 +146,7 @@ def problems(n: int, seed: int, *, max_number: int | None = None, level: str = "
             t = rng.randrange(len(THREE))
             nums3 = (rng.randint(1, max_number), rng.randint(1, max_number), rng.randint(1, max_number))
             q, steps, ans = THREE[t](*nums3, zh)
-        if q in seen:
+        if q in seen or held_out(steps) != (split == "heldout"):
             continue
         seen.add(q)
         out.append({"question": q, "steps": steps, "answer": ans, "lang": "zh" if zh else "en"})
@@ -140,9 +160,10 @@ def worked_reply(p: dict[str, Any]) -> str:
 def write_arith(out: Path, n_sft: int, n_prompts: int, n_heldout: int, seed: int = 0,
                 max_number: int | None = None, level: str = "standard") -> dict[str, Path]:
     """Write sft.jsonl, prompts.jsonl and heldout.jsonl of distinct problems into `out`; returns their paths."""
-    ps = problems(n_sft + n_prompts + n_heldout, seed, max_number=max_number, level=level)
+    ps = problems(n_sft + n_prompts, seed, max_number=max_number, level=level)
+    held = problems(n_heldout, seed, max_number=max_number, level=level, split="heldout") if n_heldout else []
     out.mkdir(parents=True, exist_ok=True)
-    sft, rl, held = ps[:n_sft], ps[n_sft:n_sft + n_prompts], ps[n_sft + n_prompts:]
+    sft, rl = ps[:n_sft], ps[n_sft:]
 
     def line(obj: dict[str, Any]) -> str:
         return json.dumps(obj, ensure_ascii=False) + "\n"

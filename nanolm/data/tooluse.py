@@ -11,17 +11,28 @@ Questions are arithmetic word problems and bare expressions, in Chinese and
 English, over random numbers (sums, differences, products, quotients, powers,
 square roots, mixed expressions with parentheses); a share of conversations
 ask something that needs no tool and are answered directly, so that a model
-also learns when not to call. Every record offers the built-in tools (the
-calculator and the clock), as a chat with `--tools builtin` does.
+also learns when not to call. Each record offers one to three tools, in a
+random order: the calculator (always, where it is called), and some of the
+other tools given and a few compact ones that are offered but never called
+(`OTHER_TOOLS`), so the model learns to pick the calculator by its name and
+most of each record's tokens are the exchange, not the tool list.
+
+`calc_items` makes the built-in `calc` benchmark's questions: other phrasings
+(`HELDOUT_ZH`, `HELDOUT_EN`, never used here for training) over number pairs
+that `nanolm.corpora.holdout.numbers_held_out` keeps out of every
+conversation this module writes.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from nanolm.corpora.holdout import numbers_held_out
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
 
@@ -66,21 +77,83 @@ _DIRECT: list[tuple[str, str]] = [
 DIRECT_SHARE = 0.15
 
 
+def _tool(name: str, description: str, **params: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {k: {"type": v} for k, v in params.items()}, "required": list(params)}}}
+
+
+# Offered beside the calculator in some records, never called: the model learns to pick a tool by its name.
+OTHER_TOOLS: tuple[dict, ...] = (
+    _tool("get_weather", "Weather in a city.", city="string"),
+    _tool("web_search", "Search the web.", query="string"),
+    _tool("translate", "Translate text.", text="string", to="string"),
+)
+
+# The `calc` benchmark's phrasings: none of them is a training template above (tested).
+HELDOUT_ZH: list[tuple[str, str]] = [
+    ("{a} 和 {b} 的和是多少？", "{a} + {b}"),
+    ("从 {a} 里减掉 {b}，剩下多少？", "{a} - {b}"),
+    ("{a} 与 {b} 相乘得多少？", "{a} * {b}"),
+    ("把 {c} 本书平均分给 {b} 个同学，每人几本？", "{c} / {b}"),
+    ("请问 {a} 加上 {b} 得几？", "{a} + {b}"),
+    ("{a} 的 {b} 倍是多少？", "{a} * {b}"),
+]
+HELDOUT_EN: list[tuple[str, str]] = [
+    ("Add {a} and {b}.", "{a} + {b}"),
+    ("Take {b} away from {a}. What remains?", "{a} - {b}"),
+    ("Multiply {a} by {b}.", "{a} * {b}"),
+    ("If {b} friends share {c} marbles equally, how many does each get?", "{c} / {b}"),
+    ("What do you get when you add {b} to {a}?", "{a} + {b}"),
+    ("Find the product of {a} and {b}.", "{a} * {b}"),
+]
+_OPERANDS = re.compile(r"\d+")
+
+
+def operands(expression: str) -> tuple[int, ...]:
+    """The numbers of an expression, in order ("(12 + 5) * 3" -> (12, 5, 3)): what the held-out rule hashes."""
+    return tuple(int(x) for x in _OPERANDS.findall(expression))
+
+
+@dataclass(frozen=True)
+class CalcItem:
+    """A `calc` benchmark question: the expression a right call computes and the calculator's result for it."""
+
+    question: str
+    expression: str
+    answer: str
+    where: str = ""
+
+
+def _offered(rng: random.Random, tools: Sequence[dict], needs: dict | None) -> list[dict]:
+    """One to three tools in a random order: `needs` (the tool the conversation calls) and others."""
+    calc_name = needs["function"]["name"] if needs else None
+    others = [t for t in (*tools, *OTHER_TOOLS) if t["function"]["name"] != calc_name]
+    k = rng.randint(0 if needs else 1, 2)
+    chosen = ([needs] if needs else []) + rng.sample(others, min(k, len(others)))
+    rng.shuffle(chosen)
+    return chosen
+
+
 def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str],
                                    tools: Sequence[dict]) -> Path:
     """Write n tool-use conversations to `out` (.jsonl, OpenAI `{"messages": [...], "tools": [...]}` records)
     and return it. The same n and seed always give the same file. calculator: `{"expression": ...}` -> the
-    result text that the tool turn holds and the reply quotes; tools: the tool objects every record offers
-    (the calculator's among them)."""
+    result text that the tool turn holds and the reply quotes; tools: the tool objects a record may offer
+    (the calculator's among them; each record offers one to three, see the module doc)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError(f"n={n!r}: must be a positive integer (the number of conversations)")
+    calc_tool = next((t for t in tools if t["function"]["name"] == "calculator"), None)
+    if calc_tool is None:
+        raise UserError("build_calculator_conversations: the tools given hold no `calculator`; pass the built-in "
+                        "tools (nanolm.infer.tools.BUILTIN_TOOLS)")
     rng = random.Random(seed)
     lines = []
-    for i in range(n):
+    while len(lines) < n:
         zh = rng.random() < 0.5
         if rng.random() < DIRECT_SHARE:
             q, a = rng.choice([d for d in _DIRECT if (ord(d[0][0]) > 127) == zh] or _DIRECT)
             messages = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            offered = _offered(rng, tools, None)
         else:
             question, expr = rng.choice(_QUESTIONS_ZH if zh else _QUESTIONS_EN)
             a, b = rng.randint(2, 99), rng.randint(2, 99)
@@ -88,6 +161,8 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculat
             if "sqrt" in expr:
                 nums["c"] = rng.randint(2, 40) ** 2 if rng.random() < 0.7 else rng.randint(2, 999)
             expression = expr.format(**nums)
+            if numbers_held_out("calc", *operands(expression)):
+                continue  # the calc benchmark's numbers
             result = calculator({"expression": expression})
             if result.startswith("error"):
                 raise AssertionError(f"the calculator could not answer {expression!r}: {result}")
@@ -98,8 +173,32 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculat
                         {"role": "assistant", "content": "", "tool_calls": [call]},
                         {"role": "tool", "content": result},
                         {"role": "assistant", "content": reply}]
-        lines.append(json.dumps({"messages": messages, "tools": list(tools)}, ensure_ascii=False) + "\n")
+            offered = _offered(rng, tools, calc_tool)
+        lines.append(json.dumps({"messages": messages, "tools": offered}, ensure_ascii=False) + "\n")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(out, "".join(lines).encode("utf-8"))
     return out
+
+
+def calc_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> list[CalcItem]:
+    """n `calc` benchmark questions, half Chinese and half English (alternating): a held-out phrasing over two
+    two-digit numbers whose pair is held out (a quotient's dividend a multiple of its divisor, so that the result
+    is whole), each with the calculator's result for its expression. The same n and seed give the same items."""
+    rng = random.Random(seed)
+    items: list[CalcItem] = []
+    seen: set[str] = set()
+    while len(items) < n:
+        zh = len(items) % 2 == 0
+        question, expr = rng.choice(HELDOUT_ZH if zh else HELDOUT_EN)
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if "-" in expr:
+            a, b = max(a, b), min(a, b)
+        nums = {"a": a, "b": b, "c": b * rng.randint(2, 9)}
+        expression = expr.format(**nums)
+        text = question.format(**nums)
+        if text in seen or not numbers_held_out("calc", *operands(expression)):
+            continue
+        seen.add(text)
+        items.append(CalcItem(text, expression, calculator({"expression": expression}), f"calc:{len(items)}"))
+    return items

@@ -1,4 +1,13 @@
-"""The built-in benchmark: idiom meaning as multiple choice, over idioms no built-in training data holds.
+"""The built-in benchmarks, each over items that no training path of nanolm ever writes.
+
+- `idioms`: idiom meaning as multiple choice (below);
+- `cloze`: the real continuation of a held-out passage of the built-in text
+  corpora against three others from the same work (`cloze.py`);
+- `calc`: arithmetic questions answered through the calculator, in phrasings
+  and over numbers the built-in tool-use set never writes (`calc.py`);
+- `arith`: the arithmetic task's held-out problems (`nanolm.data.arith`,
+  numbers no SFT set or RL prompt file has), answered directly and matched
+  on the final answer (`####`, else the last number).
 
 `idioms` (`nanolm eval RUN --task idioms`): for each held-out idiom of the
 built-in idioms corpus (`nanolm.corpora.holdout`: ~3%, picked by a hash of
@@ -29,7 +38,8 @@ from nanolm.corpora.holdout import idiom_of, is_held_out
 from nanolm.errors import UserError
 from nanolm.eval.tasks import MCItem, Task, cloze
 
-BUILTIN_TASKS = ("idioms",)
+BUILTIN_TASKS = ("idioms", "cloze", "calc", "arith")
+ARITH_ITEMS = 200
 SEED = 0
 QUESTION = "「{w}」是什么意思？"
 _MEANING = re.compile(r"^「[^」]+」(?:（[^）]*）)?：(.+)$", re.S)
@@ -84,8 +94,27 @@ def idiom_task(idioms_jsonl: Path, n: int | None = None, seed: int = SEED) -> Ta
     return Task("idioms", "mc", items[:n] if n else items, str(idioms_jsonl), "built-in idiom meaning")
 
 
+def arith_task(n: int | None = None, seed: int = SEED) -> Task:
+    """The built-in `arith` task: held-out problems of the arithmetic task's standard level, answered directly."""
+    from nanolm.data.arith import problems
+    from nanolm.eval.tasks import GenItem
+    items = []
+    for i, p in enumerate(problems(n or ARITH_ITEMS, seed, split="heldout")):
+        prompt, _ = cloze(p["question"])
+        items.append(GenItem(p["question"], str(p["answer"]), prompt, where=f"arith:{i}"))
+    return Task("arith", "gen", items, "built-in", "built-in held-out arithmetic")
+
+
 def builtin_task(name: str, n: int | None = None) -> Task:
     """A built-in task by name, its corpus fetched on first use."""
+    if name == "calc":
+        from nanolm.eval.calc import calc_task
+        return calc_task(n)
+    if name == "arith":
+        return arith_task(n)
+    if name == "cloze":
+        from nanolm.eval.cloze import cloze_task
+        return cloze_task(n)
     if name != "idioms":
         raise UserError(f"{name}: not a built-in task; built-in tasks: {', '.join(BUILTIN_TASKS)}")
     from nanolm.corpora import fetch

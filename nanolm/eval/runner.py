@@ -1,7 +1,8 @@
 """`nanolm eval RUN --task ...`: tasks named on the command line, scored, summarised and saved.
 
 A task spec is a built-in task name (`idioms`) or a task file (see
-`tasks.py`), optionally followed by `:key=value,...` options:
+`tasks.py`; the built-in names are `idioms`, `cloze`, `calc` and `arith`,
+see `builtin.py`), optionally followed by `:key=value,...` options:
 
 - `n=N`: score the first N items only;
 - `shots=K`: K solved examples before each question, the first K items of
@@ -152,8 +153,12 @@ def evaluate_tasks(model: torch.nn.Module, tok: Any, tasks: Sequence[LoadedTask]
                 if engine is None:
                     from nanolm.infer.engine import Engine
                     engine = Engine(model, next(model.parameters()).device)
-                params = sampling or SamplingParams(max_new_tokens=256, temperature=0.0)
-                res = score_gen(engine, tok, lt.task.items, params, shots=lt.shots, chat=chat, rows=rows)
+                if lt.task.kind == "calc":  # always through the chat template, with the built-in tools
+                    from nanolm.eval.calc import score_calc
+                    res, chat = score_calc(engine, tok, lt.task.items, rows=rows), True
+                else:
+                    params = sampling or SamplingParams(max_new_tokens=256, temperature=0.0)
+                    res = score_gen(engine, tok, lt.task.items, params, shots=lt.shots, chat=chat, rows=rows)
             results.append({"task": lt.task.name, "path": lt.task.path, "layout": lt.task.layout,
                             "shots": len(lt.shots), "chat": chat, **res})
     finally:
@@ -237,7 +242,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     check_vocab(tok, model.config.vocab_size)
     chat_default = is_finetuned(ckpt_dir) if chat is None else chat
     engine = None
-    if any(lt.task.kind == "gen" for lt in loaded) or degeneration:
+    if any(lt.task.kind != "mc" for lt in loaded) or degeneration:
         engine = Engine(model, dev)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     with autocast(dev, resolve_dtype("auto", dev)):  # bf16 on a GPU that has it, as nanolm eval --data

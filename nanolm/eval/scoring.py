@@ -203,10 +203,12 @@ def score_mc(model: torch.nn.Module, tok: TokenizerLike, items: Sequence[MCItem]
 # ----------------------------------------------------------------------------- generation
 
 def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[int]], params: Any, *,
-                   stops: Sequence[str] = (), stop_ids: Sequence[int] = (), rows: int = 16) -> list[str]:
+                   stops: Sequence[str] = (), stop_ids: Sequence[int] = (), rows: int = 16,
+                   guide: Any = None) -> list[str]:
     """The reply to each prompt (token ids), decoded by the engine's batched rows, `rows` at a time (a row that
     ends makes room for the next prompt), each cut before the first of `stops`. With a seed, prompt i draws
-    with seed + i, so a reply does not depend on which prompts ran beside it."""
+    with seed + i, so a reply does not depend on which prompts ran beside it. guide: a row guide
+    (`infer/guide.py`) each row gets a fork of, or None."""
     from dataclasses import replace
 
     batch = engine.batch()
@@ -221,7 +223,7 @@ def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[i
             i = pending.pop()
             prompt = list(prompts[i])[-limit:]
             p = params if params.seed is None else replace(params, seed=params.seed + i)
-            (row,) = batch.add(prompt, p, stop_ids)
+            (row,) = batch.add(prompt, p, stop_ids, guide=guide)
             running[row] = i
 
     add()

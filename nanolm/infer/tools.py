@@ -270,16 +270,15 @@ def current_time(arguments: dict[str, Any], now: Callable[[], datetime] = _local
     return f"{t.replace(microsecond=0).isoformat()} ({t:%A}, {label})"
 
 
+# Compact descriptions: a chat offering the tools lists them in every prompt, and a small model trained on
+# the built-in tool-use set attends to them in every step without being trained on them.
 CALCULATOR = Tool(
-    "calculator", "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses, "
-    "sqrt, abs, round, floor, ceil, pi, e.",
-    {"type": "object", "properties": {"expression": {"type": "string", "description": "for example (3 + 4) * 12"}},
-     "required": ["expression"]},
+    "calculator", "Evaluate an arithmetic expression.",
+    {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     calculator)
 CURRENT_TIME = Tool(
-    "current_time", "The current date, time and weekday.",
-    {"type": "object", "properties": {"timezone": {"type": "string", "description":
-                                                   "an IANA timezone such as Asia/Shanghai; default: local time"}},
+    "current_time", "The date and time now.",
+    {"type": "object", "properties": {"timezone": {"type": "string", "description": "IANA name; default local"}},
      "required": []},
     current_time)
 

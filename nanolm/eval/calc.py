@@ -1,0 +1,98 @@
+"""The built-in `calc` benchmark: arithmetic questions answered through the calculator, held out.
+
+`nanolm eval RUN --task calc`: each item is a question in a phrasing the
+built-in tool-use set never uses, over a number pair it never writes
+(`nanolm.data.tooluse.calc_items`). The model is offered the built-in tools
+(as `nanolm chat --tools builtin` offers them), replies greedily with its tool
+call guided as in the chat, its calls are run, the results fed back as tool
+turns, and it writes its answer. An item counts when a call's result is the
+right number and the final reply states it. Chance is 0. Besides the
+accuracy, the result says how often the model called the calculator at all
+(`called`) and how often a call computed the right number (`computed`), so a
+model that has learnt the format but not to copy the question's numbers shows
+as such.
+
+Items are scored in batches of rows (`scoring.generate_texts`), two rounds:
+the replies that call, then the replies to the tool results.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from nanolm.data.chatml import Message
+from nanolm.data.tooluse import CalcItem, calc_items
+from nanolm.errors import UserError
+from nanolm.eval.scoring import _NUMBER, answers_match, generate_texts, summary
+from nanolm.eval.tasks import Task
+
+SEED = 0
+DEFAULT_ITEMS = 200
+
+
+def calc_task(n: int | None = None, seed: int = SEED) -> Task:
+    """The `calc` task: its first n items (DEFAULT_ITEMS without n), half Chinese and half English."""
+    from nanolm.infer.tools import calculator
+    return Task("calc", "calc", calc_items(n or DEFAULT_ITEMS, seed, calculator=calculator), "built-in",
+                "built-in held-out calculator questions")
+
+
+def _parse(text: str) -> Message:
+    from nanolm.infer.reply import ReplyParser
+    parser = ReplyParser(thinking=False, calls=True)
+    parser.push(text)
+    parser.finish()
+    return parser.message()
+
+
+def states(reply: str, answer: str) -> bool:
+    """Whether a reply states the answer as one of its numbers ("The answer is 1,088." states 1088)."""
+    return any(answers_match(x.replace("$", ""), answer) for x in _NUMBER.findall(reply))
+
+
+def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 16,
+               max_new_tokens: int = 64) -> dict[str, Any]:
+    """Score `calc` items with greedy replies through the chat template with the built-in tools offered.
+    Returns {"kind": "calc", "n", "acc", "chance": 0, "centred", "stderr", "called", "computed", "items"}."""
+    from nanolm.config import SamplingParams
+    from nanolm.infer.guide import GuideVocab, ToolCallGuide
+    from nanolm.infer.tools import Toolbox
+
+    fmt = tok.chat_format
+    if not fmt.tools:
+        raise UserError(f"--task calc: the tokenizer {tok.path} carries the plain ChatML template, which has no "
+                        "tools; score a model whose tokenizer was trained by this nanolm (`nanolm tokenizer train`)")
+    box = Toolbox.from_specs(["builtin"])
+    texts = box.texts()
+    guide = ToolCallGuide(GuideVocab.of(tok, engine.model.config.vocab_size, engine.device), list(box.tools))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    stop_ids = (tok.im_end_id, tok.eot_id)
+
+    def replies(conversations: list[list[Message]]) -> list[str]:
+        prompts = [tok.encode(fmt.render(c, texts, add_generation_prompt=True, thinking=False))
+                   for c in conversations]
+        return generate_texts(engine, tok, prompts, params, stop_ids=stop_ids, rows=rows, guide=guide)
+
+    talks = [[Message("user", it.question)] for it in items]
+    firsts = [_parse(r) for r in replies(talks)]
+    results: list[list[str]] = []
+    for talk, first in zip(talks, firsts):
+        talk.append(first)
+        results.append([box.run(c) if box.can_run(c) else f"error: there is no tool named {c.name!r}"
+                        for c in first.tool_calls])
+        talk += [Message("tool", r) for r in results[-1]]
+    answered = [i for i, first in enumerate(firsts) if first.tool_calls]
+    finals = {i: _parse(r).content for i, r in zip(answered, replies([talks[i] for i in answered]))}
+    per_item, correct = [], []
+    for i, it in enumerate(items):
+        computed = any(answers_match(r, it.answer) for r in results[i])
+        final = finals.get(i, firsts[i].content)
+        ok = computed and states(final, it.answer)
+        correct.append(float(ok))
+        per_item.append({"where": it.where, "question": it.question, "answer": it.answer,
+                         "calls": [c.arguments for c in firsts[i].tool_calls], "results": results[i],
+                         "reply": final, "computed": computed, "correct": ok})
+    s = summary(correct, 0.0)
+    n = len(items)
+    return {"kind": "calc", "n": n, "acc": s["acc"], "chance": 0.0, "centred": s["centred"], "stderr": s["stderr"],
+            "called": len(answered) / n, "computed": sum(p["computed"] for p in per_item) / n, "items": per_item}
