@@ -114,7 +114,7 @@ def builtin_task(name: str, n: int | None = None) -> Task:
         return arith_task(n)
     if name == "cloze":
         from nanolm.eval.cloze import cloze_task
-        return cloze_task(n)
+        return cloze_task(n=n)
     if name != "idioms":
         raise UserError(f"{name}: not a built-in task; built-in tasks: {', '.join(BUILTIN_TASKS)}")
     from nanolm.corpora import fetch
