@@ -1,0 +1,535 @@
+"""The report card (`nanolm report RUN...`): each stage's measured effect beside a baseline, in one table.
+
+For every run given (labelled by its train.stage: the pretrained base, SFT,
+RL, ...):
+
+- held-out quality: the validation metric the trainer logged in
+  metrics.jsonl (`val_bpb`, bits per byte of the val split; `val_reward` for
+  grpo, `val_reward_accuracy` for dpo), at the first validation, the last
+  and the best. The trainer first validates after train.eval_interval
+  steps, not at step 0, so "first" is an early model, not an untrained one;
+  the uniform baseline below stands for that.
+- its cost: wall time, the last `elapsed_s` of the run's training records
+  (seconds of the training loop, resumed runs included; setup and the final
+  evaluation and save not included), and tokens, the last `tokens` logged
+  (input positions of the training steps; for chat data the padded blocks).
+- benchmark tasks: each task spec (a built-in name, `nanolm.eval.builtin`,
+  or a task file) scored on the run's best checkpoint by
+  `nanolm.eval.runner.run_eval` with its defaults (base models on plain
+  text, fine-tuned ones through the chat template), so the card's numbers are
+  those of `nanolm eval RUN --task SPEC`: accuracy, its standard error and
+  chance.
+
+Baselines of a pretraining run (train.stage pretrain, one data set of text),
+computed on exactly the held-out tokens its `val_bpb` scored: the targets of
+the first train.eval_batches batches of the val split, as the loader's
+`iter_eval_batches` gives them (or, with `text_heldout`, the targets of
+those files tokenized as `nanolm eval --data FILES` reads them, and then the
+model's bits per byte is that of `nanolm eval` on them, best checkpoint).
+"Text" means the bytes the tokens stand for in the run's own tokenizer
+(`Tokenizer.token_bytes`; special tokens such as `<|endoftext|>` stand for
+no bytes), which is exactly the byte count val_bpb divides by; the training
+text is the run's train split decoded so (or `text_train`'s files).
+
+- uniform: every held-out token costs log2(vocab size) bits; about what an
+  untrained model scores.
+- unigram: each held-out token costs -log2 p(token), p = (count in the
+  training tokens + 1) / (training tokens + vocab size) (add-one, Laplace,
+  smoothing over the tokenizer's vocabulary); bits summed over the held-out
+  tokens, end-of-text tokens included as the model predicts them, over the
+  held-out bytes.
+- xz -9e: `lzma` (xz format, preset 9 | PRESET_EXTREME) given the training
+  text: (compressed size of training + held-out text - compressed size of
+  the training text) x 8 / held-out bytes. Of the training text only its last
+  XZ_TRAIN_BYTES (64 MiB, the dictionary of preset 9: xz finds no match
+  further back) are used.
+
+A fine-tuning run trained on chat data (sft, lora) gets its initial model
+(train.init_from, best checkpoint) scored by `nanolm.evaluate.evaluate` on
+the same validation blocks its val_bpb covered (the assistant replies) as
+its baseline.
+
+`build_report` measures and returns the card as a dict (JSON-serialisable),
+`format_report` renders it as markdown for the terminal, and `write_report`
+writes report.md, report.json and curves.png (validation bits per byte and
+training loss against tokens, every run; skipped with a line in report.md
+where matplotlib, the `track` extra, is missing) into a directory.
+"""
+
+from __future__ import annotations
+
+import io
+import lzma
+import math
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from nanolm.errors import UserError
+from nanolm.eval.builtin import BUILTIN_TASKS
+
+DEFAULT_TASKS: tuple[str, ...] = BUILTIN_TASKS
+XZ_PRESET = 9 | lzma.PRESET_EXTREME  # xz -9e
+XZ_TRAIN_BYTES = 64 << 20  # the dictionary size of preset 9: xz reaches no further back
+REPORT_MD, REPORT_JSON, CURVES_PNG = "report.md", "report.json", "curves.png"
+REPORT_VERSION = 1
+# Validation metrics, in the order looked for, and whether higher is better.
+VALIDATION_METRICS = {"val_bpb": False, "val_reward": True, "val_reward_accuracy": True}
+_DECODE_CHUNK = 1 << 20  # training tokens decoded to bytes at a time, from the end, for xz
+_TEXT_FIX = "pass the training and held-out text as files instead (text_train, text_heldout)"
+
+Source = Path | str | Sequence[Path | str] | None
+
+
+# ------------------------------------------------------------------------------------------ the baselines
+
+def xz_bits_per_byte(train: bytes, heldout: bytes) -> float:
+    """Bits per held-out byte that xz -9e spends on `heldout` after `train`:
+    (len(xz(train + heldout)) - len(xz(train))) * 8 / len(heldout)."""
+    if not heldout:
+        raise ValueError("xz_bits_per_byte needs at least one held-out byte")
+
+    def size(data: bytes) -> int:
+        return len(lzma.compress(data, format=lzma.FORMAT_XZ, preset=XZ_PRESET))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # lzma releases the GIL: the two run side by side
+        both, alone = pool.map(size, (train + heldout, train))
+    return (both - alone) * 8 / len(heldout)
+
+
+def unigram_counts(train_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int64 [vocab_size]: how often each id occurs in `train_ids`."""
+    ids = np.asarray(train_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"training ids outside the vocabulary [0, {vocab_size})")
+    return np.bincount(ids, minlength=vocab_size)
+
+
+def unigram_bits_from_counts(counts: np.ndarray, heldout_ids: np.ndarray) -> float:
+    """Summed bits of `heldout_ids` under the add-one smoothed unigram model of `counts` (one per vocab id)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    ids = np.asarray(heldout_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= len(counts)):
+        raise ValueError(f"held-out ids outside the vocabulary [0, {len(counts)})")
+    bits = np.log2(counts.sum() + len(counts)) - np.log2(counts + 1)  # -log2 p per id, (V,)
+    return float(bits[ids].sum())
+
+
+def unigram_bits_per_byte(train_ids: np.ndarray, heldout_ids: np.ndarray, vocab_size: int,
+                          heldout_bytes: int) -> float:
+    """Bits per held-out byte of the unigram model of `train_ids` with add-one smoothing over the vocabulary:
+    sum over held-out tokens t of -log2((count(t) + 1) / (len(train_ids) + vocab_size)), over heldout_bytes."""
+    if heldout_bytes <= 0:
+        raise ValueError("unigram_bits_per_byte needs heldout_bytes > 0")
+    return unigram_bits_from_counts(unigram_counts(train_ids, vocab_size), heldout_ids) / heldout_bytes
+
+
+def uniform_bits_per_byte(n_tokens: int, vocab_size: int, heldout_bytes: int) -> float:
+    """Bits per byte of n_tokens tokens each drawn uniformly from the vocabulary: an untrained model's score."""
+    return n_tokens * math.log2(vocab_size) / heldout_bytes
+
+
+# ------------------------------------------------------------------------------------------ reading runs
+
+def check_run(path: str | Path) -> Path:
+    """`path` as a run directory (config.json, metrics.jsonl, checkpoints/step-*); a one-line UserError else."""
+    from nanolm.checkpoint import step_dirs
+    from nanolm.eval.runner import run_dir_of
+
+    p = Path(path)
+    fix = "pass run directories written by `nanolm train`"
+    if not p.is_dir():
+        raise UserError(f"{p}: no such run directory; {fix}")
+    if run_dir_of(p) != p and (run_dir_of(p) / "metrics.jsonl").is_file():
+        raise UserError(f"{p}: a checkpoint, not a run; pass its run directory {run_dir_of(p)}")
+    missing = [name for name in ("config.json", "metrics.jsonl") if not (p / name).is_file()]
+    if not step_dirs(p):
+        missing.append("checkpoints/step-*")
+    if missing:
+        raise UserError(f"{p}: not a training run (it holds no {', '.join(missing)}); {fix}")
+    return p
+
+
+def _point(record: dict[str, Any], key: str) -> dict[str, Any]:
+    return {"step": record.get("step"), "tokens": record.get("tokens"), "value": record[key]}
+
+
+def stage_summary(run: Path) -> dict[str, Any]:
+    """What a run's metrics.jsonl says: steps, tokens, wall time, and its validation metric's first, best and
+    last values ({"step", "tokens", "value"} each)."""
+    from nanolm.train.metrics import read_metrics
+
+    records = read_metrics(run / "metrics.jsonl")
+    with_tokens = [r for r in records if isinstance(r.get("tokens"), int)]
+    elapsed = [r["elapsed_s"] for r in records if isinstance(r.get("elapsed_s"), (int, float))]
+    out: dict[str, Any] = {"steps": with_tokens[-1].get("step") if with_tokens else None,
+                           "tokens": with_tokens[-1]["tokens"] if with_tokens else None,
+                           "wall_s": elapsed[-1] if elapsed else None, "validation": None}
+    for key, higher in VALIDATION_METRICS.items():
+        vals = [r for r in records if isinstance(r.get(key), (int, float))]
+        if vals:
+            best = (max if higher else min)(vals, key=lambda r: r[key])
+            out["validation"] = {"metric": key, "higher_is_better": higher, "first": _point(vals[0], key),
+                                 "best": _point(best, key), "last": _point(vals[-1], key)}
+            break
+    return out
+
+
+def _as_list(source: Source) -> list[str]:
+    if source is None:
+        return []
+    if isinstance(source, (str, Path)):
+        return [str(source)]
+    return [str(s) for s in source]
+
+
+def _byte_table(tok: Any) -> list[bytes]:
+    """The bytes each id stands for, b"" for special tokens: what bits per byte counts (token_byte_lengths)."""
+    lengths = tok.token_byte_lengths()
+    return [b if lengths[i] else b"" for i, b in enumerate(tok.token_bytes())]
+
+
+def text_of(ids: np.ndarray, table: Sequence[bytes]) -> bytes:
+    """The bytes token ids stand for (`_byte_table`), joined."""
+    return b"".join(map(table.__getitem__, np.asarray(ids, dtype=np.int64).tolist()))
+
+
+def _file_stream(files: list[str], tok: Any) -> np.ndarray:
+    """The token stream `nanolm eval --data FILES` scores: each document followed by EOT."""
+    from nanolm.corpora import resolve_sources
+    from nanolm.evaluate import tokenize_files
+    return tokenize_files(resolve_sources(files), tok)
+
+
+def _one_data_dir(cfg: Any) -> Path:
+    """The run's one prepared data directory; UserError when it trains on several sets or the directory is gone."""
+    if cfg.data.sets or not cfg.data.path:
+        raise UserError(f"the run trains on {len(cfg.data.sets)} data sets, and the baselines are computed for one; "
+                        f"{_TEXT_FIX}")
+    path = Path(cfg.data.path)
+    if not path.is_dir():
+        raise UserError(f"{path}: the run's data directory is not there; {_TEXT_FIX}")
+    return path
+
+
+def _train_side(cfg: Any, tok: Any, table: Sequence[bytes], text_train: list[str],
+                xz_train_bytes: int) -> tuple[np.ndarray, bytes, dict[str, Any]]:
+    """(unigram counts, the training text for xz (its last xz_train_bytes), what it was)."""
+    if text_train:
+        ids = _file_stream(text_train, tok)
+        text = text_of(ids, table)
+        return (unigram_counts(ids, tok.vocab_size), text[-xz_train_bytes:],
+                {"source": ", ".join(text_train), "tokens": int(len(ids)), "bytes": len(text)})
+    from nanolm.data.shards import PackedData
+    data_dir = _one_data_dir(cfg)
+    data = PackedData(data_dir, "train", tokenizer_fingerprint=tok.fingerprint)
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+    lengths = tok.token_byte_lengths().astype(np.int64)
+    n_bytes = 0
+    for i, shard in enumerate(data.shards):
+        for start in range(0, len(shard), _DECODE_CHUNK):
+            ids = data.check_ids(np.asarray(shard[start:start + _DECODE_CHUNK], dtype=np.int64), i)
+            counts += np.bincount(ids, minlength=tok.vocab_size)[: tok.vocab_size]
+            n_bytes += int(lengths[ids].sum())
+    pieces, have = [], 0  # the text's end, decoded backwards a chunk at a time
+    for i in reversed(range(len(data.shards))):
+        shard = data.shards[i]
+        for stop in range(len(shard), 0, -_DECODE_CHUNK):
+            pieces.append(text_of(np.asarray(shard[max(0, stop - _DECODE_CHUNK):stop]), table))
+            have += len(pieces[-1])
+            if have >= xz_train_bytes:
+                break
+        if have >= xz_train_bytes:
+            break
+    text = b"".join(reversed(pieces))[-xz_train_bytes:]
+    return counts, text, {"source": f"{data_dir} (train split)", "tokens": int(data.n_tokens), "bytes": n_bytes}
+
+
+def _heldout_side(run: Path, cfg: Any, tok: Any, text_heldout: list[str],
+                  device: str) -> tuple[np.ndarray, str, dict[str, Any]]:
+    """(the held-out target ids, what they are, with files the model's bits per byte on them else {})."""
+    if text_heldout:
+        from nanolm.evaluate import evaluate
+        ids = _file_stream(text_heldout, tok)[1:]  # every token but the first is a target
+        model = evaluate(run, text_heldout, which="best", device=device, quiet=True)
+        return (ids, ", ".join(text_heldout) + " (as nanolm eval --data reads them)",
+                {"model_bpb": model["bpb"], "model_checkpoint": model["checkpoint"]})
+    from nanolm.data.loader import iter_eval_batches
+    from nanolm.data.shards import PackedData
+    data_dir = _one_data_dir(cfg)
+    val = PackedData(data_dir, "val", tokenizer_fingerprint=tok.fingerprint)
+    if val.kind != "text":
+        raise UserError(f"{data_dir}: {val.kind} data, and the baselines are computed on text; {_TEXT_FIX}")
+    tc = cfg.train
+    # The batches the trainer's validation scores (Trainer.evaluate), so the ids are val_bpb's targets.
+    ids = np.concatenate([b.y.reshape(-1).numpy() for b in iter_eval_batches(val, tc.batch_size, tc.seq_len,
+                                                                             tc.eval_batches)])
+    return ids, (f"{data_dir} (val split: the {tc.eval_batches} batches of {tc.batch_size} x {tc.seq_len} tokens "
+                 f"each validation scored)"), {}
+
+
+def pretrain_baselines(run: Path, cfg: Any, tok: Any, *, text_train: list[str], text_heldout: list[str],
+                       xz_train_bytes: int = XZ_TRAIN_BYTES, device: str = "auto") -> dict[str, Any]:
+    """The uniform, unigram and xz baselines of a pretraining run on its held-out tokens (see the module doc)."""
+    table = _byte_table(tok)
+    ids, source, model = _heldout_side(run, cfg, tok, text_heldout, device)
+    heldout = text_of(ids, table)
+    if not heldout:
+        raise UserError(f"{source}: no held-out text to compare on; {_TEXT_FIX}")
+    counts, train_text, train = _train_side(cfg, tok, table, text_train, xz_train_bytes)
+    return {**model, "heldout": {"source": source, "tokens": int(len(ids)), "bytes": len(heldout)},
+            "train": {**train, "xz_bytes": len(train_text)},
+            "vocab_size": tok.vocab_size,
+            "uniform_bpb": uniform_bits_per_byte(len(ids), tok.vocab_size, len(heldout)),
+            "unigram_bpb": unigram_bits_from_counts(counts, ids) / len(heldout),
+            "xz_bpb": xz_bits_per_byte(train_text, heldout)}
+
+
+def init_baseline(cfg: Any, device: str = "auto") -> dict[str, Any]:
+    """A chat fine-tuning run's initial model (train.init_from, best checkpoint) scored on the validation blocks
+    the run's val_bpb covered."""
+    from nanolm.evaluate import evaluate
+    data_dir = _one_data_dir(cfg)
+    tc = cfg.train
+    r = evaluate(tc.init_from, [data_dir], which="best", batch_size=tc.batch_size, seq_len=tc.seq_len,
+                 max_tokens=tc.eval_batches * tc.batch_size * tc.seq_len, device=device, quiet=True)
+    return {"init_bpb": r["bpb"], "checkpoint": r["checkpoint"], "source": r["data"], "tokens": r["tokens"]}
+
+
+def with_items(spec: str, n: int | None) -> str:
+    """A task spec scoring its first n items, unless it names its own n."""
+    from nanolm.eval.runner import parse_task_spec
+    if n is None:
+        return spec
+    parsed = parse_task_spec(spec)
+    if parsed.n is not None:
+        return spec
+    return f"{spec}{',' if parsed.source != spec else ':'}n={n}"
+
+
+def _labels(runs: list[Path], stages: list[str]) -> list[str]:
+    """Each run's stage, with its directory where two runs share a stage."""
+    from nanolm.plot import run_labels
+    names = run_labels(runs)
+    return [s if stages.count(s) == 1 else f"{s} ({name})" for s, name in zip(stages, names)]
+
+
+def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_TASKS, n: int | None = None,
+                 text_train: Source = None, text_heldout: Source = None, device: str = "auto",
+                 batch_size: int = 8, xz_train_bytes: int = XZ_TRAIN_BYTES) -> dict[str, Any]:
+    """Measure the report card of `runs` (run directories; see the module doc). tasks: task specs as
+    `nanolm eval --task` takes them; n: score each task's first n items (a spec's own n= wins); text_train,
+    text_heldout: files (or built-in corpus names) for the pretraining baselines instead of the run's shards;
+    batch_size: rows per forward pass of the benchmarks (`nanolm eval`'s default). Returns a JSON-serialisable
+    dict: {"version", "runs": [...], "tasks": [...], "notes": [...], "settings": {...}}."""
+    from nanolm.checkpoint import read_run_config, resolve_checkpoint
+    from nanolm.eval.runner import run_eval
+    from nanolm.tokenizer import Tokenizer
+
+    if not runs:
+        raise UserError("no runs given; pass one or more run directories written by `nanolm train`")
+    dirs = [check_run(r) for r in runs]
+    specs = [with_items(s, n) for s in tasks]
+    train_files, heldout_files = _as_list(text_train), _as_list(text_heldout)
+    cfgs = [read_run_config(d) for d in dirs]
+    stages = [c.train.stage for c in cfgs]
+    notes: list[str] = []
+    entries: list[dict[str, Any]] = []
+    for run, cfg, label in zip(dirs, cfgs, _labels(dirs, stages)):
+        ckpt = resolve_checkpoint(run, "best")
+        entry: dict[str, Any] = {"path": str(run.resolve()), "label": label, "stage": cfg.train.stage,
+                                 "checkpoint": str(ckpt), **stage_summary(run), "baseline": None}
+        try:
+            if cfg.train.stage == "pretrain":
+                tok = Tokenizer.load(ckpt)
+                entry["baseline"] = pretrain_baselines(run, cfg, tok, text_train=train_files,
+                                                       text_heldout=heldout_files, xz_train_bytes=xz_train_bytes,
+                                                       device=device)
+            elif cfg.train.stage in ("sft", "lora") and (entry["validation"] or {}).get("metric") == "val_bpb":
+                entry["baseline"] = init_baseline(cfg, device)
+        except UserError as e:
+            notes.append(f"{label}: no baseline: {e}")
+        entries.append(entry)
+
+    by_task: dict[str, dict[str, Any]] = {}
+    if specs:
+        with tempfile.TemporaryDirectory() as tmp:  # run_eval writes its JSON; the card keeps its own
+            for i, (entry, run) in enumerate(zip(entries, dirs)):
+                result = run_eval(run, specs, which="best", batch_size=batch_size, device=device,
+                                  out=Path(tmp) / f"{i}.json")
+                for r in result["tasks"]:
+                    t = by_task.setdefault(r["task"], {"task": r["task"], "kind": r["kind"], "path": r["path"],
+                                                       "results": []})
+                    t["results"].append({"label": entry["label"], "path": entry["path"],
+                                         "checkpoint": result["checkpoint"],
+                                         **{k: v for k, v in r.items() if k not in ("items", "task", "path")}})
+    return {"version": REPORT_VERSION, "runs": entries, "tasks": list(by_task.values()), "notes": notes,
+            "settings": {"tasks": specs, "n": n, "text_train": train_files, "text_heldout": heldout_files,
+                         "xz_train_bytes": xz_train_bytes}}
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+def _wall(seconds: float | None) -> str:
+    from nanolm.progress import fmt_duration
+    if seconds is None:
+        return "?"
+    return f"{seconds:.1f}s" if seconds < 60 else fmt_duration(seconds)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _validation_row(entry: dict[str, Any]) -> tuple[str, str, str, str] | None:
+    v = entry["validation"]
+    if v is None:
+        return None
+    first, best, last = v["first"], v["best"], v["last"]
+    if v["metric"] == "val_bpb":
+        what = "assistant replies" if entry["stage"] in ("sft", "lora", "dpo") else "text"
+        measure = f"held-out bits per byte ({what}), first → last validation"
+    elif v["metric"] == "val_reward":
+        measure = "held-out reward, first → last validation"
+    else:
+        measure = "held-out pairs ranked right (chosen over rejected), first → last validation"
+    value = f"{first['value']:.4f} (step {first['step']}) → {last['value']:.4f} (step {last['step']})"
+    if best["step"] != last["step"]:
+        value += f"; best {best['value']:.4f} (step {best['step']})"
+    b = entry["baseline"] or {}
+    if "init_bpb" in b:
+        baseline = f"initial model {b['init_bpb']:.4f}"
+    elif "xz_bpb" in b and "model_bpb" not in b:
+        baseline = f"unigram {b['unigram_bpb']:.4f} · xz -9e {b['xz_bpb']:.4f} · uniform {b['uniform_bpb']:.4f}"
+    else:
+        baseline = "—"
+    return entry["label"], measure, value, baseline
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for e in report["runs"]:
+        row = _validation_row(e)
+        if row:
+            rows.append(row)
+        b = e["baseline"] or {}
+        if "model_bpb" in b:
+            rows.append((e["label"], f"held-out bits per byte on {b['heldout']['source']}, best checkpoint",
+                         f"{b['model_bpb']:.4f}",
+                         f"unigram {b['unigram_bpb']:.4f} · xz -9e {b['xz_bpb']:.4f} · "
+                         f"uniform {b['uniform_bpb']:.4f}"))
+        tokens = "?" if e["tokens"] is None else f"{e['tokens']:,}"
+        rows.append((e["label"], "training: steps · tokens · wall time",
+                     f"{e['steps']} · {tokens} · {_wall(e['wall_s'])}", "—"))
+    for t in report["tasks"]:
+        for r in t["results"]:
+            how = "chat template" if r["chat"] else "plain text"
+            rows.append((r["label"], f"{t['task']} acc ({how}, {r['n']} items)",
+                         f"{_pct(r['acc'])} ± {_pct(r['stderr'])}", f"chance {_pct(r['chance'])}"))
+    return rows
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    head = ("stage", "measure", "value", "baseline")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The card as markdown (readable as it is in a terminal): the table, a line per benchmark, what the
+    baselines are, and notes."""
+    out = ["# nanolm report card", "", _table(_rows(report))]
+    if report["tasks"]:
+        out += ["", "Benchmarks (best checkpoint of each run, scored as `nanolm eval --task` does):", ""]
+        for t in report["tasks"]:
+            chance = {_pct(r["chance"]) for r in t["results"]}
+            scores = ", ".join(f"{r['label']} {_pct(r['acc'])} ± {_pct(r['stderr'])}" for r in t["results"])
+            out.append(f"- {t['task']} ({t['kind']}, {t['results'][0]['n']} items): {scores}; "
+                       f"chance {' / '.join(sorted(chance))}")
+    pre = [e for e in report["runs"] if e["baseline"] and "xz_bpb" in e["baseline"]]
+    if pre:
+        out += ["", "Baselines, on the same held-out tokens as the model's bits per byte:", ""]
+        for e in pre:
+            b = e["baseline"]
+            h, tr = b["heldout"], b["train"]
+            out.append(f"- {e['label']}: held out: {h['source']}, {h['tokens']:,} tokens, {h['bytes']:,} bytes; "
+                       f"training text: {tr['source']}, {tr['tokens']:,} tokens, {tr['bytes']:,} bytes "
+                       f"(xz given its last {tr['xz_bytes']:,})")
+        out.append(f"- unigram: add-one smoothed token frequencies of the training tokens over the tokenizer's "
+                   f"{pre[0]['baseline']['vocab_size']} ids, bits summed over the held-out tokens / held-out bytes; "
+                   "xz -9e: (xz(train + held out) - xz(train)) x 8 / held-out bytes; uniform: log2(vocab size) "
+                   "bits per token, an untrained model")
+    if any(e["baseline"] and "init_bpb" in e["baseline"] for e in report["runs"]):
+        out.append("- initial model: the run's train.init_from (best checkpoint) on the validation blocks the "
+                   "run's own validation scored")
+    if report["notes"]:
+        out += ["", *(f"Note: {n}" for n in report["notes"])]
+    return "\n".join(out) + "\n"
+
+
+def plot_curves(report: dict[str, Any], out: Path) -> Path:
+    """curves.png: validation bits per byte and training loss against training tokens, one colour per run, the
+    pretraining baselines as dotted lines. ImportError when matplotlib is missing."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    from nanolm.io import write_bytes_atomic
+    from nanolm.plot import SMOOTH_FROM, _series, smooth
+    from nanolm.train.metrics import read_metrics
+
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    ax_val, ax_loss = fig.subplots(1, 2)
+    for i, e in enumerate(report["runs"]):
+        color = f"C{i % 10}"
+        records = read_metrics(Path(e["path"]) / "metrics.jsonl")
+        xs, ys = _series(records, "val_bpb", "tokens")
+        if xs:
+            ax_val.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=4, label=e["label"])
+        xs, ys = _series(records, "loss", "tokens")
+        if xs:
+            if len(xs) >= SMOOTH_FROM:
+                ax_loss.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+                ys = smooth(ys, 2 * (len(ys) // SMOOTH_FROM) + 1)
+            ax_loss.plot(xs, ys, color=color, linewidth=1.5, label=e["label"])
+        b = e["baseline"] or {}
+        if "xz_bpb" in b and "model_bpb" not in b:
+            for key, style, name in (("unigram_bpb", ":", "unigram"), ("xz_bpb", "-.", "xz -9e")):
+                ax_val.axhline(b[key], color=color, linestyle=style, linewidth=1, label=f"{e['label']}: {name}")
+    ax_val.set_title("held-out bits per byte (validation)")
+    ax_loss.set_title("training loss (nats/token)")
+    for ax in (ax_val, ax_loss):
+        ax.set_xlabel("training tokens")
+        ax.xaxis.set_major_formatter(EngFormatter())
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_bytes_atomic(out, buf.getvalue())
+    return out
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write report.md, report.json and curves.png into `out_dir` (made if missing), each atomically; returns
+    the path of report.md. Without matplotlib, report.md says in one line that the curves were not drawn."""
+    from nanolm.io import write_json_atomic, write_text_atomic
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        plot_curves(report, out_dir / CURVES_PNG)
+        curves = f"![validation bits per byte and training loss against tokens]({CURVES_PNG})"
+    except ImportError:
+        curves = "Curves: not drawn, matplotlib is not installed (pip install 'nanolm[track]')."
+    md = out_dir / REPORT_MD
+    write_text_atomic(md, format_report(report) + "\n" + curves + "\n")
+    write_json_atomic(out_dir / REPORT_JSON, report)
+    return md
