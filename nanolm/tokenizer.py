@@ -4,6 +4,13 @@ The tokenizer nanolm trains is a HuggingFace `tokenizers` byte-level BPE (as in
 GPT-2 and MiniMind): no normalizer, the ByteLevel pre-tokenizer (GPT-2 split
 regex, no prefix space) and decoder, and all 256 bytes in the initial alphabet,
 so `decode(encode(text)) == text` for any Unicode string and no token is unknown.
+Before the ByteLevel step, every digit (any Unicode number character: ASCII,
+Arabic-Indic, full-width, ...) is split off on its own, as Qwen2/3 and StarCoder
+do, so "2024" is four tokens and no merge is spent on numbers; arithmetic sees
+the same digit tokens in every number. `train_tokenizer(..., split_digits=False)`
+trains the plain GPT-2 scheme, which tokenizers trained before had. A
+tokenizer.json stores its own pre-tokenizer, so a loaded tokenizer encodes as it
+was trained, whichever it is (`Tokenizer.splits_digits` says which).
 
 Its first tokens are the control tokens: `<|endoftext|>` = 0 (ends every
 pretraining document; also padding), `<|im_start|>` = 1 and `<|im_end|>` = 2
@@ -74,6 +81,26 @@ def _byte_alphabet() -> dict[str, int]:
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     moved = [b for b in range(256) if b not in keep]  # the other bytes, in order, shown as 256, 257, ...
     return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def _pre_tokenizer(split_digits: bool) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a tokenizer nanolm trains: GPT-2's ByteLevel split, after each digit is isolated
+    when `split_digits` (StarCoder's layout, which llama.cpp knows as the "starcoder" pre-tokenizer)."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if not split_digits:
+        return byte_level
+    # Digits only splits (each \p{N} character becomes a piece of its own), so decoding is unchanged.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+
+
+def _splits_digits(pre_tokenizer: Any) -> bool:
+    """Whether a tokenizer.json `pre_tokenizer` entry isolates every digit (a Digits step with
+    individual_digits, alone or in a Sequence)."""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    steps = pre_tokenizer.get("pretokenizers") if pre_tokenizer.get("type") == "Sequence" else [pre_tokenizer]
+    return any(isinstance(p, dict) and p.get("type") == "Digits" and p.get("individual_digits") is True
+               for p in steps or [])
 
 
 def _canonical_json(obj: Any) -> str:
@@ -167,6 +194,9 @@ class Tokenizer:
         self.tag_ids: dict[str, int] = {t: ids[t] for t in TAG_TOKENS if t in ids}
         self.chat_template: str | None = _template_of(config)
         self.chat_format = format_of(self.chat_template)
+        # As the file says, not as nanolm trains now: a tokenizer from before digit splitting keeps its numbers.
+        # Only tokenizers' Digits step counts: a Split regex that isolates \p{N} (Qwen's own) reads False.
+        self.splits_digits: bool = _splits_digits(data.get("pre_tokenizer"))
         self._byte_lengths: np.ndarray | None = None
         self._token_bytes: list[bytes] | None = None
 
@@ -301,20 +331,25 @@ def _validate_train_args(vocab_size: int, min_frequency: int) -> None:
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 6400, *,
-                    min_frequency: int = 2, quiet: bool = False) -> Tokenizer:
+                    min_frequency: int = 2, split_digits: bool = True, quiet: bool = False) -> Tokenizer:
     """Train a byte-level BPE on `texts`, save it into out_dir and return it loaded from there.
+
+    split_digits: encode every digit as a token of its own (Qwen2/3's choice);
+    False keeps GPT-2's split, where "2024" or " 12" can be one token.
 
     The vocabulary can come out smaller than vocab_size when the text has too
     few distinct pairs occurring min_frequency times; `Tokenizer.vocab_size`
     tells the real size.
     """
     _validate_train_args(vocab_size, min_frequency)
+    if not isinstance(split_digits, bool):
+        raise UserError(f"split_digits={split_digits!r}: must be True (one token per digit) or False")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
 
     tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = _pre_tokenizer(split_digits)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
