@@ -136,8 +136,9 @@ def test_files_saved(tok_dir, tok: Tokenizer) -> None:
         {t: 3 + i for i, t in enumerate(TAG_TOKENS)}, [], "qwen3")
     data = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
     assert data["normalizer"] is None
-    assert data["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                                     "use_regex": True}
+    assert data["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
     assert data["decoder"]["type"] == "ByteLevel"
 
 
@@ -226,7 +227,7 @@ def test_compression(tok: Tokenizer) -> None:
     line = compression_report(tok, zh, en)
     assert line == f"compression: zh {tok.compression(zh):.2f} chars/token, en {tok.compression(en):.2f} chars/token"
     # A Chinese character is 3 UTF-8 bytes and 512 tokens leave few merges for them.
-    assert tok.compression(en) > 2.0 > tok.compression(zh)
+    assert tok.compression(en) > 1.9 > tok.compression(zh)  # English digits are one token each
     assert compression_report(tok, [], en) == f"compression: en {tok.compression(en):.2f} chars/token"
     with pytest.raises(ValueError, match="at least one non-empty text"):
         tok.compression([""])

@@ -83,7 +83,9 @@ from nanolm.model.transformer import Yarn
 from nanolm.progress import Progress, fmt_bytes
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
-TOKENIZER_PRE = "gpt-2"  # llama.cpp's name for GPT-2's split regex, which nanolm's ByteLevel pre-tokenizer uses
+# llama.cpp's names for the pre-tokenizers nanolm's tokenizers use: GPT-2's split regex (ByteLevel alone, the
+# tokenizers trained before digits were split), and "starcoder": each digit alone, then GPT-2's regex.
+TOKENIZER_PRE = {False: "gpt-2", True: "starcoder"}
 BLOCK = {"q8_0": 32, "q4_0": 32}  # values per quantisation block (ggml's QK8_0, QK4_0): a row holds whole blocks
 
 # gguf's TokenType values (normal text pieces, special/control tokens, padding rows of the embedding)
@@ -231,6 +233,7 @@ class GGUFVocab:
     chat_template: str
     eot_id: int  # <|endoftext|>: BOS for llama.cpp's sake, and padding
     im_end_id: int  # <|im_end|>: the end of a chat turn
+    pre: str = TOKENIZER_PRE[False]  # llama.cpp's pre-tokenizer name
 
 
 def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
@@ -267,7 +270,7 @@ def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     # The template the tokenizer carries (its chat layout's when it has none), as transformers reads it.
     template = tok.chat_template or tok.chat_format.template
-    return GGUFVocab(tokens, types, merges, template, tok.eot_id, tok.im_end_id)
+    return GGUFVocab(tokens, types, merges, template, tok.eot_id, tok.im_end_id, TOKENIZER_PRE[tok.splits_digits])
 
 
 # ----------------------------------------------------------------------------- writing
@@ -319,7 +322,7 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
             writer.add_leading_dense_block_count(0)
 
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-    writer.add_tokenizer_pre(TOKENIZER_PRE)
+    writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
     writer.add_token_merges(vocab.merges)
