@@ -48,7 +48,7 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
     files = resolve_sources(args.sources)
     texts = iter_texts(files, format=args.format, skip_bad=args.skip_bad)
-    tok = train_tokenizer(texts, Path(args.out), args.vocab_size)
+    tok = train_tokenizer(texts, Path(args.out), args.vocab_size, split_digits=args.split_digits)
     zh, en = split_by_script(iter_texts(files, format=args.format, skip_bad=True))
     print(f"tokenizer: {tok.vocab_size} tokens -> {Path(args.out).resolve()}")
     print(compression_report(tok, zh, en))
@@ -254,11 +254,19 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         print(f"results -> {report['path']}")
 
 
+def _cmd_report(args: argparse.Namespace) -> None:
+    from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, write_report
+    card = build_report(args.runs, tasks=args.task or DEFAULT_TASKS, n=args.n, text_train=args.text_train,
+                        text_heldout=args.text_heldout, device=args.device, batch_size=args.batch_size)
+    print(format_report(card))
+    print(f"report -> {write_report(card, Path(args.out) if args.out else Path(args.runs[0]) / 'report')}")
+
+
 def _cmd_quickstart(args: argparse.Namespace) -> None:
     from nanolm.quickstart import quickstart
     quickstart(Path(args.out), minutes=args.minutes, corpora=args.corpora, chat_corpora=args.chat_corpora,
                vocab_size=args.vocab_size, preset_name=args.preset, max_chars=args.max_chars,
-               chat_max_chars=args.chat_max_chars)
+               chat_max_chars=args.chat_max_chars, rl=args.rl, bench_items=args.bench_items)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-chars", type=int, default=2_000_000,
                    help="use at most this many characters of each corpus, so the small Chinese novel is not "
                         "drowned by the English corpora (0 = all)")
+    q.add_argument("--rl", action="store_true",
+                   help="add a GRPO stage (answer reward) on the arithmetic task after fine-tuning, with its row on "
+                        "the report card")
+    q.add_argument("--bench-items", type=int, default=200, help="items of each benchmark on the report card")
     q.set_defaults(func=_cmd_quickstart)
 
     d = sub.add_parser("data", help="built-in corpora: list, fetch")
@@ -321,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--vocab-size", type=int, default=6400)
     tt.add_argument("--format", choices=["text", "chat"], default="text",
                     help="chat: read conversation JSONL files and train on the message contents")
+    tt.add_argument("--split-digits", action=argparse.BooleanOptionalAction, default=True,
+                    help="one token per digit, as Qwen2/3 (default); --no-split-digits: GPT-2's split, as tokenizers "
+                         "trained before")
     tt.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines instead of stopping")
     tt.set_defaults(func=_cmd_tokenizer_train)
 
@@ -431,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", nargs="+", default=None,
                     help="built-in corpora, .txt/.jsonl files or directories, or a prepared data directory")
     ev.add_argument("--task", action="append", default=[], metavar="TASK[:key=value,...]",
-                    help="a benchmark: the built-in idioms, or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
+                    help="a benchmark: a built-in one (idioms, cloze, calc, arith), or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
                          "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, "
                          "style=cloze|letters, name=; repeatable")
     ev.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
@@ -450,6 +465,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--last", action="store_true", help="the newest checkpoint instead of the best one")
     ev.add_argument("--device", default="auto")
     ev.set_defaults(func=_cmd_eval)
+
+    rp = sub.add_parser("report", help="the report card of runs: each stage's effect on held-out data against a "
+                                       "baseline (bits per byte against unigram and xz -9e; benchmarks against "
+                                       "chance), wall time and tokens; report.md, report.json and curves.png")
+    rp.add_argument("runs", nargs="+", help="run directories, e.g. a pretraining run and the SFT run made from it")
+    rp.add_argument("--out", default=None, help="directory for the report (default <first run>/report)")
+    rp.add_argument("--task", action="append", default=[], metavar="TASK[:key=value,...]",
+                    help="benchmarks to score each run on, as nanolm eval --task (default: the built-in idioms, "
+                         "cloze, calc and arith); repeatable")
+    rp.add_argument("--n", type=int, default=None, help="items per benchmark (default: each task's own)")
+    rp.add_argument("--text-train", nargs="+", default=None,
+                    help="text files standing for the training text of the baselines (default: the run's shards)")
+    rp.add_argument("--text-heldout", nargs="+", default=None,
+                    help="held-out text files to score and compare (default: the run's validation blocks)")
+    rp.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    rp.add_argument("--device", default="auto")
+    rp.set_defaults(func=_cmd_report)
     return p
 
 

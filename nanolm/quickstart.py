@@ -1,13 +1,18 @@
-"""`nanolm quickstart`: every stage at tiny scale, on a CPU, in a few minutes.
+"""`nanolm quickstart`: every stage at tiny scale, on a CPU, in a few minutes, ending with a report card.
 
 fetch the built-in corpora -> train a tokenizer -> prepare shards -> pretrain
 a tiny model within the time budget -> print a Chinese and an English
-continuation -> fine-tune it on the built-in chat corpora and the built-in
-tool-use set (arithmetic through the calculator) -> hold a short scripted
-conversation, then one with the built-in tools, where the model's calculator
-call is run and its result fed back -> score the base and SFT models on the built-in held-out benchmark
-(idiom meaning, multiple choice) against chance -> say where every artefact lies. It is also the shortest
-complete example of the library's API: each step is one call.
+continuation -> fine-tune it on the built-in chat corpora, the built-in
+tool-use set (arithmetic through the calculator) and the arithmetic task's
+worked answers -> hold a short scripted conversation, then one with the
+built-in tools, where the model's calculator call is run and its result fed
+back -> (with `rl`) GRPO on the arithmetic task's prompts with the answer
+reward -> the report card (`nanolm.eval.report`): pretraining's held-out bits
+per byte against a unigram model and xz -9e, every built-in held-out benchmark
+(idioms, cloze, calc, arith) for each model against chance, each stage's time
+and tokens; printed, and written as report.md, report.json and curves.png.
+It is also the shortest complete example of the library's API: each step is
+one call.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ SAMPLE_PROMPTS = ("话说天下大势，", "To be, or not to be,", "My fellow ci
 CHAT_SCRIPT = ("「一帆风顺」是什么意思？", "What is AI?")
 TOOL_SCRIPT = ("What is 37 times 24?", "48 加 76 等于多少？")
 TOOL_CONVERSATIONS = 1500  # the built-in tool-use set's share of the fine-tuning data
-BENCH_ITEMS = 200  # items of the built-in held-out benchmark scored for the base and SFT models
+ARITH_SFT = 1500  # worked arithmetic answers in the fine-tuning data (and RL prompts, with rl)
+ARITH_PROMPTS = 1000
+BENCH_ITEMS = 200  # items of each built-in held-out benchmark on the report card
+SHARES = {"pretrain": 0.7, "sft": 0.3}  # of the training time; with rl, RL takes RL_SHARE of it first
+RL_SHARE = 0.25
 
 
 def _banner(i: int, n: int, title: str) -> None:
@@ -67,12 +76,15 @@ def _train_within(cfg_overrides: dict, preset_name: str, seconds: float, *, quie
 
 def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT_CORPORA,
                chat_corpora: Sequence[str] = CHAT_CORPORA, vocab_size: int = 6400, preset_name: str = "tiny",
-               max_chars: int = 2_000_000, chat_max_chars: int = 500_000) -> dict[str, Path]:
-    """Run every stage into `out`; returns the artefact paths."""
+               max_chars: int = 2_000_000, chat_max_chars: int = 500_000, rl: bool = False,
+               bench_items: int = BENCH_ITEMS) -> dict[str, Path]:
+    """Run every stage into `out`; returns the artefact paths. rl: add a GRPO stage on the arithmetic task."""
     from nanolm.config import SamplingParams
+    from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.data.tooluse import build_calculator_conversations
+    from nanolm.eval.report import build_report, format_report, write_report
     from nanolm.infer.chat import ChatSession, run_chat
     from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
     from nanolm.infer.engine import Engine
@@ -82,13 +94,16 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
 
     if minutes <= 0:
         raise UserError(f"--minutes must be > 0, got {minutes}")
+    if rl and not chat_corpora:
+        raise UserError("--rl starts from the fine-tuned model; give --chat-corpora too")
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    n = 7
+    n = 8 + bool(rl) if chat_corpora else 6
+    step = itertools.count(1)
     remaining = lambda: minutes * 60 - (time.perf_counter() - t0)  # noqa: E731
 
-    _banner(1, n, "corpora")
+    _banner(next(step), n, "corpora")
     text_files = resolve_sources(list(corpora))
     chat_files = resolve_sources(list(chat_corpora)) if chat_corpora else []
     if max_chars:
@@ -96,42 +111,50 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     if chat_max_chars:
         # 30,895 idioms would drown chatterbot's 2,492 conversations; a smaller share keeps both in view.
         chat_files = _truncated_copies(chat_files, out / "corpora" / "chat", chat_max_chars)
-    if chat_files:  # the built-in tool-use set: arithmetic answered through the calculator, results computed
+    arith = {}
+    if chat_files:
+        # the built-in tool-use set (arithmetic answered through the calculator, results computed) and the
+        # arithmetic task's worked answers; neither holds a problem of the calc or arith benchmarks
         chat_files.append(build_calculator_conversations(out / "corpora" / "tools.jsonl", TOOL_CONVERSATIONS,
                                                          calculator=calculator, tools=BUILTIN_TOOLS))
+        arith = write_arith(out / "corpora" / "arith", ARITH_SFT, ARITH_PROMPTS if rl else 0, 0)
+        chat_files.append(arith["sft"])
     for f in [*text_files, *chat_files]:
         print(f"  {f} ({f.stat().st_size / 2**20:.1f} MiB)")
 
-    _banner(2, n, f"tokenizer (byte-level BPE, {vocab_size} tokens)")
+    _banner(next(step), n, f"tokenizer (byte-level BPE, {vocab_size} tokens, one per digit)")
     tok_dir = out / "tokenizer"
     texts = itertools.chain(iter_texts(text_files), iter_texts(chat_files, format="chat"))
     tok = train_tokenizer(texts, tok_dir, vocab_size)
     zh, en = split_by_script(itertools.chain(iter_texts(text_files), iter_texts(chat_files, format="chat")))
     print(f"  {compression_report(tok, zh, en)}")
 
-    _banner(3, n, "prepare token shards (pretraining text, then chat with loss masks)")
-    data_dir, sft_dir = out / "data", out / "sft-data"
-    # Chat blocks twice the pretraining window: a conversation offering the built-in tools holds ~300 tokens of
-    # tool list in its system turn (tokens the model attends to but is not trained on), past the tiny preset's 256.
+    _banner(next(step), n, "prepare token shards (pretraining text, then chat with loss masks)")
+    data_dir, sft_dir, rl_dir = out / "data", out / "sft-data", out / "rl-data"
+    # Chat blocks twice the pretraining window, so a conversation offering tools fits whole with its tool list.
     sft_len = 2 * load_config(preset_name).train.seq_len
     prepare(text_files, tok_dir, data_dir, val_fraction=0.02, workers=2)
     if chat_files:
         prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=sft_len + 1,
                 val_fraction=0.02, workers=2)
+    if rl:
+        prepare([arith["prompts"]], tok_dir, rl_dir, format="prompts", val_fraction=0.05, workers=0)
 
-    reserve = 25.0  # seconds kept for the final evaluations, checkpoints and samples
-    sft_share = 0.3 if chat_files else 0.0
-    _banner(4, n, "pretrain")
-    run_dir, sft_run = out / "run", out / "sft"
-    for d in (run_dir, sft_run):
+    # seconds kept for the report card's benchmarks (base and fine-tuned models), checkpoints and samples
+    reserve = 30.0 + (40.0 if chat_files else 10.0) * bench_items / BENCH_ITEMS
+    train_time = max(30.0, remaining() - reserve)
+    rl_time = train_time * RL_SHARE if rl else 0.0
+    shares = SHARES if chat_files else {"pretrain": 1.0}
+    _banner(next(step), n, "pretrain")
+    run_dir, sft_run, rl_run = out / "run", out / "sft", out / "rl"
+    for d in (run_dir, sft_run, rl_run):
         if (d / "config.json").is_file():
             shutil.rmtree(d)  # a previous quickstart's run: start afresh so the logs tell one story
     base = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size,
             "model.max_seq_len": sft_len}
-    train_time = max(10.0, remaining() - reserve)
-    result = _train_within(base, preset_name, max(10.0, train_time * (1 - sft_share)))
+    result = _train_within(base, preset_name, max(10.0, (train_time - rl_time) * shares["pretrain"]))
 
-    _banner(5, n, "samples from the pretrained model")
+    _banner(next(step), n, "samples from the pretrained model")
     model, ckpt_dir = load_model(run_dir, "best")
     engine = Engine(model)
     tok = Tokenizer.load(ckpt_dir)
@@ -144,18 +167,18 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     artefacts = {"corpora": text_files[0].parent if max_chars else text_files[0].parent.parent,
                  "tokenizer": tok_dir, "data": data_dir, "run": run_dir, "checkpoint": ckpt_dir,
                  "metrics": run_dir / "metrics.jsonl"}
-    final = run_dir
+    runs, final = [run_dir], run_dir
     if chat_files:
-        _banner(6, n, "supervised fine-tuning on the chat corpora and the tool-use set")
+        _banner(next(step), n, "supervised fine-tuning on the chat corpora, the tool-use set and worked arithmetic")
         # A few minutes from a barely-trained tiny model: larger steps than the SFT default (a tenth of the
         # pretraining lr), which suits long fine-tuning runs of well-trained models.
         pre_lr = load_config(preset_name).optim.lr
         sft = {**base, "data.path": str(sft_dir), "train.out_dir": str(sft_run), "train.stage": "sft",
                "train.seq_len": sft_len,
                "train.init_from": str(ckpt_dir), "optim.lr": pre_lr / 2, "optim.min_lr": pre_lr / 20}
-        _train_within(sft, preset_name, max(10.0, remaining() - reserve * 0.6))
+        _train_within(sft, preset_name, max(10.0, remaining() - reserve - rl_time))
 
-        _banner(7, n, "a scripted chat")
+        _banner(next(step), n, "a scripted chat")
         model, sft_ckpt = load_model(sft_run, "best")
         engine, sft_tok = Engine(model), Tokenizer.load(sft_ckpt)
         run_chat(ChatSession(engine, sft_tok, params), stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"),
@@ -165,17 +188,31 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
         run_chat(ChatSession(engine, sft_tok, greedy, tools=Toolbox.from_specs(["builtin"]), max_tool_rounds=1),
                  stdin=io.StringIO("\n".join(TOOL_SCRIPT) + "\n"), interactive=False)
         artefacts.update({"sft data": sft_dir, "sft run": sft_run, "sft ckpt": sft_ckpt})
+        runs.append(sft_run)
         final = sft_run
 
+    if rl:
+        _banner(next(step), n, "reinforcement learning (GRPO, answer reward) on the arithmetic task's prompts")
+        grpo = {**base, "data.path": str(rl_dir), "train.out_dir": str(rl_run), "train.stage": "grpo",
+                "train.init_from": str(sft_run), "train.batch_size": 8, "train.eval_batches": 8,
+                "grpo.group_size": 8, "grpo.max_new_tokens": 24, "grpo.rewards": "answer"}
+        _train_within(grpo, preset_name, max(10.0, remaining() - reserve))
+        artefacts["rl run"] = rl_run
+        runs.append(rl_run)
+        final = rl_run
+
+    _banner(next(step), n, "report card: each stage's effect on held-out data, against a baseline")
     from nanolm.corpora import REGISTRY
-    if all(c in REGISTRY for c in chat_corpora):  # built-in chat data leaves the benchmark's idioms out
-        from nanolm.eval.builtin import report_runs
-        runs = [("base", run_dir, False)] + ([("SFT", sft_run, True)] if chat_files else [])
-        print("\n" + "\n".join(report_runs(runs, BENCH_ITEMS)))
-    print(f"\n== done in {fmt_duration(time.perf_counter() - t0)} "
+    from nanolm.eval.report import DEFAULT_TASKS
+    # built-in chat data leaves the idioms benchmark's idioms out; a user's own chat data may not
+    tasks = [t for t in DEFAULT_TASKS if t != "idioms" or all(c in REGISTRY for c in chat_corpora)]
+    card = build_report(runs, tasks=tasks, n=bench_items)
+    print(format_report(card))
+    artefacts["report"] = write_report(card, out / "report")
+    print(f"== done in {fmt_duration(time.perf_counter() - t0)} "
           f"(pretraining: {result.step} steps, best val loss {result.best_val_loss:.3f})")
     for name, path in artefacts.items():
         print(f"  {name:<11}{path.resolve()}")
-    print(f"\nnext: nanolm chat {final}   |   nanolm generate {run_dir} --prompt '话说'   |   "
+    print(f"\nnext: nanolm chat {final}   |   nanolm report {' '.join(str(r) for r in runs)}   |   "
           f"nanolm train --preset minimind-26m --data {data_dir} --model.vocab_size {tok.vocab_size}")
     return artefacts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,11 +15,13 @@ def test_quickstart_end_to_end(tmp_path):
     out = tmp_path / "qs"
     env = {**os.environ, "NANOLM_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-m", "nanolm", "quickstart", "--out", str(out), "--minutes", "0.5",
-                        "--max-chars", "40000", "--chat-max-chars", "20000", "--vocab-size", "800"],
+                        "--max-chars", "40000", "--chat-max-chars", "20000", "--vocab-size", "800", "--rl",
+                        "--bench-items", "12"],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for stage in ("[1/7] corpora", "[2/7] tokenizer", "[3/7] prepare", "[4/7] pretrain", "[5/7] samples",
-                  "[6/7] supervised fine-tuning", "[7/7] a scripted chat"):
+    for stage in ("[1/9] corpora", "[2/9] tokenizer", "[3/9] prepare", "[4/9] pretrain", "[5/9] samples",
+                  "[6/9] supervised fine-tuning", "[7/9] a scripted chat", "[8/9] reinforcement learning",
+                  "[9/9] report card"):
         assert stage in r.stdout
     assert "compression: zh" in r.stdout
     assert "> 话说天下大势，" in r.stdout and "> To be, or not to be," in r.stdout
@@ -28,12 +31,19 @@ def test_quickstart_end_to_end(tmp_path):
     assert "user: What is 37 times 24?\n" in r.stdout and "with the built-in tools" in r.stdout
     assert "stage: sft" in r.stdout and "% of positions hold a real token" in r.stdout
     for artefact in ("tokenizer/tokenizer.json", "data/manifest.json", "run/metrics.jsonl", "run/config.json",
-                     "sft-data/manifest.json", "sft/metrics.jsonl"):
+                     "sft-data/manifest.json", "sft/metrics.jsonl", "rl/metrics.jsonl", "report/report.md",
+                     "report/report.json", "report/curves.png"):
         assert (out / artefact).is_file(), artefact
     assert list((out / "run" / "checkpoints").glob("step-*/model.safetensors"))
     assert list((out / "sft" / "checkpoints").glob("step-*/model.safetensors"))
     # the artefact list names real paths
     assert str((out / "run").resolve()) in r.stdout
-    # the built-in held-out benchmark, base and SFT, against chance
-    assert "built-in benchmark: idiom meaning, 200 held-out idioms" in r.stdout and "chance 25.0%" in r.stdout
-    assert "  base  acc " in r.stdout and "  SFT   acc " in r.stdout
+    # the report card: every built-in benchmark for the base, SFT and RL models, equal to what report.json holds
+    card = json.loads((out / "report" / "report.json").read_text(encoding="utf-8"))
+    assert [r["stage"] for r in card["runs"]] == ["pretrain", "sft", "grpo"]
+    assert [t["task"] for t in card["tasks"]] == ["idioms", "cloze", "calc", "arith"]
+    for t in card["tasks"]:
+        assert [r["n"] for r in t["results"]] == [12, 12, 12]
+    assert "# nanolm report card" in r.stdout and "xz -9e" in r.stdout
+    md = (out / "report" / "report.md").read_text(encoding="utf-8")
+    assert md.split("\n![")[0] in r.stdout and "](curves.png)" in md  # the card as printed, and its curves
