@@ -119,22 +119,3 @@ def builtin_task(name: str, n: int | None = None) -> Task:
         raise UserError(f"{name}: not a built-in task; built-in tasks: {', '.join(BUILTIN_TASKS)}")
     from nanolm.corpora import fetch
     return idiom_task(fetch("idioms", quiet=True), n)
-
-
-def report_runs(runs: list[tuple[str, Path, bool]], n: int | None = None) -> list[str]:
-    """One line per (label, run directory, through the chat template) with its score on the built-in task
-    (its first n items), against chance: what the quickstart prints for its base and SFT models."""
-    from nanolm.checkpoint import load_model
-    from nanolm.eval.scoring import score_mc
-    from nanolm.tokenizer import Tokenizer
-
-    task = builtin_task("idioms", n)
-    lines = [f"built-in benchmark: idiom meaning, {len(task.items)} held-out idioms (never trained on), "
-             f"4 real explanations each; chance 25.0%"]
-    for label, run, chat in runs:
-        model, ckpt = load_model(run, "best")
-        res = score_mc(model, Tokenizer.load(ckpt), task.items, chat=chat, batch_size=64)  # short rows
-        lines.append(f"  {label:<5} acc {res['acc']:.1%} (length-normalised {res['acc_norm']:.1%}) ± "
-                     f"{res['stderr']:.1%} | chance-centred {res['centred']:+.3f}"
-                     + (" | chat template" if chat else ""))
-    return lines
