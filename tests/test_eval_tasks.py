@@ -298,7 +298,7 @@ class ReplyEngine:
                 self.rows: dict[int, list[int]] = {}
                 self.n = 0
 
-            def add(self, prompt, params, stop_ids=(), n=1):
+            def add(self, prompt, params, stop_ids=(), n=1, guide=None):
                 text = TOK.decode(prompt)
                 reply = next(r for end, r in engine.replies.items() if text.endswith(end))
                 self.rows[self.n] = TOK.encode(reply)[: params.max_new_tokens] + [TOK.eot_id]
