@@ -38,8 +38,8 @@ TOOL_CONVERSATIONS = 1500  # the built-in tool-use set's share of the fine-tunin
 ARITH_SFT = 1500  # worked arithmetic answers in the fine-tuning data (and RL prompts, with rl)
 ARITH_PROMPTS = 1000
 BENCH_ITEMS = 200  # items of each built-in held-out benchmark on the report card
-SHARES = {"pretrain": 0.7, "sft": 0.3}  # of the training time; with rl, RL takes RL_SHARE of it first
-RL_SHARE = 0.25
+PRETRAIN_SHARE = 0.7  # of the training time left after RL's (SFT gets the rest)
+RL_SHARE = 0.25  # of the training time, with rl
 
 
 def _banner(i: int, n: int, title: str) -> None:
@@ -84,7 +84,8 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.data.tooluse import build_calculator_conversations
-    from nanolm.eval.report import build_report, format_report, write_report
+    from nanolm.corpora import REGISTRY
+    from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, write_report
     from nanolm.infer.chat import ChatSession, run_chat
     from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
     from nanolm.infer.engine import Engine
@@ -146,7 +147,6 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     reserve = 30.0 + (100.0 if chat_files else 15.0) * bench_items / BENCH_ITEMS
     train_time = max(30.0, remaining() - reserve)
     rl_time = train_time * RL_SHARE if rl else 0.0
-    shares = SHARES if chat_files else {"pretrain": 1.0}
     _banner(next(step), n, "pretrain")
     run_dir, sft_run, rl_run = out / "run", out / "sft", out / "rl"
     for d in (run_dir, sft_run, rl_run):
@@ -154,7 +154,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
             shutil.rmtree(d)  # a previous quickstart's run: start afresh so the logs tell one story
     base = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size,
             "model.max_seq_len": sft_len}
-    result = _train_within(base, preset_name, max(10.0, (train_time - rl_time) * shares["pretrain"]))
+    result = _train_within(base, preset_name, max(10.0, (train_time - rl_time) * (PRETRAIN_SHARE if chat_files else 1.0)))
 
     _banner(next(step), n, "samples from the pretrained model")
     model, ckpt_dir = load_model(run_dir, "best")
@@ -204,8 +204,6 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
         final = rl_run
 
     _banner(next(step), n, "report card: each stage's effect on held-out data, against a baseline")
-    from nanolm.corpora import REGISTRY
-    from nanolm.eval.report import DEFAULT_TASKS
     # built-in chat data leaves the idioms benchmark's idioms out; a user's own chat data may not
     tasks = [t for t in DEFAULT_TASKS if t != "idioms" or all(c in REGISTRY for c in chat_corpora)]
     card = build_report(runs, tasks=tasks, n=bench_items)

@@ -38,7 +38,6 @@ from nanolm.corpora.holdout import idiom_of, is_held_out
 from nanolm.errors import UserError
 from nanolm.eval.tasks import MCItem, Task, cloze
 
-BUILTIN_TASKS = ("idioms", "cloze", "calc", "arith")
 ARITH_ITEMS = 200
 SEED = 0
 QUESTION = "「{w}」是什么意思？"
@@ -105,17 +104,27 @@ def arith_task(n: int | None = None, seed: int = SEED) -> Task:
     return Task("arith", "gen", items, "built-in", "built-in held-out arithmetic")
 
 
-def builtin_task(name: str, n: int | None = None) -> Task:
-    """A built-in task by name, its corpus fetched on first use."""
-    if name == "calc":
-        from nanolm.eval.calc import calc_task
-        return calc_task(n)
-    if name == "arith":
-        return arith_task(n)
-    if name == "cloze":
-        from nanolm.eval.cloze import cloze_task
-        return cloze_task(n=n)
-    if name != "idioms":
-        raise UserError(f"{name}: not a built-in task; built-in tasks: {', '.join(BUILTIN_TASKS)}")
+def _idioms(n: int | None) -> Task:
     from nanolm.corpora import fetch
     return idiom_task(fetch("idioms", quiet=True), n)
+
+
+def _cloze(n: int | None) -> Task:
+    from nanolm.eval.cloze import cloze_task
+    return cloze_task(n=n)
+
+
+def _calc(n: int | None) -> Task:
+    from nanolm.eval.calc import calc_task
+    return calc_task(n)
+
+
+_BUILDERS = {"idioms": _idioms, "cloze": _cloze, "calc": _calc, "arith": arith_task}
+BUILTIN_TASKS = tuple(_BUILDERS)
+
+
+def builtin_task(name: str, n: int | None = None) -> Task:
+    """A built-in task by name (its first n items), its corpus fetched on first use."""
+    if name not in _BUILDERS:
+        raise UserError(f"{name}: not a built-in task; built-in tasks: {', '.join(BUILTIN_TASKS)}")
+    return _BUILDERS[name](n)
