@@ -27,6 +27,7 @@ nkv key/value heads, hs head size, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +37,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanolm.config import ModelConfig
+from nanolm.model.linear_ce import linear_cross_entropy
 from nanolm.model.moe import MoE, moe_param_counts
+
+
+# PyTorch's CPU flash attention takes longer for its bf16 backward than for float32 at small head sizes (measured
+# on a CPU with AMX, forward and backward of one layer at tiny's shape, head size 32: 19.8 ms bf16, 14.3 ms
+# float32; at head size 64 the two are level), so training under bf16 autocast on a CPU runs attention in float32
+# below this head size.
+SDPA_CPU_BF16_MIN_HEAD_DIM = 64
 
 
 class RMSNorm(nn.Module):
@@ -212,6 +221,11 @@ class Attention(nn.Module):
             v = cache.v[layer][:, :, :start + T]
             q = q.to(k.dtype)  # attention runs in the cache's dtype (float32 under bf16 weights on a CPU)
 
+        precision = contextlib.nullcontext()
+        if (cache is None and q.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and self.head_dim < SDPA_CPU_BF16_MIN_HEAD_DIM):
+            q, k, v = q.float(), k.float(), v.float()
+            precision = torch.autocast("cpu", enabled=False)  # autocast would cast them back to bf16
         # Grouped-query attention: each key/value head serves n_head / n_kv_head query heads. SDPA reads
         # the shared heads in place (enable_gqa) instead of copying them out to n_head heads.
         sdpa = partial(F.scaled_dot_product_attention, dropout_p=self.dropout if self.training else 0.0,
@@ -222,10 +236,11 @@ class Attention(nn.Module):
             g = self.n_head // self.n_kv_head
             y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv_head, g, self.head_dim), k, v,
                                                attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
+        elif start == 0:
+            with precision:
+                y = sdpa(q, k, v, attn_mask=mask) if mask is not None else sdpa(q, k, v, is_causal=T > 1)
         elif mask is not None:
             y = sdpa(q, k, v, attn_mask=mask)
-        elif start == 0:
-            y = sdpa(q, k, v, is_causal=T > 1)
         elif T == 1:  # one new token sees the whole cache
             y = sdpa(q, k, v)
         else:
@@ -311,13 +326,17 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, pos: torch.Tensor | None = None,
-                seg: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, V).
+                seg: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, V); with `targets` (B, T), their summed cross-entropy instead.
 
         With a cache, idx are the tokens after cache.pos. For packed sequences
         (several conversations in one row), `seg` (B, T) gives each token's
         segment id, and tokens attend only to earlier tokens of their own
         segment; `pos` (B, T) gives each token's position within its segment.
+        With targets, the float32 sum of the next-token cross-entropy over the
+        positions whose target is not negative is returned, computed by
+        `linear_cross_entropy` without writing the logits out (a LoRA-wrapped
+        output projection goes through its module and the plain loss).
         """
         B, T = idx.shape
         if cache is not None and cache.lengths is not None:
@@ -340,6 +359,12 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, i, mask)
         if cache is not None:
             cache.pos += T
+        if targets is not None:
+            h = self.norm(x).flatten(0, 1)  # (B*T, C)
+            if type(self.lm_head) is nn.Linear:
+                return linear_cross_entropy(h, self.lm_head.weight, targets.flatten())
+            return F.cross_entropy(self.lm_head(h).float(), targets.flatten().clamp_min(-1), ignore_index=-1,
+                                   reduction="sum")
         return self.lm_head(self.norm(x))  # (B, T, V)
 
     def _decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from nanolm.data.shards import IGNORE_INDEX, Batch
 from nanolm.model.moe import collect_aux_loss, moe_layers
-from nanolm.train.losses import distill_loss, dpo_loss, lm_loss, sequence_logps, step_share
+from nanolm.train.losses import distill_loss, dpo_loss, sequence_logps, step_share
 
 Metrics = dict[str, torch.Tensor]
 
@@ -62,6 +62,12 @@ def _forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(batch.x, pos=batch.pos, seg=batch.seg)
 
 
+def _summed_ce(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The batch's next-token cross-entropy summed over its targets, float32, through the model's fused output
+    projection and loss (the same value as losses.lm_loss of its logits, reduction "sum", without writing the logits)."""
+    return model(batch.x, pos=batch.pos, seg=batch.seg, targets=batch.y)
+
+
 @torch.no_grad()
 def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
               token_bytes: torch.Tensor | None, on_batch: Callable[[int], None] | None = None
@@ -74,8 +80,7 @@ def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[],
     loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
     for batch in batches:
         with autocast():
-            logits = _forward(model, batch)
-        loss_sum += lm_loss(logits, batch.y, reduction="sum").item()
+            loss_sum += _summed_ce(model, batch).item()
         targets = batch.y[batch.y != IGNORE_INDEX].cpu()
         n_tokens += targets.numel()
         if token_bytes is not None:
@@ -103,7 +108,7 @@ class LMObjective:
         return loss
 
     def __call__(self, model: nn.Module, batch: Batch) -> Loss:
-        ce = lm_loss(_forward(model, batch), batch.y, reduction="sum")
+        ce = _summed_ce(model, batch)
         return self.balance(model, Loss(ce, {"loss": ce.detach()}))
 
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
