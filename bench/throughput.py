@@ -5,8 +5,9 @@ One run measures, on one device (CUDA when present, else the CPU):
 1. The matrix-multiply ceiling per dtype: FLOP/s of square `a @ b` over a sweep
    of sizes, the median of several timed repeats per size; the best size counts.
 2. Training throughput for a preset and batch shape: full optimizer steps
-   (forward, `lm_loss`, backward, gradient clipping, AdamW step, zero_grad) on
-   random tokens, per dtype (bf16 = autocast, as `nanolm train` does it).
+   (forward with the fused output projection and loss, backward, gradient
+   clipping, the preset's optimizer step, zero_grad) on random tokens, per
+   dtype (bf16 = autocast, as `nanolm train` does it).
    Tokens/s is the median over the timed steps; MFU divides the achieved model
    FLOP/s (`flops_per_token`) by this run's ceiling of the same dtype.
 3. Generation at batch 1 through `Engine.generate` (KV cache, greedy): prefill
@@ -18,6 +19,8 @@ One run measures, on one device (CUDA when present, else the CPU):
    aggregate decode tokens/s, and their ratio to B = 1 measured in the same run.
 5. With `--compile`, training again under `torch.compile` (a failure is
    reported, not raised).
+6. With `--breakdown`, one step's time part by part beside each part's matmul
+   floor (bench/breakdown.py), per dtype, and with `--compile` each part compiled.
 
 Peak memory is per phase: on CUDA `max_memory_allocated` above what was
 allocated when the phase began; on Linux CPUs the growth of
@@ -70,7 +73,6 @@ from nanolm.model.transformer import Transformer, count_params, flops_per_token
 from nanolm.progress import fmt_bytes
 from nanolm.runtime import DTYPES, autocast, resolve_device
 from nanolm.train.metrics import peak_flops
-from nanolm.train.losses import lm_loss
 from nanolm.train.optim import build_optimizer
 from procfs import status_kib  # bench/procfs.py, beside this script
 
@@ -237,9 +239,8 @@ def train_throughput(cfg: Config, device: torch.device, dtype: torch.dtype, batc
             c0 = time.process_time()
             sync(device)
             t0 = time.perf_counter()
-            with autocast(device, dtype):
-                logits = train_model(x)  # (B, T, V)
-            loss = lm_loss(logits, y)
+            with autocast(device, dtype):  # the fused output projection and loss, as nanolm train runs it
+                loss = train_model(x, targets=y) / y.numel()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
@@ -248,7 +249,6 @@ def train_throughput(cfg: Config, device: torch.device, dtype: torch.dtype, batc
             step_times.append(time.perf_counter() - t0)
             if i >= warmup:
                 cpu_timed += time.process_time() - c0
-            del logits
             phase = "warm-up" if i < warmup else "timed"
             say(f"train {dtype_name(dtype)}{' compiled' if compile_model else ''}: {phase} step "
                 f"{i + 1}/{warmup + steps} {step_times[-1]:.2f}s ({tokens / step_times[-1]:.0f} tok/s)")
@@ -488,6 +488,13 @@ def print_report(res: dict[str, Any]) -> None:
                   f"{r['cpu_cores_busy']:>7.2f}")
         print("  overhead: ms/token of the same depth and heads at width 64 (Python, dispatch, small ops: the "
               "part of a token that is not weight traffic)")
+    if res["breakdown"]:
+        from breakdown import print_breakdown
+        t = res["train_shape"]
+        for b in res["breakdown"]:
+            whole = next((r["step_s_median"] for r in res["train"] if r["dtype"] == b["dtype"]
+                          and r["compile"] == b["compile"] and not r.get("error")), None)
+            print_breakdown(b, whole, t["batch_size"] * t["seq_len"])
     for g in res["batch"]:
         print(f"\nbatched generation, {g['dtype']}: B different {g['prompt_len']}-token prompts decoded together, "
               f"greedy, {g['new_tokens']} new tokens each; step = median decode step")
@@ -544,6 +551,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed training steps per configuration")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per configuration (median)")
     p.add_argument("--compile", action="store_true", help="also time training under torch.compile")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time a training step part by part (bench/breakdown.py), per dtype (and, with "
+                        "--compile, each part compiled), beside each part's matmul floor")
+    p.add_argument("--breakdown-repeats", type=int, default=5, help="timed repeats of each part (median)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--gen-repeats", type=int, default=3, help="timed generations per dtype (median)")
@@ -607,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "params": count_params(Transformer(cfg.model)), "flops_per_token": fpt},
         "train_shape": {"batch_size": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
                         "steps": args.steps},
-        "matmul": {}, "train": [], "trainer": [], "generate": [], "batch": [],
+        "matmul": {}, "train": [], "trainer": [], "generate": [], "batch": [], "breakdown": [],
     }
     say(f"{args.preset} on {device} ({torch.get_num_threads()} threads), dtypes {','.join(args.dtype_list)}")
 
@@ -641,6 +652,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["achieved_flops"] = r["tokens_per_s"] * fpt
                 r["mfu"] = r["achieved_flops"] / ceiling if ceiling else None
             res["train"].append(r)
+
+    if args.breakdown:
+        from breakdown import step_breakdown  # bench/breakdown.py, beside this script
+        for compiled in [False] + ([True] if args.compile else []):
+            for dtype in dtypes:
+                say(f"breakdown {dtype_name(dtype)}{' compiled' if compiled else ''}")
+                ceiling = res["matmul"].get(dtype_name(dtype), {}).get("best_flops")
+                res["breakdown"].append(step_breakdown(cfg, device, dtype, args.batch_size, args.seq_len, compiled,
+                                                       args.breakdown_repeats, ceiling))
 
     if "trainer" in args.parts_list:
         import tempfile
