@@ -17,6 +17,9 @@ One run measures, on one device (CUDA when present, else the CPU):
    `Engine.batch()` (different 64-token prompts, greedy, nothing stops them
    early), for B in `--batch-sizes`: the median time of a decode step and the
    aggregate decode tokens/s, and their ratio to B = 1 measured in the same run.
+   With `--batch-sampled`, every row samples with the default sampling
+   parameters (temperature, top-k, top-p) and its own seed, as the server's
+   and GRPO's rows do.
 5. With `--compile`, training again under `torch.compile` (a failure is
    reported, not raised).
 6. With `--breakdown`, one step's time part by part beside each part's matmul
@@ -368,9 +371,9 @@ def generation_throughput(model: nn.Module, device: torch.device, dtype: torch.d
 
 
 def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtype, prompt_len: int,
-                       new_tokens: int, batch_sizes: list[int], seed: int) -> dict[str, Any]:
-    """Per batch size B: B different prompts added to one Engine.batch() and decoded together, greedy, to
-    new_tokens each. The decode step's time is the median over the steps after the first (the first samples
+                       new_tokens: int, batch_sizes: list[int], seed: int, sampled: bool = False) -> dict[str, Any]:
+    """Per batch size B: B different prompts added to one Engine.batch() and decoded together, greedy (or
+    sampled with the default parameters, each row seeded), to new_tokens each. The decode step's time is the median over the steps after the first (the first samples
     from the prefills); aggregate decode tokens/s = B / that time."""
     engine = Engine(model, device, dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -382,8 +385,8 @@ def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtyp
         with PeakMemory(device) as mem:
             batch = engine.batch()
             t0 = time.perf_counter()
-            for prompt in prompts:
-                batch.add(prompt, params)
+            for i, prompt in enumerate(prompts):
+                batch.add(prompt, SamplingParams(max_new_tokens=new_tokens, seed=seed + i) if sampled else params)
             prefill_s = time.perf_counter() - t0
             steps, made = [], 0
             while batch:
@@ -393,11 +396,13 @@ def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtyp
         step_s = statistics.median(steps[1:])
         rows.append({"batch": b, "prefill_s": prefill_s, "step_s": step_s, "tokens": made,
                      "tokens_per_s": b / step_s, "peak_mem_bytes": mem.peak_bytes})
-        say(f"batch {dtype_name(dtype)} x{b}: {step_s * 1e3:.2f} ms/step, {b / step_s:.0f} tokens/s")
+        say(f"batch {dtype_name(dtype)} x{b}{' sampled' if sampled else ''}: {step_s * 1e3:.2f} ms/step, "
+            f"{b / step_s:.0f} tokens/s")
     one = next((r for r in rows if r["batch"] == 1), None)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
-    return {"dtype": dtype_name(dtype), "prompt_len": prompt_len, "new_tokens": new_tokens, "rows": rows}
+    return {"dtype": dtype_name(dtype), "prompt_len": prompt_len, "new_tokens": new_tokens, "sampled": sampled,
+            "rows": rows}
 
 
 # ----------------------------------------------------------------------------- report
@@ -540,6 +545,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="which of matmul,train,trainer,generate,batch to run (trainer: `nanolm train` end to end; "
                         "batch: many sequences decoded together)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="sequences decoded together, for --parts batch")
+    p.add_argument("--batch-sampled", action="store_true",
+                   help="--parts batch: rows sample with the default parameters, each seeded, instead of greedy")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-sizes", default="",
@@ -702,7 +709,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = Transformer(cfg.model).to(device)
         for dtype in dtypes:
             res["batch"].append(batched_generation(model, device, dtype, args.prompt_len, args.new_tokens,
-                                                   args.batch_size_list, args.seed))
+                                                   args.batch_size_list, args.seed, args.batch_sampled))
         del model
 
     res["warnings"] = contention_warnings(res, device)

@@ -9,9 +9,9 @@ import torch
 
 from nanolm.config import ModelConfig, SamplingParams
 from nanolm.errors import UserError
-from nanolm.infer.engine import Engine
-from nanolm.infer.sampling import (Penalties, presence_frequency_penalty, repetition_penalty, sample_next,
-                                   top_k_filter, top_p_filter)
+from nanolm.infer.engine import Engine, Reply, run_to_end
+from nanolm.infer.sampling import (Penalties, apply_penalties, presence_frequency_penalty, repetition_penalty,
+                                   sample_next, sample_rows, top_k_filter, top_p_filter)
 from nanolm.infer.fuse import SMALL_ROWS, DecodeLinear, FusedAttention, FusedMLP, decode_linear, fuse_projections
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
@@ -101,6 +101,66 @@ def test_one_set_of_sampling_defaults():
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)  # off
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(temperature=1, top_p=1).top_p == 1  # integers are numbers too
+
+
+def test_one_draw_is_torch_multinomials_own():
+    """The draw for a row is exactly torch.multinomial's for one sample with the same generator."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(0)) * 3
+    g, ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    got = [int(sample_next(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0), g)) for _ in range(30)]
+    want = [int(torch.multinomial(torch.softmax(logits, -1), 1, generator=ref)) for _ in range(30)]
+    assert got == want
+
+
+SETTINGS = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+            dict(temperature=1.3, top_p=0.6), dict(temperature=0.9, top_k=12, top_p=0.8),
+            dict(temperature=1.0, top_k=1), dict(temperature=2.0, top_k=200, top_p=0.999),
+            dict(temperature=0.8, repetition_penalty=1.7), dict(temperature=0.0, presence_penalty=1.5),
+            dict(temperature=1.1, frequency_penalty=0.7, presence_penalty=-0.5, repetition_penalty=0.8)]
+
+
+def test_rows_sampled_together_draw_what_each_draws_alone():
+    """Ten rows, each with its own temperature, top-k, top-p, penalties and seed, sampled as one batch for 25
+    steps: every row's tokens and penalised logits are exactly those it gets sampled alone."""
+    vocab = 40
+    gen = torch.Generator().manual_seed(3)
+    steps = [torch.randn(len(SETTINGS), vocab, generator=gen) * 2 for _ in range(25)]
+
+    def rows(indices):
+        params = [SamplingParams(**SETTINGS[i], seed=50 + i) for i in indices]
+        pens = [Penalties(p, [i, i + 1, 2 * i], vocab, torch.device("cpu")) for i, p in zip(indices, params)]
+        gens = [torch.Generator().manual_seed(p.seed) for p in params]
+        return params, pens, gens
+
+    def run(indices):
+        params, pens, gens = rows(indices)
+        drawn, seen = [], []
+        for logits in steps:
+            x = apply_penalties(logits[indices], pens)
+            ids = sample_rows(x, torch.tensor([p.temperature for p in params]),
+                              torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]), gens)
+            for pen, t in zip(pens, ids.tolist()):
+                pen.add(t)
+            drawn.append(ids.tolist())
+            seen.append(x)
+        return drawn, seen
+
+    together, logits_together = run(list(range(len(SETTINGS))))
+    for i in range(len(SETTINGS)):
+        alone, logits_alone = run([i])
+        assert [step[i] for step in together] == [step[0] for step in alone], SETTINGS[i]
+        assert all(torch.equal(a[i], b[0]) for a, b in zip(logits_together, logits_alone))
+    assert len({tuple(step[i] for step in together) for i in range(len(SETTINGS))}) == len(SETTINGS)
+
+
+def test_per_row_filters_equal_the_filters_of_each_row():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    k = torch.tensor([0, 3, 30, 1])
+    p = torch.tensor([1.0, 0.5, 0.9, 0.2])
+    assert torch.equal(top_k_filter(logits, k), torch.cat([top_k_filter(logits[i:i + 1], int(k[i])) for i in range(4)]))
+    assert torch.equal(top_p_filter(logits, p), torch.cat([top_p_filter(logits[i:i + 1], float(p[i]))
+                                                           for i in range(4)]))
+    assert torch.isfinite(top_k_filter(logits, k)).sum(-1).tolist() == [30, 3, 30, 1]
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -261,6 +321,39 @@ def test_a_row_at_the_end_of_the_context_ends_alone():
                 finishes[out.row] = out.finish
     assert len(got[short]) == 4 and len(got[other]) == 10 and finishes == {short: "length", other: "length"}
     assert got[other] == engine.generate_all([1, 2], SamplingParams(max_new_tokens=10, temperature=0))
+
+
+def test_the_one_driver_runs_rows_to_their_end_with_why_they_ended():
+    """run_to_end: a row ending on a stop id ("stop", the id not in its tokens), on its budget ("length"), at the
+    context's end ("length"), or where `until` says ("stop"), each with the tokens it makes alone; refill keeps
+    at most two rows decoding and adds the rest as rows end."""
+    engine = Engine(_varied_model())  # context 64
+    greedy = SamplingParams(max_new_tokens=9, temperature=0)
+    free = engine.generate_all([5, 6, 7], greedy)
+    stop = free[4]
+    prompts = [([5, 6, 7], [stop]), ([1, 2], []), (list(range(58)), []), ([9, 3], [])]
+    assert engine.replies([p for p, _ in prompts[:1]], greedy, [stop]) == [Reply(free[:free.index(stop)], "stop")]
+    batch = engine.batch()
+    pending = list(range(len(prompts)))
+    index, most = {}, []
+
+    def refill(live):
+        most.append(live)
+        added = []
+        while pending and live + len(added) < 2:
+            i = pending.pop(0)
+            (row,) = batch.add(prompts[i][0], greedy, prompts[i][1])
+            index[row] = i
+            added.append(row)
+        return added
+
+    replies = run_to_end(batch, refill=refill, until=lambda row, toks: index[row] == 3 and len(toks) == 2)
+    got = {index[r]: rep for r, rep in replies.items()}
+    assert got[0] == Reply(free[:free.index(stop)], "stop")
+    assert got[1] == Reply(engine.generate_all([1, 2], greedy), "length") and len(got[1].tokens) == 9
+    assert got[2] == Reply(engine.generate_all(list(range(58)), greedy), "length") and len(got[2].tokens) == 6
+    assert got[3] == Reply(engine.generate_all([9, 3], greedy)[:2], "stop")
+    assert max(most) <= 2 and not pending
 
 
 def test_logprobs_are_the_models_own_distribution():

@@ -32,6 +32,7 @@ model whose log-probabilities are known.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from decimal import Decimal, InvalidOperation
@@ -40,6 +41,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from nanolm.eval.tasks import GenItem, MCItem
+from nanolm.infer.engine import run_to_end
 
 
 class TokenizerLike(Protocol):
@@ -212,38 +214,31 @@ def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[i
     from dataclasses import replace
 
     batch = engine.batch()
-    pending = list(range(len(prompts)))[::-1]
-    running: dict[int, int] = {}  # row id -> prompt index
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    texts: dict[int, str] = {}
+    pending = iter(range(len(prompts)))
+    index: dict[int, int] = {}  # row id -> prompt index
+    texts: dict[int, str] = {}  # prompt index -> its reply, cut before a stop string
     limit = engine.max_seq_len - 1
 
-    def add() -> None:
-        while pending and len(running) < rows:
-            i = pending.pop()
-            prompt = list(prompts[i])[-limit:]
+    def refill(live: int) -> list[int]:
+        added = []
+        for i in itertools.islice(pending, max(rows - live, 0)):
             p = params if params.seed is None else replace(params, seed=params.seed + i)
-            (row,) = batch.add(prompt, p, stop_ids, guide=guide)
-            running[row] = i
+            (row,) = batch.add(list(prompts[i])[-limit:], p, stop_ids, guide=guide)
+            index[row] = i
+            added.append(row)
+        return added
 
-    add()
-    while running:
-        for out in batch.step():
-            i = running[out.row]
-            if out.token is not None:
-                tokens[i].append(out.token)
-                if stops:
-                    text = tok.decode(tokens[i])
-                    cut = min((text.find(s) for s in stops if s in text), default=-1)
-                    if cut >= 0:
-                        texts[i] = text[:cut]
-                        batch.cancel(out.row)
-                        del running[out.row]
-                        continue
-            if out.finish is not None:
-                del running[out.row]
-        add()
-    return [texts[i] if i in texts else tok.decode(tokens[i]) for i in range(len(prompts))]
+    def until(row: int, tokens: list[int]) -> bool:
+        text = tok.decode(tokens)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            texts[index[row]] = text[:cut]
+        return cut >= 0
+
+    replies = run_to_end(batch, refill=refill, until=until if stops else None)
+    for row, reply in replies.items():
+        texts.setdefault(index[row], tok.decode(reply.tokens))
+    return [texts[i] for i in range(len(prompts))]
 
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
 from nanolm.config import SEED_RANGE, SamplingParams
 from nanolm.infer.fuse import fuse_projections
-from nanolm.infer.sampling import Penalties, sample_next
+from nanolm.infer.sampling import Penalties, apply_penalties, sample_rows
 from nanolm.model.transformer import KVCache
 
 
@@ -114,17 +114,61 @@ class Engine:
     def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                       stop_ids: Sequence[int] = (), n: int = 1) -> list[list[int]]:
         """Every prompt's reply (n replies each, in order: prompt 0's n, then prompt 1's ...), decoded together."""
+        return [r.tokens for r in self.replies(prompts, params, stop_ids, n)]
+
+    def replies(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                stop_ids: Sequence[int] = (), n: int = 1) -> list["Reply"]:
+        """As `generate_many`, each reply with the reason it ended (`Reply`)."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         batch = self.batch()
         rows = [row for prompt, p in zip(prompts, per_prompt) for row in batch.add(prompt, p, stop_ids, n=n)]
-        replies: dict[int, list[int]] = {row: [] for row in rows}
-        while batch:
-            for out in batch.step():
-                if out.token is not None:
-                    replies[out.row].append(out.token)
+        replies = run_to_end(batch, rows)
         return [replies[row] for row in rows]
+
+
+@dataclass
+class Reply:
+    """A row decoded to its end: its tokens (a stop id that ended it is not among them) and why it ended:
+    "stop" (a stop id, or the caller's `until`) or "length" (its max_new_tokens, or the context's end)."""
+
+    tokens: list[int]
+    finish: str
+
+
+def run_to_end(batch: "DecodeBatch", rows: Sequence[int] = (), refill: Callable[[int], Sequence[int]] | None = None,
+               until: Callable[[int, list[int]], bool] | None = None) -> dict[int, Reply]:
+    """The one decode driver: step `batch` until every row has ended; each row's Reply, by row id.
+
+    rows: the ids of rows already added. refill(live), when given, is called before the first step and after
+    each one with the number of rows still decoding, and returns the ids of the rows it added (a caller keeping
+    a bounded number of rows in flight adds one per row that ended). until(row, tokens), when given, is asked
+    after each token a row makes: True ends the row there (finish "stop"; a stop string, say). Any object with
+    DecodeBatch's add, step and cancel can be driven (the server's worker steps its batch itself, to admit
+    requests between steps).
+    """
+    live = set(rows)
+    replies: dict[int, Reply] = {}
+    if refill is not None:
+        live.update(refill(len(live)))
+    while live:
+        for out in batch.step():
+            if out.row not in live:
+                continue
+            reply = replies.setdefault(out.row, Reply([], ""))
+            if out.token is not None:
+                reply.tokens.append(out.token)
+            if out.finish is not None:
+                reply.finish = out.finish
+            elif until is not None and until(out.row, reply.tokens):
+                batch.cancel(out.row)
+                reply.finish = "stop"
+            if reply.finish:
+                live.discard(out.row)
+        if refill is not None:
+            live.update(refill(len(live)))
+    return replies
 
 
 @dataclass
@@ -167,7 +211,7 @@ class _Row:
         self.guide = guide
         self.produced = 0
         self.last = -1  # the latest token, to be decoded at the next step
-        self.logits: torch.Tensor | None = None  # (1, V): the next token's, once computed
+        self.logits: torch.Tensor | None = None  # (1, V): the first token's, from prefill, until it is drawn
         self.prefill: KVCache | None = None  # its own cache from prefill, until it joins the batch's
 
 
@@ -241,49 +285,80 @@ class DecodeBatch:
             self._leave({r.id for r in self._running if r.id in self._cancelled})
             self._joining = [r for r in self._joining if r.id not in self._cancelled]
             self._cancelled.clear()
+        parts = []
         if self._running:
             x = torch.tensor([[r.last] for r in self._running], dtype=torch.long, device=self.engine.device)
             cache = self._cache
             if len(self._running) == 1:  # one row: the plain cache path (no mask, no scattered writes)
                 lengths, cache.lengths, cache.pos = cache.lengths, None, int(cache.lengths[0])
-                logits = self.engine.model(x, cache)[:, -1, :]  # (1, V)
+                parts.append(self.engine.model(x, cache)[:, -1, :])  # (1, V)
                 cache.lengths = lengths + 1
             else:
-                logits = self.engine.model(x, cache)[:, -1, :]  # (B, V)
-            for i, row in enumerate(self._running):
-                row.logits = logits[i:i + 1]
-        out = [self._draw(row) for row in self._running + self._joining]
-        ended = {t.row for t in out if t.finish is not None}
+                parts.append(self.engine.model(x, cache)[:, -1, :])  # (B, V)
+        live = self._running + [r for r in self._joining if r.budget > 0]
+        parts += [r.logits for r in self._joining if r.budget > 0]
+        for r in self._joining:
+            r.logits = None
+        out = {r.id: Token(r.id, None, "length") for r in self._joining if r.budget <= 0}  # no room: ends at once
+        if live:
+            out.update((t.row, t) for t in self._draw(live, torch.cat(parts) if len(parts) > 1 else parts[0]))
+        tokens = [out[r.id] for r in self._running + self._joining]
+        ended = {t.row for t in tokens if t.finish is not None}
         self._leave({r.id for r in self._running if r.id in ended})
         self._join([r for r in self._joining if r.id not in ended])
         self._joining = []
-        return out
+        return tokens
 
-    def _draw(self, row: _Row) -> Token:
-        if row.budget <= 0:  # no room for a token: ends at once
-            return Token(row.id, None, "length")
-        raw, row.logits = row.logits, None
-        logits = row.penalties.apply(raw) if row.penalties.active else raw
-        allowed = row.guide.allowed() if row.guide is not None else None
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
-        tid = int(sample_next(logits, row.params, row.generator))
-        logprob = top = None
-        if row.logprobs is not None:
-            logp = torch.log_softmax(raw[0].float(), dim=-1)
-            logprob = float(logp[tid])
-            if row.logprobs > 0:
-                values, ids = torch.topk(logp, min(row.logprobs, logp.numel()))
-                top = list(zip(ids.tolist(), values.tolist()))
-        if tid in row.stops:
-            return Token(row.id, None, "stop", logprob, top)
-        row.produced += 1
-        row.last = tid
-        if row.penalties.active:
-            row.penalties.add(tid)
-        if row.guide is not None:
-            row.guide.advance(tid)
-        return Token(row.id, tid, "length" if row.produced >= row.budget else None, logprob, top)
+    def _draw(self, rows: list[_Row], raw: torch.Tensor) -> list[Token]:
+        """Every row's next token from its logits (raw: (B, V), a row per entry of `rows`), as tensor operations
+        over all rows: penalties, the guides' masks, temperature, top-k, top-p, the draw, log-probabilities."""
+        device = raw.device
+        penalised = [i for i, r in enumerate(rows) if r.penalties.active]
+        logits = raw
+        if penalised:
+            logits = raw.to(torch.float32, copy=True)  # `raw` stays the model's own, for the log-probabilities
+            index = torch.tensor(penalised, device=device)
+            logits.index_copy_(0, index, apply_penalties(raw.index_select(0, index),
+                                                         [rows[i].penalties for i in penalised]))
+        masks = [(i, r.guide.allowed()) for i, r in enumerate(rows) if r.guide is not None]
+        masks = [(i, m) for i, m in masks if m is not None]
+        if masks:
+            vocab = logits.shape[-1]
+            blocked = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+            for i, m in masks:
+                blocked[i] = ~m[:vocab]
+            logits = logits.masked_fill(blocked, float("-inf"))
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        ids = sample_rows(logits, temperature, top_k, top_p, [r.generator for r in rows]).tolist()
+        logprob: list[float | None] = [None] * len(rows)
+        top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        asked = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        if asked:
+            index = torch.tensor(asked, device=device)
+            logp = torch.log_softmax(raw.index_select(0, index).float(), dim=-1)
+            chosen = logp.gather(-1, torch.tensor([[ids[i]] for i in asked], device=device)).squeeze(-1).tolist()
+            k = min(max(rows[i].logprobs for i in asked), logp.shape[-1])
+            values, best = torch.topk(logp, k, dim=-1) if k > 0 else (None, None)
+            for j, i in enumerate(asked):
+                logprob[i] = chosen[j]
+                if rows[i].logprobs > 0:
+                    n = min(rows[i].logprobs, logp.shape[-1])
+                    top[i] = list(zip(best[j, :n].tolist(), values[j, :n].tolist()))
+        out = []
+        for i, (row, tid) in enumerate(zip(rows, ids)):
+            if tid in row.stops:
+                out.append(Token(row.id, None, "stop", logprob[i], top[i]))
+                continue
+            row.produced += 1
+            row.last = tid
+            if row.penalties.active:
+                row.penalties.add(tid)
+            if row.guide is not None:
+                row.guide.advance(tid)
+            out.append(Token(row.id, tid, "length" if row.produced >= row.budget else None, logprob[i], top[i]))
+        return out
 
     def _leave(self, ids: set[int]) -> None:
         if not ids:

@@ -121,21 +121,10 @@ class GRPOObjective:
 
     def sample(self, model: nn.Module, prompts: list[list[int]], n: int, params: list[SamplingParams]) -> Sampled:
         """n completions of each prompt (generation prompt appended), decoded together by the engine."""
-        batch = self._engine(model).batch()
-        rows: dict[int, int] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            for row in batch.add(p + self.generation_prompt, sp, self.stop_ids, n=n):
-                rows[row] = i
-        tokens: dict[int, list[int]] = {r: [] for r in rows}
-        finish: dict[int, str] = {}
-        while batch:
-            for out in batch.step():
-                if out.token is not None:
-                    tokens[out.row].append(out.token)
-                if out.finish is not None:
-                    finish[out.row] = out.finish
-        order = sorted(rows)
-        return Sampled([rows[r] for r in order], [tokens[r] for r in order], [finish[r] for r in order])
+        replies = self._engine(model).replies([p + self.generation_prompt for p in prompts], params, self.stop_ids,
+                                              n=n)
+        return Sampled([i for i in range(len(prompts)) for _ in range(n)], [r.tokens for r in replies],
+                       [r.finish for r in replies])
 
     def _texts(self, sampled: Sampled) -> list[str]:
         # A model's vocabulary may be padded past the tokenizer's: such ids (which training makes unlikely) are
