@@ -501,8 +501,9 @@ def print_report(res: dict[str, Any]) -> None:
                           and r["compile"] == b["compile"] and not r.get("error")), None)
             print_breakdown(b, whole, t["batch_size"] * t["seq_len"])
     for g in res["batch"]:
+        how = "sampled" if g.get("sampled") else "greedy"
         print(f"\nbatched generation, {g['dtype']}: B different {g['prompt_len']}-token prompts decoded together, "
-              f"greedy, {g['new_tokens']} new tokens each; step = median decode step")
+              f"{how}, {g['new_tokens']} new tokens each; step = median decode step")
         print(f"  {'B':>4}{'prefill s':>11}{'ms/step':>10}{'tok/s':>10}{'x B=1':>8}{'peak mem':>12}")
         for r in g["rows"]:
             speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"

@@ -10,8 +10,8 @@ import torch
 from nanolm.config import ModelConfig, SamplingParams
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, Reply, run_to_end
-from nanolm.infer.sampling import (Penalties, apply_penalties, presence_frequency_penalty, repetition_penalty,
-                                   sample_next, sample_rows, top_k_filter, top_p_filter)
+from nanolm.infer.sampling import (Penalties, apply_penalties, nucleus, presence_frequency_penalty, repetition_penalty,
+                                   sample_next, sample_rows)
 from nanolm.infer.fuse import SMALL_ROWS, DecodeLinear, FusedAttention, FusedMLP, decode_linear, fuse_projections
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
@@ -57,21 +57,50 @@ def test_seeded_sampling_is_reproducible():
     assert a == b and a != c
 
 
-def test_top_k_filter_exact():
-    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
-    out = top_k_filter(logits, 2)
-    assert out.tolist() == [-math.inf, 5.0, -math.inf, 4.0, -math.inf]
-    assert torch.equal(top_k_filter(logits, 0), logits)
+def _kept(logits, k=0, p=1.0):
+    """The ids nucleus keeps of one row (weight > 0), and their weights normalised."""
+    ids, w, _ = nucleus(torch.as_tensor(logits).reshape(1, -1), torch.tensor([k]), torch.tensor([p]))
+    keep = w[0] > 0
+    ranked = sorted(zip(ids[0][keep].tolist(), (w[0][keep] / w[0].sum()).tolist()), key=lambda t: -t[1])
+    return [i for i, _ in ranked], [p for _, p in ranked]
 
 
-def test_top_p_filter_exact():
+def test_top_k_keeps_the_k_largest_and_their_ties():
+    logits = [1.0, 5.0, 3.0, 4.0, 2.0]
+    assert _kept(logits, k=2)[0] == [1, 3]
+    assert _kept(logits, k=0)[0] == [1, 3, 2, 4, 0]  # no cut: every token, ranked
+    assert _kept(logits, k=5)[0] == [1, 3, 2, 4, 0]
+    assert _kept([1.0, 4.0, 3.0, 4.0, 3.0], k=2)[0] == [1, 3]
+    assert sorted(_kept([1.0, 4.0, 3.0, 4.0, 3.0], k=3)[0]) == [1, 2, 3, 4]  # the tie with the 3rd is kept
+    ids, w = _kept([0.0, math.log(3.0), float("-inf"), math.log(2.0)])
+    assert ids == [1, 3, 0] and w == pytest.approx([0.5, 1 / 3, 1 / 6])  # a masked token is no candidate
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert _kept(logits, p=0.79)[0] == [0, 1]  # 0.5 alone < 0.79; 0.5 + 0.3 reaches it
+    assert _kept(logits, p=0.81)[0] == [0, 1, 2]
+    assert _kept(logits, p=0.1)[0] == [0]  # the most likely is always kept
+    assert _kept(logits, p=1.0)[0] == [0, 1, 2, 3]
+    assert _kept(logits, k=3, p=0.9)[0] == [0, 1, 2]  # top-p measures the mass top-k kept: 0.8 is 0.84 of 0.95
+    assert _kept(logits, k=3, p=0.84)[0] == [0, 1]
+    masked = logits.tolist() + [float("-inf")]
+    assert _kept(masked, k=2, p=0.6)[0] == [0]  # 0.5 is 0.625 of the two kept tokens' 0.8
+    assert _kept(masked, k=2, p=0.65)[0] == [0, 1]
+
+
+def test_a_draw_follows_the_row_distribution():
+    """4,000 draws of one row: each token's share within 4.5 standard errors of its probability; cut tokens
+    never drawn."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()
-    # 0.5 alone < 0.8; 0.5+0.3 reaches 0.8 -> keep two tokens
-    kept = torch.isfinite(top_p_filter(logits, 0.8)).tolist()
-    assert kept == [True, True, False, False]
-    assert torch.isfinite(top_p_filter(logits, 0.81)).tolist() == [True, True, True, False]
-    assert torch.isfinite(top_p_filter(logits, 0.1)).tolist() == [True, False, False, False]  # top-1 always kept
+    logits = probs.log().reshape(1, -1)
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    draws = [int(sample_next(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0), g)) for _ in range(n)]
+    share = torch.bincount(torch.tensor(draws), minlength=4).double() / n
+    assert ((share - probs).abs() <= 4.5 * (probs * (1 - probs) / n).sqrt()).all(), share.tolist()
+    cut = {int(sample_next(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.79), g)) for _ in range(300)}
+    assert cut == {0, 1}
 
 
 def test_sampling_respects_filters():
@@ -101,15 +130,6 @@ def test_one_set_of_sampling_defaults():
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)  # off
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(temperature=1, top_p=1).top_p == 1  # integers are numbers too
-
-
-def test_one_draw_is_torch_multinomials_own():
-    """The draw for a row is exactly torch.multinomial's for one sample with the same generator."""
-    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(0)) * 3
-    g, ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    got = [int(sample_next(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0), g)) for _ in range(30)]
-    want = [int(torch.multinomial(torch.softmax(logits, -1), 1, generator=ref)) for _ in range(30)]
-    assert got == want
 
 
 SETTINGS = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
@@ -153,14 +173,17 @@ def test_rows_sampled_together_draw_what_each_draws_alone():
     assert len({tuple(step[i] for step in together) for i in range(len(SETTINGS))}) == len(SETTINGS)
 
 
-def test_per_row_filters_equal_the_filters_of_each_row():
-    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
-    k = torch.tensor([0, 3, 30, 1])
-    p = torch.tensor([1.0, 0.5, 0.9, 0.2])
-    assert torch.equal(top_k_filter(logits, k), torch.cat([top_k_filter(logits[i:i + 1], int(k[i])) for i in range(4)]))
-    assert torch.equal(top_p_filter(logits, p), torch.cat([top_p_filter(logits[i:i + 1], float(p[i]))
-                                                           for i in range(4)]))
-    assert torch.isfinite(top_k_filter(logits, k)).sum(-1).tolist() == [30, 3, 30, 1]
+def test_the_nucleus_of_rows_together_is_each_rows_alone():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1))
+    logits[4, ::2] = float("-inf")
+    k, p = torch.tensor([0, 3, 30, 1, 0]), torch.tensor([1.0, 0.5, 0.9, 0.2, 0.7])
+    ids, w, counts = nucleus(logits, k, p)
+    assert counts.tolist() == [30, 3, 30, 1, 15]
+    for i in range(5):
+        one_ids, one_w, one_count = nucleus(logits[i:i + 1], k[i:i + 1], p[i:i + 1])
+        n = int(one_count)
+        assert torch.equal(ids[i, :n], one_ids[0, :n]) and torch.equal(w[i, :n], one_w[0, :n])
+        assert (w[i, n:] == 0).all()
 
 
 # ----------------------------------------------------------------------------- penalties

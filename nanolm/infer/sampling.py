@@ -17,10 +17,11 @@ row's history.
   holds c > 0 times loses presence + c x frequency from its logit; the prompt
   does not count (as OpenAI and vLLM do); 0 is off.
 
-The draw is `torch.multinomial`'s own for one sample (the exponential race:
-the argmax of p / E, E ~ Exp(1) drawn from the row's generator), done for all
-rows at once; only the random numbers are drawn row by row, each from its own
-generator, so a row draws what it draws alone, whatever rows run beside it.
+Top-k and top-p choose each row's candidates (`nucleus`: only they are
+sorted), and one is drawn by the exponential race, as `torch.multinomial`
+draws one sample, for all rows at once; only the random numbers are drawn row
+by row, each from its own generator, so a row draws what it draws alone,
+whatever rows run beside it.
 """
 
 from __future__ import annotations
@@ -60,68 +61,80 @@ def presence_frequency_penalty(logits: torch.Tensor, counts: torch.Tensor, prese
     return logits - _column(presence, logits) * (counts > 0).to(logits.dtype) - _column(frequency, logits) * counts
 
 
-def top_k_filter(logits: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits (ties at the boundary kept), set the rest to -inf; a row's k <= 0 or
-    >= V keeps all. logits (..., V); k a number or a (B,) tensor."""
-    vocab = logits.shape[-1]
-    if not isinstance(k, torch.Tensor):
-        if k <= 0 or k >= vocab:
-            return logits
-        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-        return logits.masked_fill(logits < kth, float("-inf"))
-    k = k.to(logits.device)
-    on = (k > 0) & (k < vocab)
-    if not bool(on.any()):
-        return logits
-    kk = torch.where(on, k, 1)
-    values = torch.topk(logits, int(kk.max()), dim=-1).values
-    kth = values.gather(-1, (kk - 1).unsqueeze(-1))
-    kth = kth.masked_fill(~on.unsqueeze(-1), float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))
+def nucleus(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's candidates after top-k and top-p, as (ids, weights, counts).
 
-
-def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
-    """Nucleus filter: keep each row's smallest set of tokens whose probability mass reaches its p (>= 1: all).
-
-    The most likely token is always kept. logits (..., V); p a number or a (B,) tensor.
+    x (B, V) the tempered logits; top_k (B,) (<= 0 or >= V: no cut), top_p (B,) (>= 1: no cut). Top-k keeps the
+    k largest logits and any tied with the k-th; top-p then keeps the smallest set of the most likely tokens
+    whose probability reaches p (the most likely is always kept; ties are ranked by id). ids (B, W): every
+    row's candidates in id order, W the most any row has (V past a row's own count); weights (B, W): their
+    probabilities up to a factor per row (exp(logit - max)), 0 where top-p cut them or past the row's count;
+    counts (B,): the row's candidates before top-p. Only the candidates are sorted, so a cut to a few tokens
+    costs a top-k, not a sort of V.
     """
-    if isinstance(p, torch.Tensor):
-        p = p.to(device=logits.device, dtype=logits.dtype)
-        if not bool((p < 1.0).any()):
-            return logits
-        p = torch.where(p < 1.0, p, float("inf")).unsqueeze(-1)  # a row at 1 drops nothing, whatever rounding
-    elif p >= 1.0:
-        return logits
-    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1, stable=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each one
-    drop_sorted = mass_before >= p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    vocab = x.shape[-1]
+    limited = (top_k > 0) & (top_k < vocab)
+    kth = torch.full((x.shape[0], 1), float("-inf"), device=x.device)
+    top = None
+    if bool(limited.any()):
+        k = torch.where(limited, top_k, 1)
+        top = torch.topk(x, int(k.max()), dim=-1)
+        kth = top.values.gather(-1, (k - 1).unsqueeze(-1)).masked_fill(~limited.unsqueeze(-1), float("-inf"))
+    counts = ((x >= kth) & (x > float("-inf"))).sum(dim=-1).clamp_min(1)  # -inf (a guide's mask) never counts
+    width = int(counts.max())
+    if width == vocab:
+        logits, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    else:  # the top `width`, then ranked by logit and id (torch.topk's order among ties is its own)
+        if top is None or width > top.values.shape[-1]:
+            top = torch.topk(x, width, dim=-1)
+        logits, ids = top.values[:, :width], top.indices[:, :width]  # the first `width` of a longer top: the same
+        ids, order = ids.sort(dim=-1)
+        logits, order = logits.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(-1, order)
+    inside = torch.arange(width, device=x.device) < counts.unsqueeze(-1)
+    weights = torch.exp(logits - logits[:, :1]).masked_fill(~inside, 0.0)
+    # cumsum runs along each row in order, so a row's sums do not depend on the columns past its own count
+    mass = torch.cumsum(weights, dim=-1)
+    total = mass.gather(-1, (counts - 1).unsqueeze(-1))
+    p = torch.where(top_p < 1.0, top_p.to(x.dtype), float("inf")).unsqueeze(-1)
+    weights = weights.masked_fill((mass - weights) / total >= p, 0.0)  # the mass ranked above reaches p: cut
+    # In id order for the draw, so that a change in the logits too small to change the candidates changes their
+    # ranks, not which random number each candidate gets. Columns past a row's count sort last.
+    ids, order = ids.masked_fill(~inside, vocab).sort(dim=-1, stable=True)
+    return ids, weights.gather(-1, order), counts
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token id per row from logits (B, V) -> (B,): the argmax for rows at temperature 0, else drawn after
-    the row's temperature, top-k and top-p, with the row's generator (None: torch's global one).
-    temperature, top_k, top_p: (B,) tensors. Penalties are applied before this."""
-    ids = logits.argmax(dim=-1)
+    the row's temperature, top-k and top-p (`nucleus`), with the row's generator (None: torch's global one).
+    temperature, top_k, top_p: (B,) tensors. Penalties are applied before this.
+
+    The draw is the exponential race (the argmax of weight / E, E ~ Exp(1); torch.multinomial draws one sample
+    so): a row draws one E per candidate from its own generator, in id order, so what it draws does not
+    depend on the rows beside it."""
     drawn = (temperature > 0).tolist()
     if not any(drawn):
-        return ids
+        return logits.argmax(dim=-1)
     rows = [i for i, d in enumerate(drawn) if d]
+    greedy = [i for i, d in enumerate(drawn) if not d]
+    ids = torch.zeros(len(drawn), dtype=torch.long, device=logits.device)
+    if greedy:
+        at = torch.tensor(greedy, device=logits.device)
+        ids.index_copy_(0, at, logits.index_select(0, at).argmax(dim=-1))
     index = torch.tensor(rows, device=logits.device)
     x = logits.index_select(0, index).float() / temperature.index_select(0, index).to(logits.device).unsqueeze(-1)
-    x = top_p_filter(top_k_filter(x, top_k.index_select(0, index)), top_p.index_select(0, index))
-    probs = torch.softmax(x, dim=-1)
-    race = torch.empty_like(probs)
+    candidates, weights, counts = nucleus(x, top_k.index_select(0, index).to(x.device),
+                                          top_p.index_select(0, index).to(x.device))
+    race = torch.ones_like(weights)
     unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
     if unseeded:
-        race[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
-    for j, i in enumerate(rows):
-        if generators[i] is not None:
-            race[j].exponential_(generator=generators[i])
-    return ids.index_copy(0, index, (probs / race).argmax(dim=-1))
+        race[unseeded] = torch.empty(len(unseeded), race.shape[-1], device=race.device).exponential_()
+    for j, n in enumerate(counts.tolist()):
+        if generators[rows[j]] is not None:
+            race[j, :n].exponential_(generator=generators[rows[j]])
+    pick = (weights / race).argmax(dim=-1, keepdim=True)
+    return ids.index_copy(0, index, candidates.gather(-1, pick).squeeze(-1))
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
