@@ -171,13 +171,13 @@ def test_a_seeded_conversation_shows_the_apis_answers(browser, roomy):
     base = roomy
     open_page(d, base, "tiny")
     system = {"role": "system", "content": "Be brief."}
-    sampling = {"temperature": 0.9, "top_p": 0.9, "max_tokens": 8, "seed": 7, "repetition_penalty": 4.0}
+    sampling = {"temperature": 0.9, "top_p": 0.9, "max_tokens": 8, "seed": 3, "repetition_penalty": 4.0}
     settings(d, system=system["content"], **sampling)
     first = {"role": "user", "content": "To be"}
     want = api(base, [system, first], **sampling)
     text = want["choices"][0]["message"]["content"]
     # The seed and the penalty decide the reply, so equal replies mean the page sent these fields.
-    for other in ({"seed": 8}, {"repetition_penalty": 1.0}):
+    for other in ({"seed": 4}, {"repetition_penalty": 1.0}):
         assert text.strip() and text != api(base, [system, first], **{**sampling, **other})["choices"][0][
             "message"]["content"], other
     say(d, first["content"])
