@@ -97,3 +97,27 @@ def test_the_set_prepares_with_the_mask_on_calls_and_replies(tmp_path, tokenizer
     targets = tok.decode(ids[(mask & chatml.TARGET) > 0].tolist())
     assert targets.count("<tool_call>") == sum(len(c.messages) == 4 for c, _ in iter_chat_records(src))
     assert "<tool_response>" not in targets and "# Tools" not in targets
+
+
+def test_the_drill_is_the_set_rendered_without_tool_lists(tmp_path):
+    """The pretraining drill holds the tool-use set's conversations of the same seed as chat-layout text, with no
+    system turn or tool list, and keeps the calc benchmark's numbers and phrasings out."""
+    from nanolm.data.tooluse import build_tool_drill
+    drill = build_tool_drill(tmp_path / "drill.jsonl", 300, seed=5, calculator=calculator, tools=BUILTIN_TOOLS)
+    assert drill.read_bytes() == build_tool_drill(tmp_path / "again.jsonl", 300, seed=5, calculator=calculator,
+                                                  tools=BUILTIN_TOOLS).read_bytes()
+    texts = [json.loads(line)["text"] for line in drill.read_text(encoding="utf-8").splitlines()]
+    convs = [c for c, _ in iter_chat_records(build(tmp_path / "tools.jsonl", 300, seed=5))]
+    assert texts == [chatml.render_chat(c.messages) for c in convs]
+    held_templates = [q for q, _ in HELDOUT_ZH + HELDOUT_EN]
+    calls = 0
+    for text, conv in zip(texts, convs):
+        assert text.startswith("<|im_start|>user\n") and "<tools>" not in text and "system" not in text
+        m = conv.messages
+        assert not any(_template_re(t).match(m[0].content) for t in held_templates)
+        if len(m) == 4:
+            calls += 1
+            expression = json.loads(m[1].tool_calls[0].arguments)["expression"]
+            assert f'{{"expression": "{expression}"}}' in text and f"<tool_response>\n{m[2].content}\n" in text
+            assert not numbers_held_out("calc", *operands(expression))
+    assert calls > 200

@@ -42,16 +42,27 @@ _QUESTIONS_ZH: list[tuple[str, str]] = [
     ("{a} 加 {b} 是多少？", "{a} + {b}"),
     ("求 {a} 与 {b} 的和。", "{a} + {b}"),
     ("{a} + {b} 等于几？", "{a} + {b}"),
+    ("{a} 和 {b} 加起来是多少？", "{a} + {b}"),
+    ("把 {a} 跟 {b} 相加，结果是几？", "{a} + {b}"),
+    ("{a} 再加上 {b}，一共多少？", "{a} + {b}"),
     ("{a} 减去 {b} 是多少？", "{a} - {b}"),
     ("{a} 减 {b} 得多少？", "{a} - {b}"),
     ("小明有 {a} 元，花了 {b} 元，还剩多少钱？", "{a} - {b}"),
     ("{a} - {b} 等于几？", "{a} - {b}"),
+    ("{a} 减掉 {b} 等于几？", "{a} - {b}"),
+    ("从 {a} 中拿走 {b}，还有几个？", "{a} - {b}"),
+    ("{a} 比 {b} 多多少？", "{a} - {b}"),
     ("{a} 乘以 {b} 等于几？", "{a} * {b}"),
     ("{a} 乘 {b} 是多少？", "{a} * {b}"),
     ("求 {a} 与 {b} 的积。", "{a} * {b}"),
     ("一箱苹果有 {a} 个，{b} 箱一共有多少个？", "{a} * {b}"),
+    ("{a} 乘上 {b} 得几？", "{a} * {b}"),
+    ("{b} 倍的 {a} 等于几？", "{a} * {b}"),
+    ("两数相乘：{a} 和 {b}，积是多少？", "{a} * {b}"),
     ("{a} 除以 {b} 是多少？", "{a} / {b}"),
     ("{a} 个人平分 {c} 元，每人分到多少？", "{c} / {a}"),
+    ("{c} 个苹果平均分成 {a} 份，每份几个？", "{c} / {a}"),
+    ("{c} 除以 {a} 等于几？", "{c} / {a}"),
     ("帮我算一下 ({a} + {b}) * {c}", "({a} + {b}) * {c}"),
     ("{a} 的平方是多少？", "{a} ** 2"),
     ("{c} 的平方根是多少？", "sqrt({c})"),
@@ -62,16 +73,27 @@ _QUESTIONS_EN: list[tuple[str, str]] = [
     ("What is the sum of {a} and {b}?", "{a} + {b}"),
     ("How much is {a} + {b}?", "{a} + {b}"),
     ("If I add {b} apples to {a} apples, how many do I have?", "{a} + {b}"),
+    ("{a} plus {b} equals what?", "{a} + {b}"),
+    ("Please add up {a} and {b}.", "{a} + {b}"),
+    ("What is the total of {a} and {b}?", "{a} + {b}"),
     ("What is {a} minus {b}?", "{a} - {b}"),
     ("Subtract {b} from {a}.", "{a} - {b}"),
     ("I had {a} dollars and spent {b}. How much is left?", "{a} - {b}"),
     ("How much is {a} - {b}?", "{a} - {b}"),
+    ("What is left if you take {b} from {a}?", "{a} - {b}"),
+    ("Remove {b} from {a}: how many remain?", "{a} - {b}"),
+    ("How much bigger is {a} than {b}?", "{a} - {b}"),
     ("What is {a} times {b}?", "{a} * {b}"),
     ("What is {a} multiplied by {b}?", "{a} * {b}"),
     ("What is the product {a} x {b}?", "{a} * {b}"),
     ("A box holds {a} eggs. How many eggs are in {b} boxes?", "{a} * {b}"),
+    ("What do {a} and {b} multiply to?", "{a} * {b}"),
+    ("Work out the product: {a} x {b}.", "{a} * {b}"),
+    ("Please multiply {a} with {b}.", "{a} * {b}"),
     ("What is {c} divided by {a}?", "{c} / {a}"),
     ("Split {c} dollars among {a} people: how much does each get?", "{c} / {a}"),
+    ("{a} people split {c} dollars evenly. What is each share?", "{c} / {a}"),
+    ("Divide {c} by {a}.", "{c} / {a}"),
     ("Compute ({a} + {b}) * {c}.", "({a} + {b}) * {c}"),
     ("What is {a} squared?", "{a} ** 2"),
     ("What is the square root of {c}?", "sqrt({c})"),
@@ -148,12 +170,8 @@ def _offered(rng: random.Random, tools: Sequence[dict], needs: dict | None) -> l
     return chosen
 
 
-def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str],
-                                   tools: Sequence[dict]) -> Path:
-    """Write n tool-use conversations to `out` (.jsonl, OpenAI `{"messages": [...], "tools": [...]}` records)
-    and return it. The same n and seed always give the same file. calculator: `{"expression": ...}` -> the
-    result text that the tool turn holds and the reply quotes; tools: the tool objects a record may offer
-    (the calculator's among them; each record offers one to three, see the module doc)."""
+def _conversations(n: int, seed: int, calculator: Callable[[dict], str], tools: Sequence[dict]):
+    """n (messages, offered tools) of the tool-use set, as `build_calculator_conversations` documents them."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError(f"n={n!r}: must be a positive integer (the number of conversations)")
     calc_tool = next((t for t in tools if t["function"]["name"] == "calculator"), None)
@@ -161,8 +179,8 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculat
         raise UserError("build_calculator_conversations: the tools given hold no `calculator`; pass the built-in "
                         "tools (nanolm.infer.tools.BUILTIN_TOOLS)")
     rng = random.Random(seed)
-    lines = []
-    while len(lines) < n:
+    made = 0
+    while made < n:
         zh = rng.random() < 0.5
         if rng.random() < DIRECT_SHARE:
             q, a = rng.choice([d for d in _DIRECT if (ord(d[0][0]) > 127) == zh] or _DIRECT)
@@ -188,7 +206,39 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculat
                         {"role": "tool", "content": result},
                         {"role": "assistant", "content": reply}]
             offered = _offered(rng, tools, calc_tool)
-        lines.append(json.dumps({"messages": messages, "tools": offered}, ensure_ascii=False) + "\n")
+        made += 1
+        yield messages, offered
+
+
+def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str],
+                                   tools: Sequence[dict]) -> Path:
+    """Write n tool-use conversations to `out` (.jsonl, OpenAI `{"messages": [...], "tools": [...]}` records)
+    and return it. The same n and seed always give the same file. calculator: `{"expression": ...}` -> the
+    result text that the tool turn holds and the reply quotes; tools: the tool objects a record may offer
+    (the calculator's among them; each record offers one to three, see the module doc)."""
+    lines = [json.dumps({"messages": m, "tools": t}, ensure_ascii=False) + "\n"
+             for m, t in _conversations(n, seed, calculator, tools)]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, "".join(lines).encode("utf-8"))
+    return out
+
+
+def build_tool_drill(out: Path, n: int, seed: int = 1, *, calculator: Callable[[dict], str],
+                     tools: Sequence[dict]) -> Path:
+    """Write n conversations of the tool-use set as pretraining text (.jsonl `{"text": ...}` records): each
+    rendered in the chat layout of nanolm's tokenizers (`chatml.render_chat`, Qwen3's), without its tool list,
+    and return `out`.
+
+    A model copies numbers from its context (the question's into the call, the tool's result into the reply)
+    only after it has seen many examples where copying pays: about a million tokens of them for the `tiny`
+    model (measured: teacher-forced call digits right 12% after 0.6 M drill tokens, 97% after 3 M). Without the
+    system turn a conversation is about 80 tokens, so a pretraining mixture holds many of them per step, where
+    the fine-tuning set, each record with its tool list, holds a few. The numbers obey the same held-out rule.
+    """
+    from nanolm.data.chatml import render_chat
+    lines = [json.dumps({"text": render_chat(m)}, ensure_ascii=False) + "\n"
+             for m, _ in _conversations(n, seed, calculator, tools)]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(out, "".join(lines).encode("utf-8"))
