@@ -159,6 +159,30 @@ def test_text_files_instead_of_the_shards(runs, corpus, tmp_path):
     assert f"held-out bits per byte on {held}" in format_report(r)
 
 
+def test_a_mixture_is_measured_on_its_first_set(runs, report, data_dir, tokenizer_dir):
+    """A pretraining run on text mixed with a drill (as the quickstart's): the card reads the text set's own
+    validation (val_bpb/text) and computes the baselines on that set alone, equal to the one-set run's."""
+    from nanolm.data.prepare import prepare
+    from nanolm.data.tooluse import build_tool_drill
+    from nanolm.infer.tools import BUILTIN_TOOLS, calculator
+    root = runs["root"]
+    drill = build_tool_drill(root / "drill.jsonl", 60, calculator=calculator, tools=BUILTIN_TOOLS)
+    prepare([drill], tokenizer_dir, root / "drill", val_fraction=0.1, workers=0, quiet=True)
+    sets = [{"path": str(data_dir), "name": "text"}, {"path": str(root / "drill"), "name": "drill"}]
+    train(tiny_cfg(data_dir, root / "mixed", **{**PRE, "data.path": "", "data.sets": sets, "data.mode": "mixture"}),
+          quiet=True)
+    entry = build_report([root / "mixed"], tasks=[])["runs"][0]
+    vals = [r for r in read_metrics(root / "mixed") if "val_bpb/text" in r]
+    v = entry["validation"]
+    assert entry["data_set"] == "text" and v["metric"] == "val_bpb" and v["key"] == "val_bpb/text"
+    assert (v["first"]["value"], v["last"]["value"]) == (vals[0]["val_bpb/text"], vals[-1]["val_bpb/text"])
+    assert vals[-1]["val_bpb/text"] != vals[-1]["val_bpb"]  # the mean over both sets is not what is read
+    one = report["runs"][0]["baseline"]
+    for key in ("heldout", "unigram_bpb", "xz_bpb", "uniform_bpb"):
+        assert entry["baseline"][key] == one[key], key
+    assert "held-out bits per byte (text, set text)" in format_report({**report, "runs": [entry], "tasks": []})
+
+
 # ------------------------------------------------------------------------------------------ files and errors
 
 def test_write_report_writes_markdown_json_and_png(report, tmp_path):

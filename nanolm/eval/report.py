@@ -157,9 +157,10 @@ def _point(record: dict[str, Any], key: str) -> dict[str, Any]:
     return {"step": record.get("step"), "tokens": record.get("tokens"), "value": record[key]}
 
 
-def stage_summary(run: Path) -> dict[str, Any]:
+def stage_summary(run: Path, data_set: str | None = None) -> dict[str, Any]:
     """What a run's metrics.jsonl says: steps, tokens, wall time, and its validation metric's first, best and
-    last values ({"step", "tokens", "value"} each)."""
+    last values ({"step", "tokens", "value"} each). data_set: read that data set's own validation metric
+    (`val_bpb/NAME`, which a run on several sets logs beside their weighted mean)."""
     from nanolm.train.metrics import read_metrics
 
     records = read_metrics(run / "metrics.jsonl")
@@ -168,11 +169,12 @@ def stage_summary(run: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": with_tokens[-1].get("step") if with_tokens else None,
                            "tokens": with_tokens[-1]["tokens"] if with_tokens else None,
                            "wall_s": elapsed[-1] if elapsed else None, "validation": None}
-    for key, higher in VALIDATION_METRICS.items():
+    for metric, higher in VALIDATION_METRICS.items():
+        key = f"{metric}/{data_set}" if data_set else metric
         vals = [r for r in records if isinstance(r.get(key), (int, float))]
         if vals:
             best = (max if higher else min)(vals, key=lambda r: r[key])
-            out["validation"] = {"metric": key, "higher_is_better": higher, "first": _point(vals[0], key),
+            out["validation"] = {"metric": metric, "key": key, "higher_is_better": higher, "first": _point(vals[0], key),
                                  "best": _point(best, key), "last": _point(vals[-1], key)}
             break
     return out
@@ -204,12 +206,17 @@ def _file_stream(files: list[str], tok: Any) -> np.ndarray:
     return tokenize_files(resolve_sources(files), tok)
 
 
+def text_set(cfg: Any) -> str | None:
+    """The name of the data set whose held-out text a pretraining run on several sets is measured on: the first
+    (the text corpus, beside which a mixture such as the quickstart's adds drills); None with one data set."""
+    return cfg.data.sets[0].name if cfg.data.sets else None
+
+
 def _one_data_dir(cfg: Any) -> Path:
-    """The run's one prepared data directory; UserError when it trains on several sets or the directory is gone."""
-    if cfg.data.sets or not cfg.data.path:
-        raise UserError(f"the run trains on {len(cfg.data.sets)} data sets, and the baselines are computed for one; "
-                        f"{_TEXT_FIX}")
-    path = Path(cfg.data.path)
+    """The run's prepared data directory (with several sets, the first: `text_set`); UserError when it is gone."""
+    if not (cfg.data.sets or cfg.data.path):
+        raise UserError(f"the run names no data directory; {_TEXT_FIX}")
+    path = Path(cfg.data.sets[0].path if cfg.data.sets else cfg.data.path)
     if not path.is_dir():
         raise UserError(f"{path}: the run's data directory is not there; {_TEXT_FIX}")
     return path
@@ -340,8 +347,10 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
     entries: list[dict[str, Any]] = []
     for run, cfg, label in zip(dirs, cfgs, _labels(dirs, stages)):
         ckpt = resolve_checkpoint(run, "best")
+        data_set = text_set(cfg) if cfg.train.stage == "pretrain" else None
         entry: dict[str, Any] = {"path": str(run.resolve()), "label": label, "stage": cfg.train.stage,
-                                 "checkpoint": str(ckpt), **stage_summary(run), "baseline": None}
+                                 "checkpoint": str(ckpt), **stage_summary(run, data_set), "data_set": data_set,
+                                 "baseline": None}
         try:
             if cfg.train.stage == "pretrain":
                 tok = Tokenizer.load(ckpt)
@@ -391,6 +400,8 @@ def _validation_row(entry: dict[str, Any]) -> tuple[str, str, str, str] | None:
     first, best, last = v["first"], v["best"], v["last"]
     if v["metric"] == "val_bpb":
         what = "assistant replies" if entry["stage"] in ("sft", "lora", "dpo") else "text"
+        if entry.get("data_set"):
+            what += f", set {entry['data_set']}"
         measure = f"held-out bits per byte ({what}), first → last validation"
     elif v["metric"] == "val_reward":
         measure = "held-out reward, first → last validation"
