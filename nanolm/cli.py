@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     q = sub.add_parser("quickstart", help="every stage at tiny scale on the built-in corpora, in minutes")
-    q.add_argument("--minutes", type=float, default=5.0, help="total time budget (default 5)")
+    q.add_argument("--minutes", type=float, default=6.0, help="total time budget (default 6)")
     q.add_argument("--out", default="runs/quickstart", help="where every artefact goes")
     q.add_argument("--corpora", nargs="+", default=["sanguo", "shakespeare", "sotu"],
                    help="pretraining text: built-in corpora or your own files/directories")
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--chat-max-chars", type=int, default=500_000,
                    help="the same cap for the chat corpora (0 = all)")
     q.add_argument("--vocab-size", type=int, default=6400)
-    q.add_argument("--preset", default="tiny")
+    q.add_argument("--preset", default="cpu-small")
     q.add_argument("--max-chars", type=int, default=2_000_000,
                    help="use at most this many characters of each corpus, so the small Chinese novel is not "
                         "drowned by the English corpora (0 = all)")

@@ -35,10 +35,12 @@ SAMPLE_PROMPTS = ("话说天下大势，", "To be, or not to be,", "My fellow ci
 CHAT_SCRIPT = ("「一帆风顺」是什么意思？", "What is AI?")
 TOOL_SCRIPT = ("What is 37 times 24?", "48 加 76 等于多少？")
 TOOL_CONVERSATIONS = 1500  # the built-in tool-use set's share of the fine-tuning data
+DRILL_CONVERSATIONS = 24000  # tool-use conversations as pretraining text (about 2 M tokens, fewer than a pass)
+DRILL_WEIGHT = 2.0  # the drill's micro-batches per text micro-batch in pretraining (a mixture)
 ARITH_SFT = 1500  # worked arithmetic answers in the fine-tuning data (and RL prompts, with rl)
 ARITH_PROMPTS = 1000
 BENCH_ITEMS = 200  # items of each built-in held-out benchmark on the report card
-PRETRAIN_SHARE = 0.7  # of the training time left after RL's (SFT gets the rest)
+PRETRAIN_SHARE = 0.8  # of the training time left after RL's (SFT gets the rest)
 RL_SHARE = 0.25  # of the training time, with rl
 
 
@@ -74,8 +76,8 @@ def _train_within(cfg_overrides: dict, preset_name: str, seconds: float, *, quie
     return train(cfg, quiet=quiet)
 
 
-def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT_CORPORA,
-               chat_corpora: Sequence[str] = CHAT_CORPORA, vocab_size: int = 6400, preset_name: str = "tiny",
+def quickstart(out: Path, *, minutes: float = 6.0, corpora: Sequence[str] = TEXT_CORPORA,
+               chat_corpora: Sequence[str] = CHAT_CORPORA, vocab_size: int = 6400, preset_name: str = "cpu-small",
                max_chars: int = 2_000_000, chat_max_chars: int = 500_000, rl: bool = False,
                bench_items: int = BENCH_ITEMS) -> dict[str, Path]:
     """Run every stage into `out`; returns the artefact paths. rl: add a GRPO stage on the arithmetic task."""
@@ -83,7 +85,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
-    from nanolm.data.tooluse import build_calculator_conversations
+    from nanolm.data.tooluse import build_calculator_conversations, build_tool_drill
     from nanolm.corpora import REGISTRY
     from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, write_report
     from nanolm.infer.chat import ChatSession, run_chat
@@ -112,7 +114,7 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     if chat_max_chars:
         # 30,895 idioms would drown chatterbot's 2,492 conversations; a smaller share keeps both in view.
         chat_files = _truncated_copies(chat_files, out / "corpora" / "chat", chat_max_chars)
-    arith = {}
+    arith, drill = {}, None
     if chat_files:
         # the built-in tool-use set (arithmetic answered through the calculator, results computed) and the
         # arithmetic task's worked answers; neither holds a problem of the calc or arith benchmarks
@@ -120,7 +122,11 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
                                                          calculator=calculator, tools=BUILTIN_TOOLS))
         arith = write_arith(out / "corpora" / "arith", ARITH_SFT, ARITH_PROMPTS if rl else 0, 0)
         chat_files.append(arith["sft"])
-    for f in [*text_files, *chat_files]:
+        # the same kind of conversation, without tool lists, as pretraining text: where the model learns to copy
+        # numbers from its context, which a few fine-tuning minutes do not teach (nanolm.data.tooluse)
+        drill = build_tool_drill(out / "corpora" / "drill.jsonl", DRILL_CONVERSATIONS, seed=1,
+                                 calculator=calculator, tools=BUILTIN_TOOLS)
+    for f in [*text_files, *chat_files, *([drill] if drill else [])]:
         print(f"  {f} ({f.stat().st_size / 2**20:.1f} MiB)")
 
     _banner(next(step), n, f"tokenizer (byte-level BPE, {vocab_size} tokens, one per digit)")
@@ -131,20 +137,21 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
     print(f"  {compression_report(tok, zh, en)}")
 
     _banner(next(step), n, "prepare token shards (pretraining text, then chat with loss masks)")
-    data_dir, sft_dir, rl_dir = out / "data", out / "sft-data", out / "rl-data"
+    data_dir, drill_dir, sft_dir, rl_dir = out / "data", out / "drill-data", out / "sft-data", out / "rl-data"
     # Chat blocks twice the pretraining window, so a conversation offering tools fits whole with its tool list.
     sft_len = 2 * load_config(preset_name).train.seq_len
     prepare(text_files, tok_dir, data_dir, val_fraction=0.02, workers=2)
+    if drill:
+        prepare([drill], tok_dir, drill_dir, val_fraction=0.02, workers=2)
     if chat_files:
         prepare(chat_files, tok_dir, sft_dir, format="chat", max_tokens=sft_len + 1,
                 val_fraction=0.02, workers=2)
     if rl:
         prepare([arith["prompts"]], tok_dir, rl_dir, format="prompts", val_fraction=0.05, workers=0)
 
-    # seconds kept for the report card's benchmarks (base and fine-tuned models), checkpoints and samples
-    # (measured on a 2-core CPU: about 2 minutes for the two models' 4 x 200 items, most of it calc's and arith's
-    # generation)
-    reserve = 30.0 + (100.0 if chat_files else 15.0) * bench_items / BENCH_ITEMS
+    # seconds kept for the samples, the chats and the report card (measured on a 2-core CPU: 81 s for the report
+    # card of the two models, 4 x 200 items and the xz baseline, and about 10 s for the samples and chats)
+    reserve = 15.0 + (80.0 if chat_files else 15.0) * bench_items / BENCH_ITEMS
     train_time = max(30.0, remaining() - reserve)
     rl_time = train_time * RL_SHARE if rl else 0.0
     _banner(next(step), n, "pretrain")
@@ -154,7 +161,13 @@ def quickstart(out: Path, *, minutes: float = 5.0, corpora: Sequence[str] = TEXT
             shutil.rmtree(d)  # a previous quickstart's run: start afresh so the logs tell one story
     base = {"data.path": str(data_dir), "train.out_dir": str(run_dir), "model.vocab_size": tok.vocab_size,
             "model.max_seq_len": sft_len}
-    result = _train_within(base, preset_name, max(10.0, (train_time - rl_time) * (PRETRAIN_SHARE if chat_files else 1.0)))
+    pre = dict(base)
+    if drill:  # text and drill as a mixture; the report card measures the text (the first set) on its own
+        pre.pop("data.path")
+        pre.update({"train.eval_interval": 100, "data.mode": "mixture", "data.sets": [{"path": str(data_dir), "name": "text"},
+                                                           {"path": str(drill_dir), "name": "drill",
+                                                            "weight": DRILL_WEIGHT}]})
+    result = _train_within(pre, preset_name, max(10.0, (train_time - rl_time) * (PRETRAIN_SHARE if chat_files else 1.0)))
 
     _banner(next(step), n, "samples from the pretrained model")
     model, ckpt_dir = load_model(run_dir, "best")
