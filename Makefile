@@ -1,5 +1,5 @@
 # Two commands from a fresh machine:
-#   make quickstart   create .venv, install nanolm, run every stage at tiny scale (~5 minutes on a laptop CPU)
+#   make quickstart   create .venv, install nanolm, run every stage at tiny scale (~6 minutes on a laptop CPU)
 #   make test         create .venv, install nanolm with its test extras, run the whole test suite
 #
 # TORCH pins the PyTorch build; the default is the CPU build this project is tested with.
