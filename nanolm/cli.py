@@ -135,6 +135,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA run or checkpoint to apply to the model, unmerged")
     p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the weights' dtype while decoding (auto: bfloat16 on a GPU with it, or on a CPU with native "
+                        "bf16 for a model at least 256 wide; else float32)")
     p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
                    help="stretch the context of a model trained without YaRN FACTOR times with YaRN RoPE scaling "
                         "(from the window it was trained on, e.g. 4: 512 -> 2048 tokens)")
@@ -154,7 +157,7 @@ def _engine_from_args(args: argparse.Namespace):
     """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments."""
     from nanolm.config import SamplingParams
     from nanolm.infer.engine import Engine
-    from nanolm.runtime import resolve_device
+    from nanolm.runtime import decode_dtype, resolve_device
     from nanolm.tokenizer import Tokenizer
     from nanolm.checkpoint import load_model
 
@@ -162,8 +165,10 @@ def _engine_from_args(args: argparse.Namespace):
     device = resolve_device(args.device)
     model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter,
                             yarn=args.yarn)
-    print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}]", file=sys.stderr)
-    return Engine(model, device), Tokenizer.load(src), params, src
+    dtype, why = decode_dtype(args.dtype, device, model.config.d_model)
+    print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}; decoding in "
+          f"{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
+    return Engine(model, device, dtype), Tokenizer.load(src), params, src
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -223,7 +228,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from nanolm.infer.server import serve
     args.api_key = args.api_key or os.environ.get("NANOLM_API_KEY") or None  # "" is no key, as unset
     serve(args.checkpoint, _from_fields(args, ServeConfig), sampling=_from_fields(args, SamplingParams),
-          adapter=args.adapter, which="last" if args.last else "best", device=args.device, yarn=args.yarn)
+          adapter=args.adapter, which="last" if args.last else "best", device=args.device, yarn=args.yarn,
+          dtype=args.dtype)
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:

@@ -85,6 +85,37 @@ def train_dtype(name: str, device: torch.device, d_model: int,
     return torch.bfloat16, f"auto: this CPU has {native} (native bf16 matmuls)"
 
 
+# Decoding reads every weight once per token: bf16 weights halve that traffic, but below this width a token is
+# mostly Python and small operations, which bf16 only slows. Measured at batch 1 on a 2-core AVX512-BF16 CPU
+# (ms per token, float32 / bf16): width 128 1.53 / 2.06, 256 3.35 / 2.75, 384 6.3 / 5.5 (8 layers),
+# 512 (minimind-26m) 12.2 / 8.0 (bench/throughput.py --parts generate).
+BF16_DECODE_MIN_D_MODEL = 256
+
+
+def decode_dtype(name: str, device: torch.device, d_model: int,
+                 flags: set[str] | None = None) -> tuple[torch.dtype, str]:
+    """The dtype an Engine holds its weights in for `generate`, `chat` and `serve`, and why (printed at start-up).
+    auto: bf16 on a GPU that has it; on a CPU, bf16 where it has native bf16 matmuls and the model is at least
+    BF16_DECODE_MIN_D_MODEL wide, else float32. flags: the CPU's, for tests."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
+        return DTYPES[name], "as asked"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: this GPU has bf16"
+        return torch.float32, "auto: this GPU has no bf16"
+    if device.type != "cpu":
+        return torch.float32, f"auto on {device.type}"
+    flags = cpu_flags() if flags is None else flags
+    native = next((f for f in CPU_BF16_FLAGS if f in flags), None)
+    if native is None:
+        return torch.float32, "auto: this CPU has no native bf16"
+    if d_model < BF16_DECODE_MIN_D_MODEL:
+        return torch.float32, f"auto: at width {d_model} < {BF16_DECODE_MIN_D_MODEL} float32 decodes faster"
+    return torch.bfloat16, f"auto: this CPU has {native} and the model is {d_model} wide"
+
+
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Mixed precision for matmuls in `dtype`; weights and optimizer stay float32."""
     if dtype == torch.float32:

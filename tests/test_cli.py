@@ -46,6 +46,11 @@ def test_tokenizer_prepare_train_generate(tmp_path, corpus):
     assert r.stdout.startswith("To be") and len(r.stdout) > len("To be\n")
     again = nanolm("generate", str(run), "--prompt", "To be", "--max-new-tokens", "10", "--temperature", "0")
     assert again.stdout == r.stdout  # greedy is deterministic
+    assert "decoding in float32: auto: " in r.stderr  # a 32-wide model decodes in float32 on every CPU
+    bf16 = nanolm("generate", str(run), "--prompt", "To be", "--max-new-tokens", "10", "--temperature", "0",
+                  "--dtype", "bfloat16")
+    assert bf16.returncode == 0 and "decoding in bfloat16: as asked" in bf16.stderr
+    assert bf16.stdout.startswith("To be") and len(bf16.stdout) > len("To be\n")
 
 
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path):

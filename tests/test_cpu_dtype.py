@@ -42,3 +42,19 @@ def test_cpu_flags_reads_this_machine():
         return
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     assert flags == set(line.partition(":")[2].split())
+
+
+def test_decoding_picks_bf16_only_with_native_bf16_and_a_model_wide_enough_to_pay_for_it():
+    from nanolm.runtime import BF16_DECODE_MIN_D_MODEL, decode_dtype
+    assert BF16_DECODE_MIN_D_MODEL == 256
+    assert decode_dtype("auto", CPU, 512, {"avx512_bf16"}) == (
+        torch.bfloat16, "auto: this CPU has avx512_bf16 and the model is 512 wide")
+    assert decode_dtype("auto", CPU, 256, {"amx_bf16", "avx512_bf16"})[0] == torch.bfloat16
+    # Narrower models decode faster in float32 (a token is mostly overhead there), as do CPUs without bf16.
+    assert decode_dtype("auto", CPU, 128, {"avx512_bf16"}) == (
+        torch.float32, "auto: at width 128 < 256 float32 decodes faster")
+    assert decode_dtype("auto", CPU, 512, {"avx2"}) == (torch.float32, "auto: this CPU has no native bf16")
+    assert decode_dtype("float32", CPU, 512, {"avx512_bf16"}) == (torch.float32, "as asked")
+    assert decode_dtype("bfloat16", CPU, 64, set()) == (torch.bfloat16, "as asked")
+    with pytest.raises(UserError, match="--dtype half: unknown; use auto, float32, bfloat16 or float16"):
+        decode_dtype("half", CPU, 512)

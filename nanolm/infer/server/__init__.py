@@ -85,14 +85,14 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling: SamplingParams | None = None,
           adapter: str | Path | None = None, which: str = "best", device: str = "auto",
-          yarn: float | None = None) -> None:
+          yarn: float | None = None, dtype: str = "auto") -> None:
     """Load a checkpoint and serve it until interrupted, with `config`'s settings (default: ServeConfig(), which
     listens on loopback only) and `sampling`'s defaults for what a request leaves out; `yarn` stretches its
-    context that many times (see `load_model`)."""
+    context that many times (see `load_model`); `dtype`: the weights' dtype while decoding (`decode_dtype`)."""
     _require_extra("fastapi", "uvicorn")
     import uvicorn
 
-    from nanolm.runtime import resolve_device
+    from nanolm.runtime import decode_dtype, resolve_device
     from nanolm.checkpoint import load_model, run_name
 
     config = config if config is not None else ServeConfig()
@@ -102,10 +102,12 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         model, src = load_model(checkpoint, which, dev, adapter=adapter, yarn=yarn)
         if not config.model_name:
             config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
-        app = create_app(Engine(model, dev), Tokenizer.load(src), config, sampling)
+        weights, why = decode_dtype(dtype, dev, model.config.d_model)
+        app = create_app(Engine(model, dev, weights), Tokenizer.load(src), config, sampling)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}]", file=sys.stderr)
+        print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}; decoding in "
+              f"{str(weights).removeprefix('torch.')}: {why}]", file=sys.stderr)
         if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: serving on {config.host} without an API key: anyone who can reach this port can use "
                   "the model; pass --api-key", file=sys.stderr)
