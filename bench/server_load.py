@@ -578,8 +578,80 @@ def summarize(rnd: Round) -> dict[str, Any]:
             "latency_ms": {k: {"p50": ms(v, 0.5), "p95": ms(v, 0.95)} for k, v in lat.items()}}
 
 
+def build_preset_checkpoint(out: Path, preset_name: str, seed: int = 0) -> Path:
+    """A random-weight run of a preset's model (untied, large random weights, so replies rarely end early)."""
+    import dataclasses
+
+    import torch
+
+    from nanolm.checkpoint import save_checkpoint
+    from nanolm.config import preset
+    from nanolm.model.transformer import Transformer
+    from nanolm.tokenizer import train_tokenizer
+
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(ZH if i % 2 else EN) for _ in range(rng.randint(3, 12))) for i in range(120)]
+    tok = train_tokenizer(docs, out / "tokenizer", vocab_size=400, quiet=True)
+    cfg = preset(preset_name)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
+                                                             tie_embeddings=False, init_std=0.2))
+    torch.manual_seed(seed)
+    run = out / "run"
+    save_checkpoint(run, 0, Transformer(cfg.model), None, cfg, {}, tokenizer_dir=out / "tokenizer")
+    return run
+
+
+def scaling(base: str, levels: list[int], max_tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Aggregate tokens/s of C concurrent non-streaming completions (different prompts, seeded sampling,
+    max_tokens each), from the first send to the last answer; the best of `repeats` per C, and its ratio to C=1."""
+    rows = []
+    # One connected client per concurrent request, made before the clock starts (a new httpx client costs
+    # tens of milliseconds, which would be counted against the server).
+    clients = [httpx.Client(timeout=300, trust_env=False) for _ in range(max(levels))]
+    for client in clients:
+        client.get(base + "/health")
+    for c in levels:
+        best = None
+        for r in range(repeats):
+            results: list[int] = [0] * c
+            start = threading.Barrier(c + 1)
+
+            def one(i: int) -> None:
+                body = {"prompt": f"{EN[i % len(EN)]} {i}", "max_tokens": max_tokens, "seed": 1000 * r + i}
+                start.wait()
+                resp = clients[i].post(base + COMPLETE, json=body)
+                resp.raise_for_status()
+                results[i] = resp.json()["usage"]["completion_tokens"]
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(c)]
+            for t in threads:
+                t.start()
+            start.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            row = {"concurrent": c, "tokens": sum(results), "wall_s": wall, "tokens_per_s": sum(results) / wall}
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+        rows.append(best)
+        print(f"{c:3d} concurrent: {best['tokens']} tokens in {best['wall_s']:.2f} s = "
+              f"{best['tokens_per_s']:.0f} tokens/s", flush=True)
+    for client in clients:
+        client.close()
+    one_alone = next((r for r in rows if r["concurrent"] == 1), None)
+    for r in rows:
+        r["x_one"] = r["tokens_per_s"] / one_alone["tokens_per_s"] if one_alone else None
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scaling", default=None, metavar="C,C,...",
+                    help="instead of the load rounds: aggregate tokens/s of C concurrent completions against one "
+                         "alone (e.g. 1,4,16), on a random-weight model of --preset")
+    ap.add_argument("--preset", default="tiny", help="--scaling: the preset whose model is served")
+    ap.add_argument("--max-tokens", type=int, default=128, help="--scaling: tokens per completion")
     ap.add_argument("--requests", type=int, default=200, help="requests per round")
     ap.add_argument("--clients", type=int, default=20, help="concurrent client threads")
     ap.add_argument("--rounds", type=int, default=3, help="rounds after the warm-up round")
@@ -593,6 +665,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     report: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    if args.scaling:
+        with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
+            ckpt = args.checkpoint or build_preset_checkpoint(Path(tmp), args.preset, args.seed)
+            with serving(ckpt, max_queue=args.max_queue, threads=args.threads) as server:
+                levels = [int(c) for c in args.scaling.split(",")]
+                scaling(server.url, [1], 8, 1)  # warm-up
+                report["scaling"] = scaling(server.url, levels, args.max_tokens, args.rounds)
+        for r in report["scaling"]:
+            print(f"{r['concurrent']:3d} concurrent: {r['tokens_per_s']:7.0f} tokens/s  x{r['x_one']:.2f} one alone")
+        print(json.dumps(report, ensure_ascii=False))
+        return 0
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
         ckpt = args.checkpoint or build_checkpoint(Path(tmp))

@@ -661,6 +661,13 @@ class ServeConfig:
         "flag": "--body-timeout", "help": "seconds a request body may take to arrive after its headers; then 408"})
     guide_calls: bool = field(default=True, metadata={
         "help": "once the model opens a tool call, hold what it writes to the offered tools' schemas"})
+    # Decoding is bound by reading the weights, which one core nearly saturates, while the HTTP side (parsing,
+    # tokenizing, streaming) needs a core of its own: on 2 cores, 16 requests of `tiny` together ran 4.8x one
+    # alone with 1 decoding thread and 3.3x with 2 (bench/server_load.py --scaling); minimind-26m decodes a
+    # token in 11.3 ms on 1 thread and 11.1 ms on 2.
+    threads: int = field(default=0, metadata={
+        "help": "CPU threads that decode; 0 = one fewer than the CPU's cores (at least 1, at most torch's own "
+                "default)"})
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host.strip()),
@@ -674,6 +681,8 @@ class ServeConfig:
                f"max_queue={self.max_queue!r}: must be an integer >= 1 (requests admitted at once)")
         _check(self.max_batch is None or (_is_int(self.max_batch) and self.max_batch >= 1),
                f"max_batch={self.max_batch!r}: must be an integer >= 1 (rows decoded together), or unset")
+        _check(_is_int(self.threads) and self.threads >= 0,
+               f"threads={self.threads!r}: must be an integer >= 0 (0 = one fewer than the CPU's cores)")
         _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
                f"max_body_bytes={self.max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
         _check(isinstance(self.guide_calls, bool), f"guide_calls={self.guide_calls!r}: must be true or false")

@@ -58,3 +58,13 @@ def test_decoding_picks_bf16_only_with_native_bf16_and_a_model_wide_enough_to_pa
     assert decode_dtype("bfloat16", CPU, 64, set()) == (torch.bfloat16, "as asked")
     with pytest.raises(UserError, match="--dtype half: unknown; use auto, float32, bfloat16 or float16"):
         decode_dtype("half", CPU, 512)
+
+
+def test_the_server_leaves_a_core_to_its_http_side():
+    from nanolm.infer.server import decode_threads
+    n = torch.get_num_threads()
+    assert decode_threads(3) == 3  # as asked
+    assert decode_threads(0, cores=2) == 1
+    assert decode_threads(0, cores=1) == 1
+    assert decode_threads(0, cores=64) == n  # never more than torch's own default (OMP_NUM_THREADS)
+    assert decode_threads(0, cores=n) == max(1, n - 1)

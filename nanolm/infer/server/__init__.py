@@ -34,10 +34,13 @@ server is built (`create_app`, `serve`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from nanolm.config import SamplingParams, ServeConfig
 from nanolm.errors import UserError
@@ -83,6 +86,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def decode_threads(threads: int, cores: int | None = None) -> int:
+    """The server's decoding threads on a CPU: `threads`, or for 0 one fewer than the cores (at least 1, at most
+    torch's default, which honours OMP_NUM_THREADS)."""
+    if threads:
+        return threads
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return max(1, min(cores - 1, torch.get_num_threads()))
+
+
 def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling: SamplingParams | None = None,
           adapter: str | Path | None = None, which: str = "best", device: str = "auto",
           yarn: float | None = None, dtype: str = "auto") -> None:
@@ -103,6 +115,9 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         if not config.model_name:
             config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
         weights, why = decode_dtype(dtype, dev, model.config.d_model)
+        if dev.type == "cpu":
+            torch.set_num_threads(decode_threads(config.threads))
+            why += f"; {torch.get_num_threads()} decoding thread{'s' if torch.get_num_threads() > 1 else ''}"
         app = create_app(Engine(model, dev, weights), Tokenizer.load(src), config, sampling)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
