@@ -267,6 +267,18 @@ def test_malformed_messages_get_400_with_the_formats_message(server):
     ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs",
      "chat_template_kwargs: enable_thinking must be true or false"),
     ({"tools": {"type": "function"}}, "tools", "tools: Input should be a valid array"),
+    # Tools are checked with tool_choice "none" too (these were 500s: AttributeError, KeyError).
+    ({"tools": [1], "tool_choice": "none"}, "tools[0]",
+     'tools[0] must be a tool object with a function name, such as {"type": "function", "function": {"name": '
+     '"add", "parameters": {...}}}'),
+    ({"tools": [{"x": 1}], "tool_choice": "none"}, "tools[0]",
+     'tools[0] must be a tool object with a function name, such as {"type": "function", "function": {"name": '
+     '"add", "parameters": {...}}}'),
+    # No name a call can write: the guide has nothing to hold calls to (was a 500 with the exception's text).
+    ({"tools": [{"type": "function", "function": {"name": 'say"hi'}}, {"type": "function", "function": {
+        "name": "back\\slash"}}]}, "tools",
+     "tools: every tool's function name holds a quote or backslash, which a call cannot write; give at least one "
+     "tool a plain name"),
 ])
 def test_tool_choice_and_thinking_fields_are_checked(server, extra, param, message):
     status, err = post(server, {"messages": [USER], **extra})

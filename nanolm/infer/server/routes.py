@@ -157,7 +157,8 @@ class ServerState:
         try:
             messages = [message_from_dict(f"messages[{i}]", m.as_dict()) for i, m in enumerate(req.messages)]
             check_conversation("messages", messages, complete=False)
-            tools = tools_from_value("tools", req.tools) if req.tools and req.tool_choice != "none" else ()
+            offered = tools_from_value("tools", req.tools) if req.tools else ()  # checked whatever tool_choice says
+            tools = offered if req.tool_choice != "none" else ()
             fmt.check("the request", messages, tools, str(self.tokenizer.path))
         except ChatError as e:
             message = str(e)
@@ -174,6 +175,9 @@ class ServerState:
         if forced and ('"' in forced or "\\" in forced):
             raise ApiError(400, f"tool_choice.function.name: {forced!r} holds a quote or backslash; use a plain "
                                 "name", "tool_choice")
+        if tools and self.config.guide_calls and all('"' in n or "\\" in n for n in names):
+            raise ApiError(400, "tools: every tool's function name holds a quote or backslash, which a call cannot "
+                                "write; give at least one tool a plain name", "tools")
         thinking = req.thinking()
         if thinking and not fmt.tools:
             raise ApiError(400, f"chat_template_kwargs.enable_thinking: the tokenizer {self.tokenizer.path} carries "
