@@ -295,6 +295,38 @@ def test_api_key_is_enforced(engine, tok):
         assert r.usage.completion_tokens == 3
 
 
+def test_a_foreign_web_page_cannot_drive_the_server(engine, tok):
+    """A cross-origin "simple" POST (text/plain, no preflight) and a DNS-rebound Host get 403 before anything
+    runs; the server's own page (same origin) and programs (no Origin) are served."""
+    body = json.dumps({"model": "tiny", "messages": OK_MSG, "max_tokens": 2})
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
+        port = url.rsplit(":", 1)[1]
+        r = httpx.post(url + CHAT, content=body, headers={"Origin": "http://evil.example",
+                                                           "Content-Type": "text/plain"}, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+        assert r.json()["error"]["message"].startswith("a page from http://evil.example may not use this server")
+        r = httpx.post(url + CHAT, content=body, headers={"Host": f"rebound.example:{port}"}, timeout=30)
+        assert r.status_code == 403 and "answers only requests to localhost, 127.0.0.1 or [::1]" in \
+            r.json()["error"]["message"]
+        assert httpx.get(url + "/", headers={"Host": f"rebound.example:{port}"}, timeout=30).status_code == 403
+        same = httpx.post(url + CHAT, content=body, headers={"Origin": url, "Content-Type": "application/json"},
+                          timeout=30)
+        assert same.status_code == 200 and same.json()["usage"]["completion_tokens"] == 2
+        local = httpx.post(url + CHAT, content=body, headers={"Host": f"localhost:{port}",
+                                                              "Content-Type": "application/json"}, timeout=30)
+        assert local.status_code == 200
+        assert client(url).chat.completions.create(model="tiny", messages=OK_MSG, max_tokens=2).usage \
+            .completion_tokens == 2
+    # Listening on every interface, any Host is fine (the LAN's names), but a foreign Origin is still refused.
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny", host="0.0.0.0"))) as url:
+        port = url.rsplit(":", 1)[1]
+        ok = httpx.post(url + CHAT, content=body, headers={"Host": f"box.lan:{port}", "Origin": f"http://box.lan:{port}",
+                                                            "Content-Type": "application/json"}, timeout=30)
+        assert ok.status_code == 200
+        r = httpx.post(url + CHAT, content=body, headers={"Origin": "http://evil.example"}, timeout=30)
+        assert r.status_code == 403
+
+
 def in_threads(fn, n: int, timeout: float = 120) -> None:
     """fn(0) ... fn(n - 1), each on its own thread, all at once; returns when all are done (or timed out)."""
     threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
@@ -611,7 +643,7 @@ def test_a_body_that_stops_arriving_gets_408_and_the_server_goes_on(engine, tok)
     with running(create_app(engine, tok, ServeConfig(model_name="tiny", body_timeout_s=0.5))) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\", ")  # then nothing more
             reply = read_http_response(conn)
         status, _, rest = reply.partition("\r\n")

@@ -466,6 +466,48 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header value or of an origin's host[:port], without the port."""
+    if host.startswith("["):
+        return host[:host.index("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class SameOrigin:
+    """ASGI middleware: a web page the user visits may not drive the server.
+
+    A request carrying an `Origin` (browsers send one with every cross-origin request, and with same-origin
+    POSTs) must come from the server's own origin: its scheme-less host and port equal the request's `Host`;
+    otherwise 403, before the body is read. A server listening on loopback also answers only requests
+    addressed to a loopback name (`Host` localhost, 127.0.0.1 or [::1]), so a page cannot reach it through a
+    name of its own that resolves to 127.0.0.1 (DNS rebinding). Clients that send no Origin (SDKs, curl) pass.
+    """
+
+    def __init__(self, app: Any, loopback: bool) -> None:
+        self.app, self.loopback = app, loopback
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+            origin = headers.get(b"origin", b"").decode("latin-1").strip().lower()
+            problem = None
+            if self.loopback and _host_name(host) not in LOOPBACK_HOSTS:
+                problem = (f"this server listens on loopback and answers only requests to localhost, 127.0.0.1 or "
+                           f"[::1], not to {host or 'no host'!r}; use one of those names")
+            elif origin and origin.partition("://")[2] != host:
+                problem = (f"a page from {origin} may not use this server (cross-origin request refused); call it "
+                           "from its own page or from a program, which sends no Origin")
+            if problem is not None:
+                body = error_body(problem, code="forbidden")
+                await JSONResponse(body, status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # --- the app -----------------------------------------------------------------------------------------
 
 @asynccontextmanager
@@ -481,6 +523,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.nanolm = state
     if state.config.api_key is not None:
         app.add_middleware(BearerAuth, api_key=state.config.api_key)
+    # Added last, so it runs first: a foreign page learns nothing, not even whether a key is needed.
+    app.add_middleware(SameOrigin, loopback=state.config.host in LOOPBACK_HOSTS)
     for exc_type, handler in ERROR_HANDLERS:
         app.add_exception_handler(exc_type, handler)
     for method, path, route in ROUTES:
