@@ -327,6 +327,23 @@ def test_a_foreign_web_page_cannot_drive_the_server(engine, tok):
         assert r.status_code == 403
 
 
+def test_a_bug_answers_500_without_its_text_and_logs_it(engine, tok, monkeypatch, capfd):
+    from nanolm.infer.server.routes import ServerState
+
+    def broken(self, req):
+        raise RuntimeError("secret detail /home/someone/model")
+
+    monkeypatch.setattr(ServerState, "chat_prompt", broken)
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
+        r = httpx.post(url + CHAT, json={"model": "tiny", "messages": OK_MSG}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["type"] == "server_error" and "secret" not in err["message"]
+    ref = err["message"].split()[2].rstrip(";")
+    assert err["message"] == f"internal error {ref}; the server's log has the details"
+    log = capfd.readouterr().err
+    assert f"internal error {ref} on POST /v1/chat/completions" in log and "secret detail" in log
+
+
 def in_threads(fn, n: int, timeout: float = 120) -> None:
     """fn(0) ... fn(n - 1), each on its own thread, all at once; returns when all are done (or timed out)."""
     threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]

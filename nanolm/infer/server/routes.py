@@ -21,7 +21,9 @@ import dataclasses
 import hmac
 import json
 import re
+import sys
 import time
+import traceback
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator, Callable
@@ -435,8 +437,14 @@ async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-async def _bug(_request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+async def _bug(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: its traceback goes to the server's log, the client learns only that there was one (an exception's
+    text can hold paths and internals)."""
+    ref = uuid.uuid4().hex[:12]
+    print(f"nanolm serve: internal error {ref} on {request.method} {request.url.path}:\n"
+          + "".join(traceback.format_exception(exc)), file=sys.stderr, flush=True)
+    return JSONResponse(error_body(f"internal error {ref}; the server's log has the details", "server_error"),
+                        status_code=500)
 
 
 ERROR_HANDLERS: list[tuple[type[Exception], Callable[..., Any]]] = [
