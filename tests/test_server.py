@@ -327,6 +327,28 @@ def test_a_foreign_web_page_cannot_drive_the_server(engine, tok):
         assert r.status_code == 403
 
 
+def test_a_conversation_too_long_to_fit_is_refused_before_it_is_rendered(engine, tok, monkeypatch):
+    """20,000 tiny messages (a 700 KB body) or messages whose text alone is too long: 400 context_length_exceeded,
+    without converting or rendering a message."""
+    import nanolm.infer.server.routes as routes
+
+    def never(*a, **kw):
+        raise AssertionError("a message was converted")
+
+    monkeypatch.setattr(routes, "message_from_dict", never)
+    with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
+        many = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 10_000 + OK_MSG
+        r = httpx.post(url + CHAT, json={"model": "tiny", "messages": many}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+        assert err["message"] == (f"the conversation has 20001 messages, more than the model's context of "
+                                  f"{engine.max_seq_len} tokens can hold (each takes at least 3); shorten the "
+                                  "conversation")
+        long = [{"role": "user", "content": "x" * 400_000}]
+        r = httpx.post(url + CHAT, json={"model": "tiny", "messages": long}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages hold 400000 bytes")
+
+
 def test_a_bug_answers_500_without_its_text_and_logs_it(engine, tok, monkeypatch, capfd):
     from nanolm.infer.server.routes import ServerState
 

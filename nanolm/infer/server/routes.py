@@ -156,6 +156,19 @@ class ServerState:
         """
         fmt = self.tokenizer.chat_format
         forced = req.forced_call()
+        # Before any message is converted or rendered: a conversation too long for the context by its count of
+        # messages (each takes at least 3 tokens: the turn's opening, its role and its end) or by the bytes of
+        # its texts alone is refused at once, so a body of thousands of tiny messages costs no rendering.
+        limit = self.engine.max_seq_len
+        if len(req.messages) > limit // 3:
+            raise ApiError(400, f"the conversation has {len(req.messages)} messages, more than the model's context "
+                                f"of {limit} tokens can hold (each takes at least 3); shorten the conversation",
+                           "messages", "context_length_exceeded")
+        size = sum(len(m.content.encode("utf-8")) for m in req.messages if isinstance(m.content, str))
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"the messages hold {size} bytes of text, more tokens than the model's context of "
+                                f"{limit} tokens can hold; shorten the conversation", "messages",
+                           "context_length_exceeded")
         try:
             messages = [message_from_dict(f"messages[{i}]", m.as_dict()) for i, m in enumerate(req.messages)]
             check_conversation("messages", messages, complete=False)
