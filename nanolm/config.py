@@ -669,6 +669,11 @@ class ServeConfig:
         "help": "CPU threads that decode; 0 = one fewer than the CPU's cores (at least 1, at most torch's own "
                 "default)"})
 
+    @property
+    def loopback(self) -> bool:
+        """Whether it listens on loopback only (then a page cannot reach it but through a loopback name)."""
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host.strip()),
                f"host={self.host!r}: must be a host name or address, such as 127.0.0.1 (loopback only)")

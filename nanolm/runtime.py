@@ -67,6 +67,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def native_bf16(flags: set[str] | None = None) -> str | None:
+    """The first of CPU_BF16_FLAGS the CPU has (flags: the CPU's, for tests), or None."""
+    flags = cpu_flags() if flags is None else flags
+    return next((f for f in CPU_BF16_FLAGS if f in flags), None)
+
+
 def train_dtype(name: str, device: torch.device, d_model: int,
                 flags: set[str] | None = None) -> tuple[torch.dtype, str]:
     """The compute dtype for training and why it was chosen (for the start-up line). flags: the CPU's, for tests."""
@@ -75,8 +81,7 @@ def train_dtype(name: str, device: torch.device, d_model: int,
         return dtype, "as configured"
     if device.type != "cpu":
         return dtype, f"auto on {device.type}"
-    flags = cpu_flags() if flags is None else flags
-    native = next((f for f in CPU_BF16_FLAGS if f in flags), None)
+    native = native_bf16(flags)
     if native is None:
         return torch.float32, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
     if d_model < BF16_MIN_D_MODEL:
@@ -107,8 +112,7 @@ def decode_dtype(name: str, device: torch.device, d_model: int,
         return torch.float32, "auto: this GPU has no bf16"
     if device.type != "cpu":
         return torch.float32, f"auto on {device.type}"
-    flags = cpu_flags() if flags is None else flags
-    native = next((f for f in CPU_BF16_FLAGS if f in flags), None)
+    native = native_bf16(flags)
     if native is None:
         return torch.float32, "auto: this CPU has no native bf16"
     if d_model < BF16_DECODE_MIN_D_MODEL:

@@ -123,7 +123,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(f"[{src}{' + adapter ' + str(adapter) if adapter else ''}; decoding in "
               f"{str(weights).removeprefix('torch.')}: {why}]", file=sys.stderr)
-        if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        if config.api_key is None and not config.loopback:
             print(f"warning: serving on {config.host} without an API key: anyone who can reach this port can use "
                   "the model; pass --api-key", file=sys.stderr)
         print(f"chat page: http://{shown}:{bound_port}/", file=sys.stderr)

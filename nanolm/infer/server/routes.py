@@ -545,7 +545,7 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.api_key is not None:
         app.add_middleware(BearerAuth, api_key=state.config.api_key)
     # Added last, so it runs first: a foreign page learns nothing, not even whether a key is needed.
-    app.add_middleware(SameOrigin, loopback=state.config.host in LOOPBACK_HOSTS)
+    app.add_middleware(SameOrigin, loopback=state.config.loopback)
     for exc_type, handler in ERROR_HANDLERS:
         app.add_exception_handler(exc_type, handler)
     for method, path, route in ROUTES:
