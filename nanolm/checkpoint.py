@@ -327,6 +327,16 @@ def load_model(path: str | Path, which: str = "best", device: torch.device | str
     return model.to(device).eval(), src
 
 
+def require_causal(cfg: ModelConfig, what: str, src: Path | str | None = None) -> None:
+    """Refuse a non-causal model (`model.causal` false) on a path that decodes token by token or reads a causal
+    language model: one line naming the field and what the model can do instead."""
+    if not cfg.causal:
+        where = f"{Path(src) / CONFIG}: " if src is not None else ""
+        raise UserError(f"{where}model.causal is false: this model reads a whole block and writes the next one in "
+                        f"one pass, and {what} needs a causal model that writes token by token; `nanolm generate` "
+                        "prints a non-causal model's output block")
+
+
 def copy_tokenizer(src: Path | None, dest: Path) -> None:
     """The tokenizer files of `src` (when it has them) into `dest`."""
     for name in TOKENIZER_FILES:

@@ -36,6 +36,11 @@ def _cmd_data(args: argparse.Namespace) -> None:
         for name, path in write_arith(Path(args.out), args.n_sft, args.n_prompts, args.n_heldout, args.seed,
                                       max_number=args.max_number, level=args.level).items():
             print(f"{name}: {path}")
+    elif args.data_cmd == "blocks":
+        from nanolm.data.digit_tasks import write_digit_task
+        out = write_digit_task(Path(args.out), args.task, args.n, args.min_len, args.max_len, args.seed)
+        print(f"{args.n} {args.task} records (inputs of {args.min_len} to {args.max_len} digits, each once) -> {out}; "
+              "the val split of `nanolm prepare --format blocks` is held out")
     else:
         for name in args.names:
             print(corpora.fetch(name))
@@ -60,7 +65,7 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
     files = resolve_sources(args.sources)
     prepare(files, Path(args.tokenizer), Path(args.out), format=args.format, max_tokens=args.max_tokens,
-            val_fraction=args.val_fraction, workers=args.workers, skip_bad=args.skip_bad)
+            val_fraction=args.val_fraction, workers=args.workers, skip_bad=args.skip_bad, block_len=args.block_len)
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -153,18 +158,27 @@ def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) ->
     return p
 
 
-def _engine_from_args(args: argparse.Namespace):
-    """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments."""
+def _model_from_args(args: argparse.Namespace):
+    """(model, sampling params, device, checkpoint dir) from the shared inference arguments."""
     from nanolm.config import SamplingParams
-    from nanolm.infer.engine import Engine
-    from nanolm.runtime import decode_dtype, resolve_device
-    from nanolm.tokenizer import Tokenizer
+    from nanolm.runtime import resolve_device
     from nanolm.checkpoint import load_model
 
     params = _from_fields(args, SamplingParams)  # checked before the model loads
     device = resolve_device(args.device)
     model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter,
                             yarn=args.yarn)
+    return model, params, device, src
+
+
+def _engine_from_args(args: argparse.Namespace, loaded: tuple | None = None):
+    """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments (or the model
+    `_model_from_args` loaded)."""
+    from nanolm.infer.engine import Engine
+    from nanolm.runtime import decode_dtype
+    from nanolm.tokenizer import Tokenizer
+
+    model, params, device, src = loaded or _model_from_args(args)
     dtype, why = decode_dtype(args.dtype, device, model.config.d_model)
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}; decoding in "
           f"{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
@@ -174,10 +188,28 @@ def _engine_from_args(args: argparse.Namespace):
 def _cmd_generate(args: argparse.Namespace) -> None:
     from nanolm.infer.generate import check_text, complete
     check_text(args.prompt, "--prompt")  # bytes that are not UTF-8 cannot be echoed, nor tokenized
-    engine, tok, params, _ = _engine_from_args(args)
+    loaded = _model_from_args(args)
+    model, src = loaded[0], loaded[3]
+    if not model.config.causal or _run_stage(src) == "blocks":  # a block in, the output block out
+        from nanolm.checkpoint import trained_seq_len
+        from nanolm.infer.generate import write_block
+        from nanolm.tokenizer import Tokenizer
+        print(f"[{src}; {'non-causal' if not model.config.causal else 'causal'} model of input/output blocks: the "
+              "output block, greedy]", file=sys.stderr)
+        print(write_block(model, Tokenizer.load(src), args.prompt, trained_seq_len(src)))
+        return
+    engine, tok, params, _ = _engine_from_args(args, loaded)
     sys.stdout.write(args.prompt)
     complete(engine, tok, args.prompt, params)
     sys.stdout.write("\n")
+
+
+def _run_stage(src: Path) -> str | None:
+    """The train.stage a checkpoint's config.json records, if any (a model directory made by export or merge
+    records none)."""
+    from nanolm.checkpoint import CONFIG, read_json
+    train = read_json(Path(src) / CONFIG, "config").get("train")
+    return train.get("stage") if isinstance(train, dict) else None
 
 
 def _cmd_chat(args: argparse.Namespace) -> None:
@@ -329,6 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="standard: +, -, x of numbers up to 20 and two-step problems; easy: one sum or difference "
                          "of single digits (a small model learns part of it in minutes)")
     ar.add_argument("--max-number", type=int, default=None, help="largest number drawn (default 20, easy: 9)")
+    bl = dsub.add_parser("blocks", help="digit strings sorted or reversed, as input/output records for a "
+                                        "non-causal model (--stage blocks); the val split is held out")
+    bl.add_argument("--out", required=True, help="the JSONL file to write")
+    bl.add_argument("--task", choices=["sort", "reverse"], default="sort")
+    bl.add_argument("--n", type=int, default=20000, help="records (every input distinct)")
+    bl.add_argument("--min-len", type=int, default=4, help="fewest digits of an input")
+    bl.add_argument("--max-len", type=int, default=12, help="most digits of an input")
+    bl.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
@@ -337,8 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("sources", nargs="+")
     tt.add_argument("--out", required=True, help="directory for tokenizer.json + tokenizer_config.json")
     tt.add_argument("--vocab-size", type=int, default=6400)
-    tt.add_argument("--format", choices=["text", "chat"], default="text",
-                    help="chat: read conversation JSONL files and train on the message contents")
+    tt.add_argument("--format", choices=["text", "chat", "blocks"], default="text",
+                    help="chat: read conversation JSONL files and train on the message contents; blocks: the "
+                         "inputs and outputs of block records")
     tt.add_argument("--split-digits", action=argparse.BooleanOptionalAction, default=True,
                     help="one token per digit, as Qwen2/3 (default); --no-split-digits: GPT-2's split, as tokenizers "
                          "trained before")
@@ -349,14 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("sources", nargs="+", help="built-in corpora and/or .txt/.jsonl files or directories")
     pr.add_argument("--tokenizer", required=True, help="tokenizer directory (or tokenizer.json)")
     pr.add_argument("--out", required=True, help="output directory for shards + manifest.json")
-    pr.add_argument("--format", choices=["text", "chat", "dpo", "prompts"], default="text",
+    pr.add_argument("--format", choices=["text", "chat", "dpo", "prompts", "blocks"], default="text",
                     help="text: {\"text\": ...} lines / .txt files; chat: conversations (MiniMind, OpenAI messages "
                          "or Alpaca JSONL) rendered with the ChatML template, loss only on assistant replies; "
                          "dpo: preference pairs ({\"chosen\", \"rejected\"} conversations, or "
                          "{\"prompt\", \"chosen\", \"rejected\"}); prompts: RL prompts for --stage grpo "
-                         "({\"prompt\": ...} or {\"messages\": [...]}, with reference fields such as \"answer\")")
+                         "({\"prompt\": ...} or {\"messages\": [...]}, with reference fields such as \"answer\"); blocks: "
+                         "input and output blocks for --stage blocks ({\"input\": ..., \"output\": ...}, or "
+                         "{\"text\": ...} cut at --block-len)")
     pr.add_argument("--max-tokens", type=int, default=1024,
                     help="chat: longest conversation kept; longer ones lose their oldest exchanges first")
+    pr.add_argument("--block-len", type=int, default=0,
+                    help="blocks: the longest input and output (longer records are refused; 0: any) and where "
+                         "a {\"text\": ...} record is cut into its input and output")
     pr.add_argument("--val-fraction", type=float, default=0.01)
     pr.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     pr.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines and report the count")

@@ -64,6 +64,9 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # false: every position attends to the whole input block (bd4sur's Nano's non-causal mode): the model reads a
+    # block and writes the next block in one pass, trained with --stage blocks; no KV cache, no token-by-token decoding.
+    causal: bool = True
     # Mixture of experts: routed SwiGLU experts (+ shared ones) replace the MLP of every moe_every-th block.
     use_moe: bool = False
     n_experts: int = 4  # routed experts per MoE layer
@@ -429,7 +432,7 @@ class GRPOConfig:
                f"grpo.length_max must be > 0 and >= grpo.length_min ({self.length_min}), got {self.length_max}")
 
 
-STAGES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo")
+STAGES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo", "blocks")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("tensorboard", "wandb", "swanlab")

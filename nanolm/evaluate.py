@@ -133,7 +133,7 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
     directory. seq_len: the window (default the model's training seq_len). max_tokens: score only the
     first max_tokens predicted tokens (chat data: whole blocks, at least that many positions).
     """
-    from nanolm.checkpoint import load_model, trained_seq_len
+    from nanolm.checkpoint import load_model, require_causal, trained_seq_len
     from nanolm.corpora import resolve_sources
 
     if which not in ("best", "last"):
@@ -145,6 +145,7 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
         raise UserError("no data given; pass .txt/.jsonl files, built-in corpus names or a prepared directory")
     dev = resolve_device(device)
     model, ckpt_dir = load_model(checkpoint, which, dev, adapter=adapter)
+    require_causal(model.config, "loss and perplexity of text (next-token prediction)", ckpt_dir)
     cfg = model.config
     if not (ckpt_dir / "tokenizer.json").is_file():
         raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so its text cannot be tokenized; "

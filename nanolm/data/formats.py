@@ -551,7 +551,8 @@ def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = 
     format="chat" reads conversation files and yields each message's text
     (its reasoning, content and tool calls) and the tools offered;
     format="dpo" reads preference pairs and yields the chosen conversation's,
-    then the rejected reply's.
+    then the rejected reply's; format="blocks" each block record's input and
+    output (or its text).
     """
     for f in files:
         if format == "chat":
@@ -559,6 +560,11 @@ def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = 
                 yield from conv.tools
                 for m in conv.messages:
                     yield from _message_texts(m)
+        elif format == "blocks":
+            for (a, b), _ in iter_block_records(f, skip_bad=skip_bad, stats=stats):
+                yield a
+                if b is not None:
+                    yield b
         elif format == "dpo":
             for (chosen, rejected), _ in iter_preference_records(f, skip_bad=skip_bad, stats=stats):
                 yield from chosen.tools
@@ -636,3 +642,66 @@ def iter_prompt_records(path: Path, *, skip_bad: bool = False, stats: ReadStats 
         _check_format(fmt, tokenizer, conv)
         return conv, record
     return _iter_jsonl_records(path, parse, skip_bad, stats)
+
+
+_BLOCK_SHAPE = '{"input": "...", "output": "..."} or, cut at --block-len, {"text": "..."}'
+
+
+def _block_of(obj: Any) -> tuple[str, str | None]:
+    """A block record (`--format blocks`): (input, output) of an input/output record, or (text, None) of a
+    sequence in bd4sur's Nano's layout, which prepare cuts at the block length."""
+    if not isinstance(obj, dict):
+        raise _BadRecord(f"expected a JSON object like {_BLOCK_SHAPE}, got {_json_type(obj)}")
+    if "input" in obj or "output" in obj:
+        out = []
+        for key in ("input", "output"):
+            if key not in obj:
+                raise _BadRecord(f'no "{key}" field (keys: {_keys(obj)}); expected {_BLOCK_SHAPE}')
+            value = obj[key]
+            if not isinstance(value, str):
+                raise _BadRecord(f'"{key}" must be a string, got {_json_type(value)}')
+            if not value:
+                raise _BadRecord(f'"{key}" is empty; a block record needs text in both')
+            if _SURROGATE.search(value):
+                raise _BadRecord(f'"{key}" holds an unpaired surrogate escape, which is not valid Unicode')
+            out.append(value)
+        return out[0], out[1]
+    if "text" in obj:
+        text = _text_of(obj)
+        if not text:
+            raise _BadRecord('"text" is empty')
+        return text, None
+    raise _BadRecord(f'no "input"/"output" or "text" field (keys: {_keys(obj)}); expected {_BLOCK_SHAPE}')
+
+
+def iter_block_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
+                       encode: Callable[[str], list[int]] | None = None, block_len: int = 0
+                       ) -> Iterator[tuple[tuple[Any, Any], int]]:
+    """(record, bytes read since the previous one) for each record of a .jsonl file of blocks (`nanolm prepare
+    --format blocks`): (input, output) or, for Nano's layout, (text, None); with `encode`, (input ids, output
+    ids), a text cut at block_len tokens, each checked to fit block_len (0: any length; a text needs one)."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        raise UserError(f"{path}: block records must be a .jsonl file (one record per line, {_BLOCK_SHAPE}), not "
+                        f"{path.suffix or '(no suffix)'!r}; convert it")
+
+    def parse(obj: Any) -> tuple[Any, Any]:
+        a, b = _block_of(obj)
+        if encode is None:
+            return a, b
+        if b is None:
+            if not block_len:
+                raise UserError(f'{path}: a {{"text": ...}} record is one sequence that is cut into its input and '
+                                "output blocks at the block length; pass --block-len N")
+            ids = encode(a)
+            if not block_len < len(ids) <= 2 * block_len:
+                raise _BadRecord(f'"text" is {len(ids)} tokens: a sequence cut at --block-len {block_len} needs more '
+                                 f"than {block_len} (an input, then an output) and at most {2 * block_len}")
+            return ids[:block_len], ids[block_len:]
+        pair = encode(a), encode(b)
+        for key, ids in zip(("input", "output"), pair):
+            if block_len and len(ids) > block_len:
+                raise _BadRecord(f'"{key}" is {len(ids)} tokens, longer than --block-len {block_len}; shorten it or '
+                                 "raise --block-len")
+        return pair
+    return _iter_jsonl_records(path, parse, skip_bad, stats if stats is not None else ReadStats())

@@ -6,7 +6,7 @@ segment id per conversation, so that a row can hold several conversations
 that do not see each other; for preference data, rows in (chosen, rejected)
 pairs.
 
-The four kinds of unit, one class each behind one protocol (`UnitKind`),
+The five kinds of unit, one class each behind one protocol (`UnitKind`),
 which the one `Loader` and `iter_eval_batches` drive:
 
 Text data (`Windows`). A split's shards are cut into windows of seq_len + 1 tokens at
@@ -67,6 +67,11 @@ cost is that batches within a run go from short to long pairs. The order
 does not depend on the batch size. `Loader.describe()` tells how much of the
 batches is padding.
 
+Input and output blocks (`Blocks`, prepared with `format="blocks"`, for
+--stage blocks): the unit is a record, a row its input and output blocks of
+seq_len tokens side by side (nanolm/data/blocks.py), each epoch in the order of
+`np.random.default_rng([seed, e]).permutation(n)` of the records that fit.
+
 RL prompts (`Prompts`, prepared with `format="prompts"`): the unit is a
 prompt; a batch is a `PromptBatch` (nanolm/data/prompts.py) of batch_size
 prompts' conversation ids and records, each epoch in the order of
@@ -99,6 +104,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 import torch
 
+from nanolm.data.blocks import Blocks
 from nanolm.data.chatml import TARGET, fit_conversation, fit_pair
 from nanolm.data.prompts import PromptBatch, read_records
 from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
@@ -580,7 +586,7 @@ class Prompts:
 
 # The unit kind of each data format (PackedData.kind); a new kind of unit is one class and one entry here.
 KINDS: dict[str, Callable[[PackedData, int], UnitKind]] = {
-    "text": Windows, "chat": PackedConversations, "dpo": PreferencePairs, "prompts": Prompts}
+    "text": Windows, "chat": PackedConversations, "dpo": PreferencePairs, "prompts": Prompts, "blocks": Blocks}
 
 
 def unit_kind(data: PackedData, seq_len: int) -> UnitKind:

@@ -90,7 +90,7 @@ from nanolm.io import atomic_directory, remove_leftovers, space_note, write_fail
 from nanolm.progress import Progress, fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import Tokenizer
 
-FORMATS = ("text", "chat", "dpo", "prompts")
+FORMATS = ("text", "chat", "dpo", "prompts", "blocks")
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
@@ -470,14 +470,17 @@ def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume
 
 def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, format: str = "text",
             max_tokens: int = DEFAULT_MAX_TOKENS, val_fraction: float = 0.01, workers: int = 2,
-            skip_bad: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False) -> dict[str, Any]:
+            skip_bad: bool = False, shard_tokens: int = 100_000_000, block_len: int = 0,
+            quiet: bool = False) -> dict[str, Any]:
     """Tokenize `sources` (.txt/.jsonl files or directories of them) into shards in out_dir.
 
     tokenizer_path: tokenizer.json or the directory holding it. format: "text"
     (pretraining documents), "chat" (conversations, .jsonl only, stored with a
     loss mask) or "dpo" (preference pairs, .jsonl only, each stored as its two
     conversations with a mask on their final replies) or "prompts" (RL prompts
-    with their records, nanolm/data/prompts.py). max_tokens: the longest
+    with their records, nanolm/data/prompts.py) or "blocks" (input and output
+    blocks for --stage blocks, nanolm/data/blocks.py; block_len: the longest
+    input and output, and where Nano's one-sequence records are cut). max_tokens: the longest
     conversation kept whole (chat and dpo; see the module doc for the truncation
     policy). workers: tokenizer processes, one
     thread each (0 tokenizes in this process, on the thread pool of `tokenizers`).
@@ -488,7 +491,8 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     if format not in FORMATS:
         raise UserError(f"format={format!r}: must be one of {', '.join(FORMATS)} "
                         "(text: documents for pretraining; chat: conversations for fine-tuning; "
-                        "dpo: preference pairs; prompts: RL prompts for --stage grpo)")
+                        "dpo: preference pairs; prompts: RL prompts for --stage grpo; blocks: input and output "
+                        "blocks for --stage blocks)")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise UserError(f"workers={workers!r}: must be an integer >= 0 (0 tokenizes in the main process)")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -500,6 +504,10 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         from nanolm.data.prompts import prepare_prompts
         return prepare_prompts(sources, tokenizer_path, out_dir, max_tokens=max_tokens, val_fraction=val_fraction,
                                skip_bad=skip_bad, shard_tokens=shard_tokens, quiet=quiet)
+    if format == "blocks":  # input/output records: small sets, tokenized in this process
+        from nanolm.data.blocks import prepare_blocks
+        return prepare_blocks(sources, tokenizer_path, out_dir, block_len=block_len, val_fraction=val_fraction,
+                              skip_bad=skip_bad, shard_tokens=shard_tokens, quiet=quiet)
     chat, dpo = format == "chat", format == "dpo"
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():

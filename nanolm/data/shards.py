@@ -309,7 +309,7 @@ class PackedData:
     shards[i] is a 1-D memmap of token ids (`gather` reads text windows from the files instead, see the
     module doc); offsets[i] the uint64 document starts;
     masks[i] (chat and preference data, else None) the uint8 loss mask of shards[i].
-    kind: "text", "chat" or "dpo" (preference pairs), from the manifest's options.format.
+    kind: "text", "chat", "dpo" (preference pairs), "prompts" or "blocks", from the manifest's options.format.
     """
 
     def __init__(self, data_dir: Path, split: str = "train", *, tokenizer_fingerprint: str | None = None) -> None:
@@ -334,9 +334,9 @@ class PackedData:
         self.vocab_size: int = int(m["tokenizer"]["vocab_size"])
         self.dtype = np.dtype(m["dtype"])
         self.kind: str = m.get("options", {}).get("format", "text")
-        if self.kind not in ("text", "chat", "dpo", "prompts"):
+        if self.kind not in ("text", "chat", "dpo", "prompts", "blocks"):
             raise UserError(f"{manifest_path}: unknown data format {self.kind!r} (this nanolm reads text, chat, "
-                            "dpo and prompts); run `nanolm prepare` again")
+                            "dpo, prompts and blocks); run `nanolm prepare` again")
         self.is_chat: bool = self.kind == "chat"
         self.is_dpo: bool = self.kind == "dpo"
         fingerprint = m["tokenizer"]["fingerprint"]
@@ -351,7 +351,7 @@ class PackedData:
                             "run `nanolm prepare` with more documents or --val-fraction > 0 for a val split")
         self.shards: list[np.memmap] = []
         self.offsets: list[np.memmap] = []
-        self.masks: list[np.memmap] | None = None if self.kind in ("text", "prompts") else []
+        self.masks: list[np.memmap] | None = None if self.kind in ("text", "prompts", "blocks") else []
         for s in entry["shards"]:
             n = int(s["n_tokens"])
             self.shards.append(self._map(s["bin"], self.dtype, n))

@@ -127,6 +127,9 @@ class DataStream:
             if fp != fp0:
                 raise UserError(f"data.sets: {specs[0].path} and {s.path} were prepared with different tokenizers "
                                 f"({fp0[:12]} and {fp[:12]}); prepare every set with the same tokenizer")
+            if "blocks" in (p.kind, first.kind):
+                raise UserError(f"data.sets: {specs[0].path} holds {first.kind} data and {s.path} {p.kind} data; "
+                                "block data trains alone: give it as the one data set of its run")
             if (p.kind == "dpo") != (first.kind == "dpo"):
                 raise UserError(f"data.sets: {specs[0].path} holds {first.kind} data and {s.path} {p.kind} data; "
                                 "preference (dpo) data cannot be combined with text or chat data: train it in "

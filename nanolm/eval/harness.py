@@ -41,7 +41,7 @@ class NanoLM(LM):
                  batch_size: int | str = 16, max_batch_size: int | None = None, max_gen_toks: int | str = 256,
                  **unknown: Any) -> None:
         super().__init__()
-        from nanolm.checkpoint import load_model
+        from nanolm.checkpoint import load_model, require_causal
         from nanolm.errors import UserError
         from nanolm.infer.generate import check_vocab
         from nanolm.runtime import resolve_device
@@ -57,6 +57,7 @@ class NanoLM(LM):
             device = "auto"
         self._device = resolve_device(device)
         self.model, self.ckpt = load_model(path, which, self._device, adapter=adapter)
+        require_causal(self.model.config, "lm-evaluation-harness", self.ckpt)
         self.tok = Tokenizer.load(self.ckpt)
         check_vocab(self.tok, self.model.config.vocab_size)
         # "auto" (lm-eval's batch-size search) has nothing to search on a CPU-sized model: its default is used.

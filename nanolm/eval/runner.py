@@ -220,7 +220,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     """Score a checkpoint on tasks (and, with `degeneration` > 0, the degeneration of that many sampled
     continuations); prints nothing, writes the JSON (to `out`, default <run>/eval/<checkpoint>.json) and
     returns {"checkpoint", "tasks": [...], "degeneration": {...}, "path"}."""
-    from nanolm.checkpoint import load_model
+    from nanolm.checkpoint import load_model, require_causal
     from nanolm.config import SamplingParams
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import check_vocab
@@ -235,6 +235,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     loaded = [load_task(s) for s in specs]  # a bad task file fails before the model loads
     dev = resolve_device(device)
     model, ckpt_dir = load_model(checkpoint, which, dev, adapter=adapter)
+    require_causal(model.config, "a benchmark (choices scored, replies decoded token by token)", ckpt_dir)
     if not (ckpt_dir / "tokenizer.json").is_file():
         raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so the tasks cannot be tokenized; use a checkpoint "
                         "written by nanolm train")

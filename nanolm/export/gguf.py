@@ -362,7 +362,7 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
     module docstring for the tensors kept at higher precision). The file is
     written under a temporary name beside out_file and renamed into place.
     """
-    from nanolm.checkpoint import load_model
+    from nanolm.checkpoint import load_model, require_causal
 
     _import_gguf()
     check_outtype(outtype)
@@ -370,6 +370,7 @@ def export_gguf(checkpoint: str | Path, out_file: Path, *, which: str = "best", 
     if out_file.is_dir():
         raise UserError(f"{out_file}: is a directory; give the path of the .gguf file to write")
     model, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
+    require_causal(model.config, "GGUF export (llama.cpp)", ckpt_dir)
     what = write_gguf(model, ckpt_dir, out_file, outtype=outtype, quiet=quiet)
     if not quiet:
         print(f"wrote {out_file} ({what}, {fmt_bytes(out_file.stat().st_size)})")

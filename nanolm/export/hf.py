@@ -83,7 +83,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanolm.checkpoint import expected_shapes, load_model, model_state, resolve_checkpoint, write_model_dir
+from nanolm.checkpoint import expected_shapes, load_model, model_state, require_causal, resolve_checkpoint, \
+    write_model_dir
 from nanolm.config import ModelConfig
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, check_new_directory, read_json_object, write_json_atomic
@@ -495,6 +496,7 @@ def export_hf(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ada
     out_dir = Path(out_dir)
     check_new_directory(out_dir)
     model, src = load_model(checkpoint, which, "cpu", adapter)
+    require_causal(model.config, "export to transformers (a causal language model)", src)
     cfg = model.config
     candidates = [Path(tokenizer)] if tokenizer is not None else [src]
     if tokenizer is None and adapter is not None:

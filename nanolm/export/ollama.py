@@ -106,7 +106,7 @@ def export_ollama(checkpoint: str | Path, out_dir: Path, *, which: str = "best",
     (default: SamplingParams()); system: a SYSTEM prompt, none if None. The
     directory is written beside out_dir and renamed into place whole.
     """
-    from nanolm.checkpoint import load_model, run_name
+    from nanolm.checkpoint import load_model, require_causal, run_name
     from nanolm.export.gguf import check_outtype, write_gguf
 
     check_outtype(outtype)
@@ -120,6 +120,7 @@ def export_ollama(checkpoint: str | Path, out_dir: Path, *, which: str = "best",
     out_dir = Path(out_dir)
     check_new_directory(out_dir)
     model, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
+    require_causal(model.config, "ollama export", ckpt_dir)
     with atomic_directory(out_dir) as tmp:
         what = write_gguf(model, ckpt_dir, tmp / GGUF_FILE, outtype=outtype, quiet=quiet)
         write_text_atomic(tmp / MODELFILE, modelfile_text(context_length=model.config.max_seq_len,

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 import torch.nn as nn
 
+from nanolm.checkpoint import require_causal
 from nanolm.config import SEED_RANGE, SamplingParams
 from nanolm.infer.fuse import fuse_projections
 from nanolm.infer.sampling import Penalties, apply_penalties, sample_rows
@@ -65,6 +66,7 @@ class Engine:
         """Prepare the copy: weights in `dtype` on `device` (decoding reads every weight once per token, so
         bf16 weights halve the bytes, and nothing is re-cast under autocast), eval mode, and the q/k/v and
         gate/up products fused (`infer/fuse.py`): the same weights, fewer products."""
+        require_causal(model.config, "decoding with the engine (generate, chat, serve, sampled rollouts)")
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = inference_copy(model, self.device, dtype)

@@ -88,7 +88,7 @@ class FusedAttention(Attention):
     def __init__(self, attn: Attention) -> None:
         nn.Module.__init__(self)  # not Attention.__init__, which would make new projections to throw away
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
-        self.dropout = attn.dropout
+        self.dropout, self.causal = attn.dropout, attn.causal
         self.qkv_weight = _stacked(attn.q_proj, attn.k_proj, attn.v_proj)
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.o_proj = attn.o_proj

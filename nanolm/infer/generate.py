@@ -1,10 +1,13 @@
-"""Text in, streamed text out: the glue between a tokenizer and the engine."""
+"""Text in, streamed text out: the glue between a tokenizer and the engine (and the output block of a model
+trained on input and output blocks)."""
 
 from __future__ import annotations
 
 import re
 import sys
 from typing import Iterable, Iterator, Sequence, TextIO
+
+import torch
 
 from nanolm.config import SamplingParams
 from nanolm.errors import UserError
@@ -67,3 +70,29 @@ def complete(engine: Engine, tokenizer: Tokenizer, prompt: str, params: Sampling
         out.write(piece)
         out.flush()
     return "".join(pieces)
+
+
+@torch.no_grad()
+def write_block(model: torch.nn.Module, tokenizer: Tokenizer, text: str, block_len: int) -> str:
+    """The output block a model trained with --stage blocks (nanolm/data/blocks.py) writes for the input `text`,
+    up to its first end-of-text, greedily: a non-causal model in one pass over the input block; a causal one
+    token by token after it (at most block_len forwards, no cache: blocks are short)."""
+    check_vocab(tokenizer, model.config.vocab_size)
+    ids = tokenizer.encode(check_text(text, "the prompt"))
+    if not 0 < len(ids) <= block_len:
+        raise UserError(f"the prompt is {len(ids)} tokens; this model reads input blocks of 1 to {block_len} tokens "
+                        "(its run's train.seq_len)")
+    device = next(model.parameters()).device
+    x = torch.full((1, block_len), tokenizer.eot_id, dtype=torch.long, device=device)
+    x[0, :len(ids)] = torch.tensor(ids, device=device)
+    if not model.config.causal:
+        out = model(x)[0].argmax(-1).tolist()
+    else:
+        out = []
+        for _ in range(block_len):
+            out.append(int(model(x)[0, -1].argmax()))
+            if out[-1] == tokenizer.eot_id:
+                break
+            x = torch.cat([x, x.new_tensor([[out[-1]]])], dim=1)
+    end = out.index(tokenizer.eot_id) if tokenizer.eot_id in out else len(out)
+    return tokenizer.decode(out[:end])

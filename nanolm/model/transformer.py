@@ -184,6 +184,7 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
+        self.causal = cfg.causal
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,7 +239,8 @@ class Attention(nn.Module):
                                                attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
         elif start == 0:
             with precision:
-                y = sdpa(q, k, v, attn_mask=mask) if mask is not None else sdpa(q, k, v, is_causal=T > 1)
+                y = sdpa(q, k, v, attn_mask=mask) if mask is not None else \
+                    sdpa(q, k, v, is_causal=self.causal and T > 1)
         elif mask is not None:
             y = sdpa(q, k, v, attn_mask=mask)
         elif T == 1:  # one new token sees the whole cache
@@ -333,12 +335,18 @@ class Transformer(nn.Module):
         (several conversations in one row), `seg` (B, T) gives each token's
         segment id, and tokens attend only to earlier tokens of their own
         segment; `pos` (B, T) gives each token's position within its segment.
+        A non-causal model (`model.causal` false) lets every token attend to
+        every token of its row (of its segment, with `seg`), and the logits at
+        position i are its prediction of the output block's token i.
         With targets, the float32 sum of the next-token cross-entropy over the
         positions whose target is not negative is returned, computed by
         `linear_cross_entropy` without writing the logits out (a LoRA-wrapped
         output projection goes through its module and the plain loss).
         """
         B, T = idx.shape
+        if cache is not None and not self.config.causal:
+            raise ValueError("model.causal is false: a non-causal model writes its output block in one pass and "
+                             "decodes nothing token by token, so it takes no KV cache")
         if cache is not None and cache.lengths is not None:
             return self._decode_rows(idx, cache)
         start = cache.pos if cache is not None else 0
@@ -352,8 +360,10 @@ class Transformer(nn.Module):
             sin = self.rope_sin[pos].unsqueeze(1)
         mask = None
         if seg is not None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-            mask = ((seg[:, :, None] == seg[:, None, :]) & causal).unsqueeze(1)  # (B, 1, T, T)
+            mask = seg[:, :, None] == seg[:, None, :]  # (B, T, T)
+            if self.config.causal:
+                mask = mask & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = mask.unsqueeze(1)  # (B, 1, T, T)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask)

@@ -5,7 +5,9 @@ and LoRA minimise next-token cross-entropy on the batch's targets (SFT data
 masks all but the assistant replies), plus the MoE load-balancing loss when
 the model has experts. DPO compares the policy's and a frozen reference's
 log-probabilities of chosen and rejected replies. Distillation matches a
-frozen teacher's token distributions, mixed with cross-entropy.
+frozen teacher's token distributions, mixed with cross-entropy. Blocks
+(--stage blocks) take the cross-entropy of an output block, read by a causal
+model after its input block or by a non-causal model from the input alone.
 
 Each objective counts its units in a batch (`units`: target tokens, or for DPO
 preference pairs) and returns its loss summed over them (`Loss.total`), so
@@ -23,7 +25,9 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from nanolm.data.blocks import block_views
 from nanolm.data.shards import IGNORE_INDEX, Batch
 from nanolm.model.moe import collect_aux_loss, moe_layers
 from nanolm.train.losses import distill_loss, dpo_loss, sequence_logps, step_share
@@ -123,6 +127,53 @@ class LMObjective:
         return out
 
 
+class BlocksObjective(LMObjective):
+    """Input and output blocks (nanolm/data/blocks.py): the output block's cross-entropy summed over its targets
+    (+ the MoE balance loss), for a causal model (the output token by token after the input) or a non-causal one
+    (every output position from the whole input block at once)."""
+
+    def __init__(self, model: nn.Module, aux_loss_coef: float, causal: bool) -> None:
+        super().__init__(model, aux_loss_coef)
+        self.causal = causal
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
+        return super().__call__(model, block_views(batch, self.causal))
+
+    def positions(self, batch: Batch) -> int:
+        """The input positions the model reads of the batch: both blocks but the last token (causal), or the
+        input block alone."""
+        return block_views(batch, self.causal).x.numel()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        """Validation loss per target token, bits per byte, and the share of output tokens (val_token_acc) and of
+        whole output blocks (val_exact) whose every token is the model's most likely one. For a causal model that
+        is teacher-forced, and equals greedy decoding's exact match: greedy decoding writes the right block
+        exactly when the most likely token is right at every position given the right ones before it."""
+        loss_sum, n_tokens, n_bytes, right, exact, rows = 0.0, 0, 0.0, 0, 0, 0
+        for batch in batches:
+            view = block_views(batch, self.causal)
+            with autocast():
+                logits = model(view.x)
+            targets = view.y != IGNORE_INDEX
+            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), view.y.flatten(), ignore_index=IGNORE_INDEX,
+                                        reduction="sum").item()
+            ok = (logits.argmax(-1) == view.y) | ~targets
+            right += int((ok & targets).sum())
+            exact += int(ok.all(dim=1).sum())
+            rows += len(view.y)
+            n_tokens += int(targets.sum())
+            if token_bytes is not None:
+                n_bytes += token_bytes[view.y[targets].cpu()].sum().item()
+        if n_tokens == 0:
+            return {}
+        out = {"val_loss": loss_sum / n_tokens, "val_token_acc": right / n_tokens, "val_exact": exact / rows}
+        if n_bytes > 0:
+            out["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
+        return out
+
+
 class DPOObjective:
     """Direct preference optimisation on batches of (chosen, rejected) row pairs.
 
@@ -201,4 +252,4 @@ class DistillObjective:
         return self.lm.evaluate(model, batches, autocast, token_bytes)
 
 
-Objective = LMObjective | DPOObjective | DistillObjective
+Objective = LMObjective | BlocksObjective | DPOObjective | DistillObjective

@@ -62,7 +62,7 @@ from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_
 from nanolm.train.optim import build_optimizer
 from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
 from nanolm.train.grpo import GRPOObjective, step_metrics
-from nanolm.train.objectives import DistillObjective, DPOObjective, LMObjective, Objective
+from nanolm.train.objectives import BlocksObjective, DistillObjective, DPOObjective, LMObjective, Objective
 
 
 @dataclass
@@ -356,17 +356,33 @@ class Trainer:
     def _objective(self) -> Objective:
         """The stage's batch -> loss function, checked against the kind of data it is given."""
         cfg, stage, kind = self.cfg, self.cfg.train.stage, self.data.kind
+        where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
+        if not cfg.model.causal and stage != "blocks":
+            raise UserError(f"model.causal is false: a non-causal model trains only with --stage blocks on "
+                            f"`nanolm prepare --format blocks` data, not train.stage={stage}; drop "
+                            "--model.causal false for this stage")
+        if (stage == "blocks") != (kind == "blocks"):
+            fix = ("prepare input/output records with `nanolm prepare --format blocks`" if stage == "blocks"
+                   else "block data trains with --stage blocks")
+            raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
+        if stage == "blocks":
+            T, causal = cfg.train.seq_len, cfg.model.causal
+            need = 2 * T - 1 if causal else T  # a causal model reads both blocks as one sequence
+            if need > cfg.model.max_seq_len:
+                raise UserError(f"model.max_seq_len={cfg.model.max_seq_len} is shorter than the {need} positions a "
+                                f"{'causal' if causal else 'non-causal'} model reads of blocks of train.seq_len {T}"
+                                f"{' (input and output as one sequence)' if causal else ''}; set --model.max_seq_len "
+                                f"{need} or lower --seq-len")
+            return BlocksObjective(self.model, cfg.model.aux_loss_coef, causal)
         if (stage == "grpo") != (kind == "prompts"):
             fix = ("prepare RL prompts with `nanolm prepare --format prompts`" if stage == "grpo"
                    else "RL prompts train with --stage grpo")
-            where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
             raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
         if stage == "grpo":
             return self._grpo_objective()
         if (stage == "dpo") != (kind == "dpo"):
             fix = ("prepare preference pairs with `nanolm prepare --format dpo`" if stage == "dpo"
                    else "preference data trains with --stage dpo")
-            where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
             raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
         lm = LMObjective(self.model, cfg.model.aux_loss_coef)
         if stage == "dpo":
@@ -451,6 +467,8 @@ class Trainer:
         tc = self.cfg.train
         if self.data.kind == "prompts":  # GRPO: at most, every completion of the step at its longest
             return tc.batch_size * tc.grad_accum * self.cfg.grpo.group_size * self.cfg.grpo.max_new_tokens
+        if self.data.kind == "blocks":  # a causal model reads the input and output blocks as one sequence
+            return tc.batch_size * (2 * tc.seq_len - 1 if self.cfg.model.causal else tc.seq_len) * tc.grad_accum
         return tc.batch_size * (2 if self.data.kind == "dpo" else 1) * tc.seq_len * tc.grad_accum
 
     def report(self) -> None:
@@ -578,7 +596,9 @@ class Trainer:
             extra["update_s"] = time.perf_counter() - t0
             extra["generate_share"] = extra["generate_s"] / max(extra["generate_s"] + extra["update_s"]
                                                                 + extra["score_s"], 1e-9)
-        tokens = sum(b.x.numel() for b in batches) * info.world_size  # every rank takes as many positions
+        # the input positions the model read (an objective may read part of a batch); every rank takes as many
+        positions = getattr(self.objective, "positions", lambda b: b.x.numel())
+        tokens = sum(positions(b) for b in batches) * info.world_size
         self.step += 1
         self.tokens += tokens
         return StepResult(lr, step_units, len(batches) * info.world_size, tokens, grad_norm, finite, sums, means,

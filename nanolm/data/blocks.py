@@ -1,0 +1,193 @@
+"""Input and output blocks (`nanolm prepare --format blocks`): the data of `--stage blocks`, written and read here.
+
+bd4sur's Nano trains, besides the usual causal language model, a model that
+reads a whole block and writes the next block (`model.causal false`): sorting
+or reversing digit strings, arithmetic laid out position by position. A block
+record is a line of a .jsonl file:
+
+- `{"input": "...", "output": "..."}`: the two blocks' texts;
+- `{"text": "..."}` (Nano's layout of one sequence): its tokens cut at
+  `block_len` (`--block-len`, required for this layout): the first block_len
+  tokens are the input, the rest (at most block_len) the output.
+
+Each record becomes two adjacent documents of a split, its input's ids then
+its output's (no mask file: every output token is a target), kept in one
+shard; record i goes to val when i % k == 1, as prepare splits documents.
+With `block_len`, a record whose input or output is longer is refused
+(`file:line: what is wrong`; `--skip-bad` skips it and counts it).
+
+The unit the loader streams (`Blocks`) is a record. At train.seq_len T, a
+record's input block is its ids padded to T with the end-of-text id, and its
+output block its ids, then one end-of-text when it is shorter than T (so the
+model learns where an output ends), padded likewise; a record whose input or
+output does not fit is left out and counted. A batch's rows are the two
+blocks side by side, x (B, 2T) = [input block | output block], with
+next-token targets y (B, 2T): y[:, T - 1 + i] is output token i (its
+end-of-text included), IGNORE_INDEX elsewhere and on the padding after it.
+So the same batch trains either kind of model (`block_views`): a causal one
+reads x[:, :-1] and predicts the output block token by token after the
+input; a non-causal one reads the input block x[:, :T] alone and predicts
+every output position at once, its logits at position i against
+y[:, T - 1 + i].
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nanolm.data.formats import ReadStats, expand_sources, iter_block_records
+from nanolm.data.shards import FORMAT_VERSION, IGNORE_INDEX, MANIFEST, SPLITS, Batch, PackedData, SplitWriter, \
+    token_dtype
+from nanolm.errors import UserError
+from nanolm.io import atomic_directory, write_json_atomic
+from nanolm.tokenizer import Tokenizer
+
+
+def prepare_blocks(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, block_len: int = 0,
+                   val_fraction: float, skip_bad: bool, shard_tokens: int, quiet: bool = False) -> dict[str, Any]:
+    """Validate and tokenize block records into out_dir (see the module doc); returns the manifest. block_len:
+    the longest input and output kept (0: any; the loader leaves out what does not fit its seq_len)."""
+    from nanolm.data.prepare import _check_replaceable, _sha256, _stat, val_every  # prepare calls this module
+
+    k = val_every(val_fraction)
+    if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 0:
+        raise UserError(f"block_len={block_len!r}: must be an integer >= 0 (0: no limit at prepare)")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another output directory")
+    files = expand_sources(sources)
+    tok = Tokenizer.load(tokenizer_path)
+    dtype = token_dtype(tok.vocab_size)
+    before = [_stat(f) for f in files]
+    _check_replaceable(out_dir)
+    stats = ReadStats()
+    per_split: dict[str, list[tuple[list[int], list[int]]]] = {s: [] for s in SPLITS}
+    i = 0
+    for path in files:
+        for pair, _ in iter_block_records(path, skip_bad=skip_bad, stats=stats, encode=tok.encode,
+                                          block_len=block_len):
+            per_split["val" if k and i % k == 1 else "train"].append(pair)
+            i += 1
+    if not per_split["train"]:
+        raise UserError(f"no block records to train on in {', '.join(map(str, files))} ({stats.bad_lines} bad "
+                        "line(s) skipped); check the files")
+    options = {"format": "blocks", "block_len": block_len, "val_fraction": val_fraction, "skip_bad": skip_bad,
+               "shard_tokens": shard_tokens}
+    with atomic_directory(out_dir, replace=True) as tmp:
+        splits = {}
+        for split, pairs in per_split.items():
+            writer = SplitWriter(tmp, split, dtype, shard_tokens, group=2)
+            if pairs:
+                docs = [np.array(ids + [tok.eot_id], dtype=dtype) for pair in pairs for ids in pair]
+                writer.append(np.concatenate(docs), np.array([len(d) for d in docs]), np.ones(len(docs), dtype=bool))
+            splits[split] = writer.finish()
+            splits[split]["n_records"] = len(pairs)
+        n_tokens = sum(s["n_tokens"] for s in splits.values())
+        longest = [max((len(p[j]) for ps in per_split.values() for p in ps), default=0) for j in (0, 1)]
+        manifest = {
+            "format": "nanolm-tokens", "version": FORMAT_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+                          "eot_id": tok.eot_id},
+            "dtype": dtype.name, "splits": splits,
+            "totals": {"n_tokens": n_tokens, "n_docs": 2 * i, "bytes": sum(b["size"] for b in before)},
+            "sources": [{**b, "sha256": _sha256(f)} for f, b in zip(files, before)],
+            "options": options,
+            "split_policy": {"val_every": k, "rule": "record i goes to val when val_every > 0 and i % val_every == 1"},
+            "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples},
+            "blocks": {"n_records": i, "train": len(per_split["train"]), "val": len(per_split["val"]),
+                       "longest_input": longest[0], "longest_output": longest[1]},
+        }
+        write_json_atomic(tmp / MANIFEST, manifest)
+    if not quiet:
+        print(f"prepared {i} block records (train {len(per_split['train'])}, val {len(per_split['val'])}), "
+              f"{n_tokens} tokens -> {out_dir}; the longest input {longest[0]} tokens, output {longest[1]} "
+              f"(--train.seq_len must hold both, and the end-of-text after a shorter output)"
+              + (f"; {stats.bad_lines} bad line(s) skipped (--skip-bad), first: {stats.examples[0]}"
+                 if stats.bad_lines else ""), file=sys.stderr, flush=True)
+    return manifest
+
+
+def block_views(batch: Batch, causal: bool) -> Batch:
+    """What a model of this kind reads of a blocks batch (module doc): causal, the two blocks as one sequence;
+    non-causal, the input block and the output block's targets at the same positions."""
+    if causal:
+        return Batch(batch.x[:, :-1], batch.y[:, :-1])
+    T = batch.x.shape[1] // 2
+    return Batch(batch.x[:, :T], batch.y[:, T - 1:-1])
+
+
+class Blocks:
+    """Block records (`format="blocks"`): the unit is a record, a row its input and output blocks side by side
+    (module doc). Epoch e's order of the records that fit is `np.random.default_rng([seed, e]).permutation(n)`."""
+
+    name = "records"
+    state_key = "n_records"
+
+    def __init__(self, data: PackedData, seq_len: int) -> None:
+        self.data, self.T = data, seq_len
+        self.shard, self.start, self.length = data.documents()
+        if len(self.length) % 2:
+            raise UserError(f"{data.data_dir} ({data.split}): {len(self.length)} documents, not whole input/output "
+                            "records; the data is damaged, run `nanolm prepare --format blocks` again")
+        lengths = self.length.reshape(-1, 2)  # (records, 2): input, output
+        self.n_state = len(lengths)
+        self.kept = np.flatnonzero((lengths <= seq_len).all(axis=1))
+        self.n_dropped = self.n_state - len(self.kept)
+        if len(self.kept) == 0:
+            raise UserError(f"{data.data_dir} ({data.split}): {self.empty()}")
+        self.eot = int(data.manifest["tokenizer"]["eot_id"])
+        out = lengths[self.kept, 1]
+        self.n_targets = int(out.sum() + (out < seq_len).sum())  # output tokens and their end-of-text
+
+    def _ids(self, doc: int) -> np.ndarray:
+        shard, start, length = int(self.shard[doc]), int(self.start[doc]), int(self.length[doc])
+        return self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        return np.random.default_rng([seed, epoch]).permutation(len(self.kept))
+
+    def file_order(self) -> np.ndarray:
+        return np.arange(len(self.kept), dtype=np.int64)
+
+    def batch(self, parts: list[np.ndarray], pin: bool) -> Batch:
+        T = self.T
+        records = self.kept[np.concatenate(parts)]
+        x = np.full((len(records), 2 * T), self.eot, dtype=np.int64)
+        y = np.full((len(records), 2 * T), IGNORE_INDEX, dtype=np.int64)
+        for row, r in enumerate(records.tolist()):
+            inp, out = self._ids(2 * r), self._ids(2 * r + 1)
+            x[row, :len(inp)] = inp
+            x[row, T:T + len(out)] = out
+            n = min(len(out) + 1, T)  # the output, and the end-of-text that ends a shorter one
+            y[row, T - 1:T - 1 + n] = x[row, T:T + n]
+        batch = Batch(torch.from_numpy(x), torch.from_numpy(y))
+        return batch.pin_memory() if pin else batch
+
+    def tokens_per_epoch(self, order: np.ndarray) -> int:
+        return len(order) * self.T
+
+    def describe(self, order: np.ndarray, batch_size: int) -> str:
+        return (f"{len(self.kept)} records as input and output blocks of seq_len {self.T} tokens "
+                f"({self.n_targets:,} target tokens)"
+                + (f"; {self.n_dropped} left out (an input or output longer than {self.T} tokens)"
+                   if self.n_dropped else ""))
+
+    def holds(self, n_units: int) -> str:
+        return f"{n_units} block records"
+
+    def needs(self, step: int) -> str:
+        return f"{step} records; prepare more records, or lower batch_size"
+
+    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
+        return f"{count} records"
+
+    def empty(self) -> str:
+        return (f"none of its {self.n_state} records has an input and an output of at most seq_len {self.T} tokens; "
+                "raise --seq-len to the longest of them (the manifest's \"blocks\" section gives it)")
