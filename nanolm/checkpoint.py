@@ -62,8 +62,9 @@ from safetensors.torch import save as save_safetensors
 
 from nanolm.config import Config, ModelConfig
 from nanolm.errors import UserError
-from nanolm.io import (atomic_directory, first_line, fsync_dir, read_json_object, remove_directory, remove_leftovers,
-                       space_note, write_bytes_atomic, write_failure, write_json_atomic)
+from nanolm.io import (atomic_directory, check_crc32, crc32_of, first_line, fsync_dir, read_json_object,
+                       remove_directory, remove_leftovers, space_note, write_bytes_atomic, write_failure,
+                       write_json_atomic)
 from nanolm.model import lora
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -76,6 +77,8 @@ ADAPTER_FORMAT = "nanolm-lora"
 ADAPTER_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DAMAGED = "the checkpoint is incomplete or damaged: use another one"
+STATE = "state.json"  # a training checkpoint's step, data position, RNG, and its files' CRC-32s
+OPTIMIZER = "optimizer.pt"
 
 
 # ----------------------------------------------------------------------------- finding checkpoints
@@ -256,8 +259,41 @@ def load_weights(model: nn.Module, ckpt: Path) -> None:
     _read_weights(model, Path(ckpt) / WEIGHTS)
 
 
+def recorded_checksums(ckpt: Path) -> dict[str, str]:
+    """The CRC-32 of each weights file that a training checkpoint's state.json recorded when it was written
+    ({} for a model directory without one, a checkpoint from before checksums were kept, or an unreadable
+    state.json, which the paths that need it report themselves)."""
+    try:
+        sums = json.loads((Path(ckpt) / STATE).read_text(encoding="utf-8")).get("checksums")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return {k: v for k, v in sums.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(sums, dict) else {}
+
+
+def verify_file(path: Path) -> None:
+    """Check a checkpoint file's bytes against the CRC-32 its state.json recorded (if it recorded one): one line
+    naming the file when it was damaged since."""
+    path = Path(path)
+    want = recorded_checksums(path.parent).get(path.name)
+    if want is not None and path.is_file():
+        check_crc32(path, want, str(path.parent / STATE),
+                    "use an earlier checkpoint of the run (`nanolm train --resume` falls back to the newest one "
+                    "that verifies)")
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Every file of a training checkpoint whose CRC-32 its state.json recorded, checked (UserError naming the
+    first that differs or is missing)."""
+    for name in recorded_checksums(ckpt):
+        if not (Path(ckpt) / name).is_file():
+            raise UserError(f"{Path(ckpt) / name}: missing, though {STATE} lists it; the checkpoint is incomplete")
+        verify_file(Path(ckpt) / name)
+
+
 def _read_weights(model: nn.Module, path: Path) -> None:
-    """The tensors of a weights file that `check_weights` passed, into `model`."""
+    """The tensors of a weights file that `check_weights` passed, into `model` (after its checksum)."""
+    verify_file(path)
     try:
         tensors = load_file(str(path))
     except FileNotFoundError:
@@ -420,11 +456,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
                 save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
             part = CONFIG
             write_json_atomic(tmp / CONFIG, cfg.to_dict())
-            part = "state.json"
-            write_json_atomic(tmp / "state.json", {"step": step, **state, "best_step": best_step})
             if optimizer_state is not None:
-                part = "optimizer.pt"
-                torch.save(optimizer_state, tmp / "optimizer.pt")
+                part = OPTIMIZER
+                torch.save(optimizer_state, tmp / OPTIMIZER)
+            part = STATE
+            # CRC-32 of each weights file, read back as written (from the page cache): what every load checks
+            checksums = {n: crc32_of(tmp / n) for n in (WEIGHTS, OPTIMIZER) if (tmp / n).is_file()}
+            write_json_atomic(tmp / STATE, {"step": step, **state, "best_step": best_step, "checksums": checksums})
             part = "tokenizer files"
             copy_tokenizer(tokenizer_dir, tmp)
             part = "fsync"  # atomic_directory syncs every file as the block ends
@@ -478,7 +516,8 @@ def _recorded_best_step(ckdir: Path, newest: Path | None) -> int | None:
 
 def read_optimizer(ckpt: Path) -> dict[str, Any]:
     """The saved optimizer state (keyed by parameter name), read without unpickling anything but tensors."""
-    path = Path(ckpt) / "optimizer.pt"
+    path = Path(ckpt) / OPTIMIZER
+    verify_file(path)
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

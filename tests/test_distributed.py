@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +21,20 @@ OVER = {"train.max_steps": 8, "train.grad_accum": 2, "train.eval_interval": 4, "
         "model.dropout": 0.0}
 
 
-def torchrun_cmd(*args: str) -> subprocess.CompletedProcess:
+def torchrun_cmd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """torchrun with 2 processes; past `timeout` seconds the whole launch (agent and workers, one process
+    group) is killed, so that a hung run fails its test instead of leaving workers behind for the rest."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           *args], capture_output=True, text=True, env=env, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s: {' '.join(args)}\n{out[-2000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def torchrun(data_dir: Path, out: Path, *extra: str, **over) -> subprocess.CompletedProcess:
@@ -100,6 +111,25 @@ def test_two_processes_weigh_every_target_token_the_same(tmp_path):
     (n1, g1, _, _), (n2, g2, _, _) = micro_batch_gradients(cfg, weights, 2)
     assert sorted((n1, n2)) == [1, 9]
     assert_close_all(got, [(a + b) / 10 for a, b in zip(g1, g2)])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_comes_back_under_max_restarts_and_ends_as_the_uninterrupted_run(data_dir, tmp_path):
+    """`torchrun --max-restarts 1`: rank 1 is SIGKILLed after step 6 (the last checkpoint is step 4's); torchrun
+    restarts both workers, which resume from step 4 by themselves, and the run ends bit-identical."""
+    r = torchrun(data_dir, tmp_path / "whole")
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = tiny_cfg(data_dir, tmp_path / "killed", **OVER)
+    config = tmp_path / "killed.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    r = torchrun_cmd("--max-restarts", "1", str(Path(__file__).parent / "kill_worker.py"), str(config), "6")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "rank 0 attempt 1: done at step 8" in r.stdout and "attempt 0: done" not in r.stdout
+    a = ckpt.load_model(tmp_path / "whole", "last")[0].state_dict()
+    b = ckpt.load_model(tmp_path / "killed", "last")[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert list(losses(tmp_path / "killed")) == list(range(1, 9))  # steps 5 and 6 logged once, as redone
+    assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
 
 
 def test_grad_accum_must_split_over_the_processes(data_dir, tmp_path, monkeypatch):

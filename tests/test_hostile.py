@@ -586,7 +586,20 @@ def test_token_ids_beyond_the_vocabulary_in_a_shard(which, doc, tmp_path, data_d
     _set_token(shard, m["dtype"], at, 65535)  # the vocabulary has 400 tokens
     with pytest.raises(UserError) as e:
         _read_everything(d, seq_len=32)
+    one_line(e.value, str(shard), "its checksum is")  # the manifest's CRC-32 of the file catches it first
+    _without_checksums(d)  # data prepared before checksums were recorded: the ids are checked as they are read
+    with pytest.raises(UserError) as e:
+        _read_everything(d, seq_len=32)
     one_line(e.value, str(shard), "token id 65535")
+
+
+def _without_checksums(d: Path) -> None:
+    """Drop the shards' CRC-32s from the manifest of data directory d, as data prepared before they were kept."""
+    m = json.loads((d / MANIFEST).read_text())
+    for split in m["splits"].values():
+        for shard in split["shards"]:
+            shard.pop("crc32", None)
+    (d / MANIFEST).write_text(json.dumps(m))
 
 
 def test_damaged_document_index_of_chat_data(tmp_path, chat_data):
@@ -602,7 +615,12 @@ def test_damaged_document_index_of_chat_data(tmp_path, chat_data):
         offsets.tofile(idx)
         with pytest.raises(UserError) as e:
             _read_everything(d, seq_len=32)
+        one_line(e.value, str(idx), "its checksum is")
+        _without_checksums(d)  # as data prepared before checksums: the offsets themselves are checked
+        with pytest.raises(UserError) as e:
+            _read_everything(d, seq_len=32)
         one_line(e.value, str(idx))
+        assert "checksum" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -955,7 +973,7 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys, run, da
           "--model.dropout", "0.1", *small], "state.json: damaged training state"),
         (["generate", str(cut), "--prompt", "To be", "--device", "cpu"], "corrupt or truncated weights"),
         (["generate", str(run), "--prompt", "To \udcff", "--device", "cpu"], "--prompt: holds the byte 0xff"),
-        (["eval", str(run), "--data", str(damaged), "--device", "cpu"], "token id 65535"),
+        (["eval", str(run), "--data", str(damaged), "--device", "cpu"], "val-00000.bin: its checksum is"),
         (["import", "hf", str(garbage_hf), str(tmp_path / "imported")], "hidden_size must be an integer"),
     ]
     for argv, says in cases:

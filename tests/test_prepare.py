@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 import os
 from pathlib import Path
 
@@ -151,8 +152,10 @@ def test_manifest_content(tmp_path, tok_path):
     n = sum(len(HFTokenizer.from_file(str(tok_path)).encode(d, add_special_tokens=False).ids) + 1 for d in DOCS)
     assert m["totals"] == {"n_tokens": n, "n_docs": len(DOCS), "bytes": st.st_size}
     assert m["splits"]["train"]["n_tokens"] + m["splits"]["val"]["n_tokens"] == n
+    crc = {k: f"{zlib.crc32((out / f'train-00000.{k}').read_bytes()):08x}" for k in ("bin", "idx")}
     assert m["splits"]["train"]["shards"][0] == {"bin": "train-00000.bin", "idx": "train-00000.idx",
-                                                 "n_tokens": m["splits"]["train"]["n_tokens"], "n_docs": 5}
+                                                 "n_tokens": m["splits"]["train"]["n_tokens"], "n_docs": 5,
+                                                 "crc32": crc}  # each file's bytes, as written
     assert set(m["throughput"]) == {"seconds", "workers", "mb_per_s", "tokens_per_s"}
     assert m["throughput"]["workers"] == 0
 

@@ -20,12 +20,17 @@ A prepared data directory (what `nanolm prepare` writes and training reads) hold
   prompt (see nanolm/data/prompts.py).
 - `manifest.json`: the format version, the tokenizer's fingerprint and vocab
   size, the dtype, and per split its shards with their token and document
-  counts; `nanolm prepare` adds what was made from what (sources, options,
+  counts and the CRC-32 of each of their files (`crc32`: {"bin", "idx",
+  "mask"}, computed as they are written); `nanolm prepare` adds what was made from what (sources, options,
   skipped lines, throughput). It is written last: a directory without it is
   not prepared data.
 
 `SplitWriter` writes one split's shards; `PackedData` maps one split's shards
-read-only, after checking the manifest and the files' sizes against it.
+read-only, after checking the manifest and the files' sizes against it, and
+each file's CRC-32 against the manifest's, once per file (and size and
+modification time) in a process: a flipped byte is a one-line error naming the
+file, never data trained on. Data prepared before checksums were recorded
+loads without that check.
 Training reads text windows with `os.pread` from the shard files
 (`PackedData.gather`), not through the memory maps: pages touched through a
 map stay in the process's resident set (they are counted in its peak RSS, and
@@ -44,6 +49,8 @@ import json
 import os
 import re
 import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -53,6 +60,7 @@ import torch
 
 from nanolm.data.chatml import TARGET
 from nanolm.errors import UserError
+from nanolm.io import check_crc32
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -122,6 +130,7 @@ class SplitWriter:
         self._bin: BinaryIO | None = None
         self._idx: BinaryIO | None = None
         self._mask: BinaryIO | None = None
+        self._crc: dict[str, int] = {}  # CRC-32 of each open shard file's bytes so far
         self._n = 0  # tokens in the open shard
         self.written = 0  # bytes handed to the shard files so far
         self._docs = 0  # complete documents in the open shard
@@ -137,7 +146,8 @@ class SplitWriter:
         if self.with_mask:
             self._mask = open(self.tmp_dir / f"{stem}.mask", "wb")
         self.written += 8
-        self._idx.write(np.zeros(1, dtype=np.uint64).data)
+        self._crc = dict.fromkeys(("bin", "idx", "mask") if self.with_mask else ("bin", "idx"), 0)
+        self._put("idx", np.zeros(1, dtype=np.uint64))
         self._n = self._docs = self._trainable = 0
 
     def _close(self) -> None:
@@ -152,6 +162,7 @@ class SplitWriter:
         entry.update(n_tokens=self._n, n_docs=self._docs)
         if self.with_mask:
             entry["n_trainable"] = self._trainable
+        entry["crc32"] = {k: f"{v:08x}" for k, v in self._crc.items()}
         self.shards.append(entry)
         self._bin = self._idx = self._mask = None
 
@@ -159,14 +170,20 @@ class SplitWriter:
         """tokens of the open shard; doc_ends: end offsets, relative to tokens[0], of the documents they complete."""
         assert self._bin is not None and self._idx is not None
         self.written += tokens.nbytes + 8 * len(doc_ends) + (len(tokens) if self._mask is not None else 0)
-        self._bin.write(np.ascontiguousarray(tokens).data)
-        self._idx.write((doc_ends + self._n).astype(np.uint64).data)
+        self._put("bin", np.ascontiguousarray(tokens))
+        self._put("idx", (doc_ends + self._n).astype(np.uint64))
         if self._mask is not None:
             assert mask is not None and len(mask) == len(tokens)
-            self._mask.write(np.ascontiguousarray(mask, dtype=np.uint8).data)
+            self._put("mask", np.ascontiguousarray(mask, dtype=np.uint8))
             self._trainable += int(np.count_nonzero(mask & TARGET))
         self._n += len(tokens)
         self._docs += len(doc_ends)
+
+    def _put(self, key: str, array: np.ndarray) -> None:
+        """Write the array's bytes to the open shard's file `key`, adding them to its CRC-32."""
+        data = array.data
+        {"bin": self._bin, "idx": self._idx, "mask": self._mask}[key].write(data)  # type: ignore[union-attr]
+        self._crc[key] = zlib.crc32(data, self._crc[key])
 
     def append(self, tokens: np.ndarray, piece_lens: np.ndarray, piece_last: np.ndarray,
                mask: np.ndarray | None = None) -> None:
@@ -301,6 +318,32 @@ def _check_manifest(m: dict[str, Any], path: Path) -> None:
                 v = s.get(key)
                 need((key == "mask" and v is None) or (isinstance(v, str) and v == Path(v).name and v[:1] != "."),
                      f"{where}.{key}", "a file name")
+            crc = s.get("crc32")  # absent in data prepared before checksums were recorded
+            need(crc is None or (isinstance(crc, dict) and all(
+                k in ("bin", "idx", "mask") and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v)
+                for k, v in crc.items())), f"{where}.crc32", "an object of 8-hex-digit CRC-32s of bin, idx, mask")
+
+
+# The shard files whose CRC-32 this process has checked: (path, size, mtime_ns, recorded CRC).
+_verified: set[tuple[str, int, int, str]] = set()
+
+
+def _verify(files: list[tuple[Path, str]], manifest_path: Path) -> None:
+    """Check shard files' CRC-32s against the manifest's, once per file as it stands (module doc), on a thread
+    per core (zlib computes without the GIL); the first file that differs is the error."""
+    todo = []
+    for path, want in files:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, want)
+        if key not in _verified:
+            todo.append((path, want, key))
+    if not todo:
+        return
+    def check(item: tuple[Path, str, Any]) -> None:
+        check_crc32(item[0], item[1], str(manifest_path), "run `nanolm prepare` again to rewrite the data")
+    with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
+        list(pool.map(check, todo))
+    _verified.update(key for _, _, key in todo)
 
 
 class PackedData:
@@ -352,6 +395,7 @@ class PackedData:
         self.shards: list[np.memmap] = []
         self.offsets: list[np.memmap] = []
         self.masks: list[np.memmap] | None = None if self.kind in ("text", "prompts", "blocks") else []
+        checks: list[tuple[Path, str]] = []  # (file, its recorded CRC-32)
         for s in entry["shards"]:
             n = int(s["n_tokens"])
             self.shards.append(self._map(s["bin"], self.dtype, n))
@@ -361,9 +405,11 @@ class PackedData:
                     raise UserError(f"{manifest_path}: {self.kind} shard {s['bin']} lists no loss mask file; "
                                     f"the data is damaged, run `nanolm prepare --format {self.kind}` again")
                 self.masks.append(self._map(s["mask"], np.dtype(np.uint8), n))
+            checks += [(self.data_dir / s[key], want) for key, want in s.get("crc32", {}).items() if key in s]
             if self.is_dpo and int(s["n_docs"]) % 2:
                 raise UserError(f"{manifest_path}: preference shard {s['bin']} holds {s['n_docs']} conversations, "
                                 "not whole pairs; the data is damaged, run `nanolm prepare --format dpo` again")
+        _verify(checks, manifest_path)  # the sizes are right: now the bytes
         self.n_tokens: int = sum(len(s) for s in self.shards)
         self.n_docs: int = int(entry["n_docs"])  # for preference data: conversations, two per pair
         self._files = _ShardFiles([self.data_dir / s["bin"] for s in entry["shards"]])

@@ -66,9 +66,22 @@ def setup(device_name: str) -> DistInfo:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # The group's keys go under this attempt's prefix: workers that torchrun restarted (--max-restarts) can
+        # meet in a store that still holds the dead attempt's addresses, and would dial those (seen with gloo).
+        store, _, _ = next(dist.rendezvous("env://", rank, world))
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=(
-            device if device.type == "cuda" else None))
+            device if device.type == "cuda" else None), store=dist.PrefixStore(f"attempt-{restart_count()}", store),
+            rank=rank, world_size=world)
     return DistInfo(rank, local_rank, world, device)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (`--max-restarts`; 0 on the first attempt and
+    outside torchrun)."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
 
 
 def teardown(info: DistInfo) -> None:

@@ -155,16 +155,35 @@ def _tokenizer_of(src: Path) -> str | None:
     return Tokenizer.load(src).fingerprint if (src / "tokenizer.json").is_file() else None
 
 
-def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> Path | None:
-    """The checkpoint a resume continues from (the run's newest), after checking it fits this config; None for
-    a fresh start, which a run directory that already holds checkpoints refuses."""
+def _newest_that_verifies(steps: list[Path]) -> tuple[Path, list[str]]:
+    """The newest checkpoint whose weights and optimizer state match the CRC-32s its state.json recorded, and a
+    line for each newer one that did not (left in place: the resumed run writes those steps again)."""
+    skipped: list[str] = []
+    for src in reversed(steps):
+        try:
+            ckpt.verify_checkpoint(src)
+            return src, skipped
+        except UserError as e:
+            skipped.append(str(e))
+    raise UserError(f"{skipped[0]} (and no earlier checkpoint of the run verifies either; start anew, or from "
+                    "its weights with --init-from if only the optimizer state is damaged)")
+
+
+def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path | None, list[str]]:
+    """The checkpoint a resume continues from (the run's newest that verifies), after checking it fits this
+    config, and the newer ones passed over; None for a fresh start, which a run directory that already holds
+    checkpoints refuses. Workers that torchrun restarted (`--max-restarts`, after a process died) resume from
+    the newest checkpoint of the run they were started for, or start it anew when it saved none."""
     tc = cfg.train
     resume_src: Path | None = None
+    skipped: list[str] = []
+    if not resume and distributed.restart_count() and ckpt.step_dirs(run_dir):
+        resume = True
     if resume:
         steps = ckpt.step_dirs(run_dir)
         if not steps:
             raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
-        resume_src = steps[-1]
+        resume_src, skipped = _newest_that_verifies(steps)
         saved_cfg = ckpt.read_run_config(resume_src)
         if saved_cfg.model != cfg.model:
             raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
@@ -175,7 +194,7 @@ def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> Path | None:
     if tc.stage in ("sft", "lora", "dpo", "grpo") and not tc.init_from:
         raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
                         f"checkpoint>")
-    return resume_src
+    return resume_src, skipped
 
 
 class Trainer:
@@ -207,7 +226,10 @@ class Trainer:
         self.token_bytes = _token_bytes(self.tok_dir, cfg.model.vocab_size) if self.val_sets else None
         self.tasks, self.task_tok = self._eval_tasks()  # train.eval_tasks: read now, so a bad file stops the start
 
-        resume_src = _resume_source(cfg, self.run_dir, resume)
+        resume_src, skipped = _resume_source(cfg, self.run_dir, resume)
+        if skipped and info.is_main:  # said even when quiet: a newer checkpoint is passed over
+            print("\n".join(skipped) + f"\nresuming from {resume_src} instead, the newest checkpoint that verifies",
+                  file=sys.stderr, flush=True)
         self.model, self.adapter_base = self._policy(resume_src)
         self.model.to(self.device)
         if tc.parallel == "fsdp" and info.enabled and cfg.optim.name == "muon":
