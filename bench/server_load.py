@@ -246,6 +246,43 @@ def ok_templates() -> list[Req]:
     return out
 
 
+TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def soak_templates() -> list[Req]:
+    """The soak's further well-formed requests: n choices (each checked), tools offered (the reply's calls
+    checked), a forced call (held to the schema by the guide), streaming and not."""
+    user = [{"role": "user", "content": "What is 37 times 24?"}]
+    bodies = [
+        ("n3-cmpl", COMPLETE, {"prompt": "To be", "n": 3, "max_tokens": 12, "temperature": 0.9, "seed": 3}, False),
+        ("n4-chat", CHAT, {"messages": user, "n": 4, "max_tokens": 10, "temperature": 1.0, "seed": 11}, False),
+        ("tools-chat", CHAT, {"messages": user, "tools": [TOOL], "max_tokens": 24, "temperature": 0}, False),
+        ("tools-chat-stream", CHAT, {"messages": user, "tools": [TOOL], "max_tokens": 24, "temperature": 0,
+                                     "stream": True}, True),
+        ("tools-required", CHAT, {"messages": user, "tools": [TOOL], "tool_choice": "required", "max_tokens": 40,
+                                  "temperature": 0}, False),
+    ]
+    return [Req(f"soak-{name}", "ok", path, _body(body), stream) for name, path, body, stream in bodies]
+
+
+def soak_bad_templates() -> list[Req]:
+    """The hostile requests of the soak beyond bad_templates: each its 4xx."""
+    user = [{"role": "user", "content": "hi"}]
+    huge_enum = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
+        "x": {"enum": [f"v{i}" for i in range(10_000)]}}}}}
+    bad = [
+        ("tools-huge-enum", {"messages": user, "tools": [huge_enum]}),
+        ("tools-not-objects", {"messages": user, "tools": [1], "tool_choice": "none"}),
+        ("tools-no-function", {"messages": user, "tools": [{"x": 1}], "tool_choice": "none"}),
+        ("tools-unusable-names", {"messages": user, "tools": [{"type": "function", "function": {"name": 'a"b'}}]}),
+        ("n-past-the-batch", {"messages": user, "n": 10_000}),
+        ("messages-past-the-context", {"messages": [{"role": "user", "content": "x"}] * 20_000}),
+    ]
+    return [Req(f"soak-bad-{name}", "bad", CHAT, _body(body), want_status=400) for name, body in bad]
+
+
 def drop_templates() -> list[Req]:
     """Clients that leave: mid-stream after some text, or a non-streaming one that stops waiting."""
     long = {"max_tokens": 10**9, "temperature": 0, "stream": True}
@@ -297,12 +334,16 @@ def bad_templates(max_body_bytes: int) -> list[Req]:
     return out
 
 
-def make_plan(n: int, seed: int, max_body_bytes: int, bad_share: float = 0.1, drop_share: float = 0.1) -> list[Req]:
-    """n requests: bad_share malformed, drop_share leaving early, the rest well-formed; each template in turn."""
+def make_plan(n: int, seed: int, max_body_bytes: int, bad_share: float = 0.1, drop_share: float = 0.1,
+              soak: bool = False, offset: int = 0) -> list[Req]:
+    """n requests: bad_share malformed, drop_share leaving early, the rest well-formed; each template in turn,
+    from the offset-th plan's place on (soak: the soak's templates too; successive offsets take them all)."""
     n_bad, n_drop = round(n * bad_share), round(n * drop_share)
-    groups = [(ok_templates(), n - n_bad - n_drop), (bad_templates(max_body_bytes), n_bad),
-              (drop_templates(), n_drop)]
-    plan = [templates[i % len(templates)] for templates, count in groups for i in range(count)]
+    ok, bad = ok_templates(), bad_templates(max_body_bytes)
+    if soak:
+        ok, bad = ok + soak_templates(), bad + soak_bad_templates()
+    groups = [(ok, n - n_bad - n_drop), (bad, n_bad), (drop_templates(), n_drop)]
+    plan = [templates[(offset * count + i) % len(templates)] for templates, count in groups for i in range(count)]
     random.Random(seed).shuffle(plan)
     return plan
 
@@ -344,7 +385,8 @@ class Tracker:
 def _text_of(choice: dict, chat: bool, stream: bool) -> str:
     if chat:
         part = choice["delta"] if stream else choice["message"]
-        return part.get("content") or ""
+        calls = part.get("tool_calls") if not stream else None  # a whole reply's calls are part of what it says
+        return (part.get("content") or "") + (json.dumps(calls, sort_keys=True) if calls else "")
     return choice["text"]
 
 
@@ -438,8 +480,9 @@ def send(client: httpx.Client, base: str, req: Req, tracker: Tracker | None = No
         res.problem = f"not JSON: {r.text[:80]!r}"
         return res
     if r.status_code == 200:
-        choice = body["choices"][0]
-        res.text, res.finish = _text_of(choice, chat, False), choice["finish_reason"]
+        choices = sorted(body["choices"], key=lambda c: c["index"])  # n > 1: every choice, in order
+        res.text = "\x1e".join(_text_of(c, chat, False) for c in choices)
+        res.finish = ",".join(str(c["finish_reason"]) for c in choices)
         res.tokens = body["usage"]["completion_tokens"]
     else:
         res.error = body.get("error") if isinstance(body, dict) else None
@@ -456,7 +499,8 @@ def solo_answers(base: str, plan: list[Req]) -> dict[Req, Result]:
             full = Req(req.name, "ok", req.path, req.body, req.stream)
             out[req] = send(client, base, full)
             if out[req].status != 200 or out[req].problem:
-                raise RuntimeError(f"{req.name}: alone it gets {out[req].status} {out[req].problem or ''}")
+                raise RuntimeError(f"{req.name}: alone it gets {out[req].status} {out[req].problem or ''} "
+                                   f"{out[req].error or ''}")
     return out
 
 
@@ -652,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                          "alone (e.g. 1,4,16), on a random-weight model of --preset")
     ap.add_argument("--preset", default="tiny", help="--scaling: the preset whose model is served")
     ap.add_argument("--max-tokens", type=int, default=128, help="--scaling: tokens per completion")
+    ap.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                    help="rounds back to back for MINUTES (after the warm-up), with n, tools and hostile requests "
+                         "mixed in: latency over time, errors by kind, memory at the start and end, slots at the end")
     ap.add_argument("--requests", type=int, default=200, help="requests per round")
     ap.add_argument("--clients", type=int, default=20, help="concurrent client threads")
     ap.add_argument("--rounds", type=int, default=3, help="rounds after the warm-up round")
@@ -678,18 +725,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
-        ckpt = args.checkpoint or build_checkpoint(Path(tmp))
+        # the soak's tool requests render the tool list into the prompt (some 500 tokens of this tokenizer)
+        ckpt = args.checkpoint or build_checkpoint(Path(tmp), max_seq_len=768 if args.soak is not None else 128)
         with serving(ckpt, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      threads=args.threads) as server:
             base = server.url
-            plan = make_plan(args.requests, args.seed, args.max_body_bytes)
+            plan = make_plan(args.requests, args.seed, args.max_body_bytes, soak=args.soak is not None)
             t0 = time.monotonic()
-            solo = solo_answers(base, plan)
+            solo = solo_answers(base, plan if args.soak is None else [  # every template the rounds may take
+                r for k in range(64) for r in make_plan(args.requests, args.seed, args.max_body_bytes, soak=True,
+                                                        offset=k)])
             report["solo"] = {"templates": len(solo), "wall_s": round(time.monotonic() - t0, 2)}
             report["rss_mib_start"] = round(server.rss_mib(), 1)
             rounds = []
-            for k in range(args.rounds + 1):
-                order = plan[:]
+            soak_start = None
+            for k in range(10**9 if args.soak is not None else args.rounds + 1):
+                if soak_start is not None and time.monotonic() - soak_start >= 60 * args.soak:
+                    break
+                if k == 1:
+                    soak_start = time.monotonic()
+                order = plan[:] if args.soak is None else make_plan(args.requests, args.seed, args.max_body_bytes,
+                                                                    soak=True, offset=k % 64)
                 random.Random(args.seed + k).shuffle(order)
                 rnd = run_round(base, order, args.clients, args.max_queue)
                 stuck = wait_idle(base)
@@ -697,11 +753,12 @@ def main(argv: list[str] | None = None) -> int:
                 summary["rss_mib"] = round(server.rss_mib(), 1)
                 summary["admitted_after"] = stuck
                 summary["mismatches"] = [p for p in (check(r, solo) for r in rnd.results) if p]
+                summary["at_s"] = round(time.monotonic() - (soak_start or time.monotonic()), 1)
                 rounds.append(summary)
                 problems += summary["mismatches"][:10]
                 if stuck:
                     problems.append(f"round {k}: {stuck} requests still admitted 15 s after the round")
-                name = "warm-up" if k == 0 else f"round {k}"
+                name = "warm-up" if k == 0 else f"round {k}" + (f" (t={summary['at_s']:.0f} s)" if args.soak else "")
                 lat = summary["latency_ms"]
                 print(f"{name:8s} {summary['requests']} requests in {summary['wall_s']:.1f} s = "
                       f"{summary['requests_per_s']:.1f} req/s | non-stream p50/p95 {lat['nonstream']['p50']}/"
@@ -723,6 +780,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RSS after warm-up {warm:.1f} MiB, after the last round {last:.1f} MiB: "
           f"{report['rss_growth_mib']:+.1f} MiB ({report['rss_growth_pct']:+.1f}%)")
     total = sum(r["requests"] for r in rounds)
+    if args.soak is not None:
+        statuses: Counter = Counter()
+        for r in rounds[1:]:
+            statuses.update(r["statuses"])
+        report["soak"] = {"minutes": round((rounds[-1]["at_s"]) / 60, 2), "rounds": len(rounds) - 1,
+                          "requests": sum(r["requests"] for r in rounds[1:]), "statuses": dict(sorted(statuses.items())),
+                          "wrong": sum(len(r["mismatches"]) for r in rounds[1:]),
+                          "slots_taken_at_end": rounds[-1]["admitted_after"]}
+        s = report["soak"]
+        print(f"soak: {s['requests']} requests in {s['rounds']} rounds over {s['minutes']:.1f} min; by status "
+              f"{s['statuses']}; wrong or lost {s['wrong']}; slots taken at the end {s['slots_taken_at_end']}")
     print(f"{total} requests: {'all answers correct' if not problems else f'{len(problems)} problems'}")
     for p in problems[:20]:
         print("  " + p)

@@ -642,7 +642,9 @@ class ServeConfig:
 
     It listens on loopback unless `host` says otherwise. At most `max_queue` requests are admitted at once
     (the next gets 429) and at most `max_batch` rows of them decode together; a body over `max_body_bytes`
-    gets 413 unread, and one that does not arrive within `body_timeout_s` of its headers gets 408. The `nanolm serve` options are generated from these fields.
+    gets 413 unread, and one that does not arrive within `body_timeout_s` of its headers gets 408; a connection
+    that has not sent a request's headers within `header_timeout_s` is closed, and at most `max_connections`
+    are open at once. The `nanolm serve` options are generated from these fields.
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "listen address; 0.0.0.0 for every interface"})
@@ -662,6 +664,12 @@ class ServeConfig:
     # A client that stops sending gets 408 instead of holding its connection open for good.
     body_timeout_s: float = field(default=30.0, metadata={
         "flag": "--body-timeout", "help": "seconds a request body may take to arrive after its headers; then 408"})
+    # A connection that never finishes its request's headers (a half-open or idle socket) is closed after
+    # this; uvicorn's own keep-alive time-out starts only after a first response.
+    header_timeout_s: float = field(default=10.0, metadata={
+        "flag": "--header-timeout", "help": "seconds a connection may take to send a request's headers; then closed"})
+    max_connections: int = field(default=256, metadata={
+        "help": "open connections at once; one more is closed at once"})
     guide_calls: bool = field(default=True, metadata={
         "help": "once the model opens a tool call, hold what it writes to the offered tools' schemas"})
     # Decoding is bound by reading the weights, which one core nearly saturates, while the HTTP side (parsing,
@@ -696,6 +704,10 @@ class ServeConfig:
         _check(isinstance(self.guide_calls, bool), f"guide_calls={self.guide_calls!r}: must be true or false")
         _check(_is_number(self.body_timeout_s) and self.body_timeout_s > 0,
                f"body_timeout_s={self.body_timeout_s!r}: must be a number of seconds > 0")
+        _check(_is_number(self.header_timeout_s) and self.header_timeout_s > 0,
+               f"header_timeout_s={self.header_timeout_s!r}: must be a number of seconds > 0")
+        _check(_is_int(self.max_connections) and self.max_connections >= 1,
+               f"max_connections={self.max_connections!r}: must be an integer >= 1 (open connections at once)")
 
 
 # ----------------------------------------------------------------------------- presets

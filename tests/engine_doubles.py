@@ -19,6 +19,7 @@ class Signals:
         self.closed = threading.Event()
         self.tokens = 0
         self.prompts: list[list[int]] = []
+        self.adds: list[tuple[list[int], int, int]] = []  # (prompt, n, first) of each add
 
 
 class Watched:
@@ -55,7 +56,8 @@ class ScriptBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, prompt, params, stop_ids=(), n=1, logprobs=None, guide=None) -> list[int]:
+    def add(self, prompt, params, stop_ids=(), n=1, logprobs=None, guide=None, first=0) -> list[int]:
+        self.signals.adds.append((list(prompt), n, first))
         ids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
         for row in ids:

@@ -66,9 +66,11 @@ class SlowEngine(Watched, Engine):
 
 @contextmanager
 def running(app):
-    """Serve `app` on an ephemeral loopback port in a background thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    """Serve `app` on an ephemeral loopback port in a background thread, as `nanolm serve` serves it (its
+    connection limits included); yields the base URL."""
+    from nanolm.infer.server import http_config
+    server = uvicorn.Server(http_config(app, app.state.nanolm.config, host="127.0.0.1", port=0, log_level="warning",
+                                        timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -330,6 +330,22 @@ def test_n_samples_share_one_prefill():
         assert reply == engine.generate_all(prompt, SamplingParams(max_new_tokens=15, temperature=1.0, seed=11 + i))
 
 
+def test_samples_added_in_parts_draw_as_if_added_at_once():
+    """The server starts a request's choices in parts when others wait: sample first + i draws with seed +
+    first + i, so the parts give the samples of one add of all n."""
+    engine = Engine(_varied_model())
+    prompt, params = list(range(10, 30)), SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    whole = engine.generate_many([prompt], params, n=4)
+    batch = engine.batch()
+    rows = batch.add(prompt, params, n=2) + batch.add(prompt, params, n=1, first=2) + \
+        batch.add(prompt, params, n=1, first=3)
+    got = {r: [] for r in rows}
+    while batch:
+        for out in batch.step():
+            got[out.row] += [out.token] if out.token is not None else []
+    assert [got[r] for r in rows] == whole
+
+
 def test_a_row_at_the_end_of_the_context_ends_alone():
     engine = Engine(_varied_model())  # context 64
     batch = engine.batch()

@@ -255,6 +255,11 @@ def test_malformed_messages_get_400_with_the_formats_message(server):
     assert status == 400 and err["param"] == "tools[0]" and err["message"].startswith("tools[0] must be a tool object")
 
 
+def _nested(levels: int) -> dict:
+    """An array schema `levels` deep."""
+    return {"type": "array"} if levels == 1 else {"type": "array", "items": _nested(levels - 1)}
+
+
 @pytest.mark.parametrize("extra, param, message", [
     ({"tool_choice": "required"}, "tool_choice",
      'tool_choice: "required" asks for a tool call, but the request offers no tools; give tools, or leave '
@@ -279,6 +284,18 @@ def test_malformed_messages_get_400_with_the_formats_message(server):
         "name": "back\\slash"}}]}, "tools",
      "tools: every tool's function name holds a quote or backslash, which a call cannot write; give at least one "
      "tool a plain name"),
+    # Schemas whose guide would cost more per token than the guide bounds (an enum of 10,000 values took 6.8 s
+    # a token): refused before any work, naming the place.
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "pick", "parameters": {"type": "object",
+      "properties": {"x": {"enum": list(range(65))}}}}}]}, "tools",
+     "tools[1].function.parameters.properties.x.enum: 65 values; the tool-call guide follows at most 64 (each "
+     "token's cost grows with them); give fewer, or a plain string"),
+    ({"tools": [{"type": "function", "function": {"name": "wide", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(65)}}}}]}, "tools",
+     "tools[0].function.parameters.properties: 65 properties; the tool-call guide follows at most 64"),
+    ({"tools": [{"type": "function", "function": {"name": "deep", "parameters": _nested(9)}}]}, "tools",
+     "tools[0].function.parameters.items.items.items.items.items.items.items.items: nested more than 8 levels "
+     "deep; the tool-call guide follows at most 8"),
 ])
 def test_tool_choice_and_thinking_fields_are_checked(server, extra, param, message):
     status, err = post(server, {"messages": [USER], **extra})

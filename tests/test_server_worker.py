@@ -117,3 +117,98 @@ def test_a_client_that_goes_away_cancels_its_generation(tok, monkeypatch):
         worker.close()
 
     asyncio.run(scenario())
+
+
+async def released(worker: Worker, within: float = 5.0) -> bool:
+    """Whether the worker's admitted count falls to 0 within `within` s (it is released on the event loop)."""
+    deadline = asyncio.get_running_loop().time() + within
+    while worker.admitted and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return worker.admitted == 0
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid-step", "after-the-end"])
+def test_a_slot_is_freed_whenever_the_client_leaves(tok, when):
+    """The interleavings of a client leaving and the decoding thread, forced one by one: while its job waits
+    behind a full batch, while the step that makes its token runs, and after its last token but before its
+    events are read. Each time its queue slot comes back (the assertion the HTTP test could not make reliably)."""
+    async def scenario() -> None:
+        engine = ScriptEngine(tok.encode("To be, or not to be") * 4)
+        worker = Worker(engine, max_queue=2, max_batch=1)
+        first = Job(tok, [0], SamplingParams(max_new_tokens=3), ())
+        job = Job(tok, [0], SamplingParams(max_new_tokens=3 if when == "after-the-end" else 10**6), ())
+        engine.gate.clear()
+        if when == "waiting":  # the batch's one row is the first job's: this one waits behind it
+            assert worker.submit(first) and worker.submit(job)
+        else:
+            assert worker.submit(job)
+        await asyncio.sleep(0.05)  # the thread takes the job(s) and blocks in the step, at the gate
+        if when == "after-the-end":
+            engine.gate.set()
+            while not job._over:  # every token made and posted, nothing read yet
+                await asyncio.sleep(0.01)
+        client = Client()
+        client.gone = True
+        assert [e async for e in events(client, job) if e[0] == "text"] == [] or when == "after-the-end"
+        engine.gate.set()
+        if when == "waiting":
+            assert [e async for e in events(Client(), first)][-1][0] == "end"
+        assert await released(worker)
+        assert worker.submit(Job(tok, [0], SamplingParams(max_new_tokens=2), ()))  # the slot is usable
+        worker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_job_that_fails_alone_leaves_the_thread_serving_the_others(tok, monkeypatch):
+    async def scenario() -> None:
+        engine = ScriptEngine(tok.encode("To be, or not to be"))
+        worker = Worker(engine, max_queue=3, max_batch=4)
+        bad, good = (Job(tok, [0], SamplingParams(max_new_tokens=5), ()) for _ in range(2))
+
+        def broken(i, out):
+            raise UnicodeError("a broken text stream")
+        bad.take = broken
+        engine.gate.clear()
+        assert worker.submit(bad) and worker.submit(good)
+        engine.gate.set()
+        got = [e async for e in events(Client(), bad)]
+        assert got[-1][0] == "error" and "UnicodeError: a broken text stream" in got[-1][1]
+        assert [e async for e in events(Client(), good)][-1][:3] == ("end", 0, "length")
+        assert await released(worker)
+        later = Job(tok, [0], SamplingParams(max_new_tokens=2), ())
+        assert worker.submit(later) and [e async for e in events(Client(), later)][-1][0] == "end"
+        worker.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_requests_n_does_not_hold_every_row_while_another_waits(tok):
+    """max_batch 4, one row busy: a request of n = 4 and a request of n = 1 arrive together. The first starts 2
+    of its rows (half the batch, as another waits), the second its row beside them at once, and the first's
+    other rows start as rows come free, numbered on (a seeded sample draws as if all started together); every
+    choice gets its whole text."""
+    async def scenario() -> None:
+        script = tok.encode("To be, or not to be")
+        engine = ScriptEngine(script)
+        engine.gate.clear()
+        worker = Worker(engine, max_queue=3, max_batch=4)
+        blocker = Job(tok, [1], SamplingParams(max_new_tokens=1), ())
+        assert worker.submit(blocker)
+        await asyncio.sleep(0.05)  # the thread is in the blocker's first step, at the gate
+        big = Job(tok, [2], SamplingParams(max_new_tokens=len(script)), (), n=4)
+        small = Job(tok, [3], SamplingParams(max_new_tokens=3), ())
+        assert worker.submit(big) and worker.submit(small)
+        engine.gate.set()
+        small_events = [e async for e in events(Client(), small)]
+        big_events = [e async for e in events(Client(), big)]
+        assert small_events[-1][:4] == ("end", 0, "length", 3)
+        assert sorted(e[1:4] for e in big_events if e[0] == "end") == [(i, "length", len(script)) for i in range(4)]
+        assert [texts(big_events, i) for i in range(4)] == [tok.decode(script)] * 4
+        adds = engine.signals.adds  # (prompt, n, first) of each prefill
+        assert adds[:3] == [([1], 1, 0), ([2], 2, 0), ([3], 1, 0)]
+        assert sorted(first + k for p, n, first in adds if p == [2] for k in range(n)) == [0, 1, 2, 3]
+        assert await released(worker)
+        worker.close()
+
+    asyncio.run(scenario())

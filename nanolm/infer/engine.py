@@ -248,10 +248,11 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def add(self, prompt: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = (), n: int = 1,
-            logprobs: int | None = None, guide: Guide | None = None) -> list[int]:
+            logprobs: int | None = None, guide: Guide | None = None, first: int = 0) -> list[int]:
         """Prefill `prompt` once and add `n` rows sampling from it; returns their row ids.
 
-        Sample i of a seeded request draws with seed + i, so a request of n = 1 draws as its seed alone.
+        Sample i of a seeded request draws with seed + i, so a request of n = 1 draws as its seed alone; `first`
+        numbers the rows from there (a request's samples added in parts draw as if added at once).
         logprobs: None, or how many of the most likely ids each Token lists (0: only the token's own).
         guide: the ids each row may draw next (each row gets its own fork); None: any.
         """
@@ -262,7 +263,7 @@ class DecodeBatch:
         budget = min(params.max_new_tokens, engine.max_seq_len - len(prompt))
         vocab = engine.model.config.vocab_size
         rows = [_Row(self._next_id + i, len(prompt), budget, params, frozenset(stop_ids),
-                     _seeded(params.seed, i, engine.device), Penalties(params, list(prompt), vocab, engine.device),
+                     _seeded(params.seed, first + i, engine.device), Penalties(params, list(prompt), vocab, engine.device),
                      logprobs, guide.fork() if guide is not None else None) for i in range(n)]
         self._next_id += n
         if budget > 0:

@@ -38,7 +38,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,6 +72,47 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig,
 
 
 # --- `nanolm serve` ----------------------------------------------------------------------------------
+
+def http_config(app: FastAPI, config: ServeConfig, **kw: Any) -> Any:
+    """uvicorn's config for `app`, its connections held to `config`'s limits: one that has not sent a whole
+    request's headers within header_timeout_s is closed (uvicorn's keep-alive time-out starts only after a
+    response, so a socket that sends half its headers, or nothing, would stay open for good), and a connection
+    beyond max_connections open at once is closed as it arrives."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        _headers_due: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > config.max_connections:
+                transport.close()
+                return
+            self._await_headers()
+
+        def _await_headers(self) -> None:
+            self._headers_due = self.loop.call_later(config.header_timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            """No request under way (none yet, or the last one answered) when the time-out ends: close."""
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._headers_due is not None:
+                self._headers_due.cancel()
+            if not self.transport.is_closing():
+                self._await_headers()  # the next request's headers are due in time too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._headers_due is not None:
+                self._headers_due.cancel()
+            super().connection_lost(exc)
+
+    return uvicorn.Config(app, http=Guarded, **kw)
+
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -130,7 +171,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         print(f"serving {config.model_name!r} at http://{shown}:{bound_port}/v1 (OpenAI-compatible; Ctrl+C stops)",
               file=sys.stderr, flush=True)
         # A short graceful shutdown: streams still open after it are cancelled, which stops their generation.
-        server = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3)
+        server = http_config(app, config, log_level="info", timeout_graceful_shutdown=3)
         try:
             uvicorn.Server(server).run(sockets=[sock])
         except KeyboardInterrupt:  # newer uvicorn (0.54 here) raises Ctrl+C again once it has shut down: a clean stop

@@ -32,13 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from nanolm.config import SamplingParams, ServeConfig
 from nanolm.data.chatml import TOOL_CALL, ChatError, check_conversation, message_from_dict, tools_from_value
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
-from nanolm.infer.guide import GuideVocab, ToolCallGuide
+from nanolm.infer.guide import GuideVocab, ToolCallGuide, check_schema
 from nanolm.infer.generate import check_vocab
 from nanolm.infer.server.choices import ChatPlan, Choice
 from nanolm.infer.server.page import chat_page, static_file
@@ -190,6 +191,12 @@ class ServerState:
         if forced and ('"' in forced or "\\" in forced):
             raise ApiError(400, f"tool_choice.function.name: {forced!r} holds a quote or backslash; use a plain "
                                 "name", "tool_choice")
+        if tools and self.config.guide_calls:
+            try:
+                for i, tool in enumerate(req.tools or ()):
+                    check_schema(tool, f"tools[{i}]")
+            except ValueError as e:
+                raise ApiError(400, str(e), "tools") from None
         if tools and self.config.guide_calls and all('"' in n or "\\" in n for n in names):
             raise ApiError(400, "tools: every tool's function name holds a quote or backslash, which a call cannot "
                                 "write; give at least one tool a plain name", "tools")
@@ -313,8 +320,11 @@ def _stream(request: Request, job: Job, usage: Usage, first: list[dict[str, Any]
                 else:
                     yield sse(error_body(event[1], "server_error"))
 
+    # The background task runs once the response is over, however it ended: a client that left before the
+    # stream began never starts body(), whose own `finally` would otherwise be the one to cancel the job.
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(job.cancel.set))
 
 
 async def _respond(request: Request, job: Job, usage: Usage, req: Any, head: dict[str, Any],
@@ -360,37 +370,41 @@ async def chat_completions(request: Request) -> Response:
     prompt_ids = state.encode_prompt(text, "messages")
     usage = Usage(len(prompt_ids))
     job = state.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, "messages", state.guide(plan))
-    rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
-    head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name}
-    token_bytes = state.tokenizer.token_bytes()
-    wants_lp = job.logprobs is not None
-    streamed = [Choice(state.tokenizer, plan) for _ in range(job.n)]
+    try:
+        rid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
+        head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name}
+        token_bytes = state.tokenizer.token_bytes()
+        wants_lp = job.logprobs is not None
+        streamed = [Choice(state.tokenizer, plan) for _ in range(job.n)]
 
-    def chunk(i: int, delta: dict[str, Any], finish: str | None, lps: list) -> dict[str, Any]:
-        return {**head, "choices": [{"index": i, "delta": delta,
-                                     "logprobs": chat_logprobs(token_bytes, lps) if wants_lp and lps else None,
-                                     "finish_reason": finish}]}
+        def chunk(i: int, delta: dict[str, Any], finish: str | None, lps: list) -> dict[str, Any]:
+            return {**head, "choices": [{"index": i, "delta": delta,
+                                         "logprobs": chat_logprobs(token_bytes, lps) if wants_lp and lps else None,
+                                         "finish_reason": finish}]}
 
-    def chunks(i: int, text: str | None, finish: str | None, lps: list) -> list[dict[str, Any]]:
-        choice = streamed[i]
-        out = [chunk(i, delta, None, tokens) for delta, tokens in choice.deltas(text, lps, end=finish is not None)]
-        if finish is not None:
-            out.append(chunk(i, {}, choice.finish_reason(finish), choice.last_tokens()))
-        return out
+        def chunks(i: int, text: str | None, finish: str | None, lps: list) -> list[dict[str, Any]]:
+            choice = streamed[i]
+            out = [chunk(i, delta, None, tokens) for delta, tokens in choice.deltas(text, lps, end=finish is not None)]
+            if finish is not None:
+                out.append(chunk(i, {}, choice.finish_reason(finish), choice.last_tokens()))
+            return out
 
-    def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
-        out = []
-        for i, (text, finish, lps) in enumerate(choices):
-            choice = Choice(state.tokenizer, plan)
-            choice.read(text, lps)
-            out.append({"index": i, "message": choice.message(),
-                        "logprobs": chat_logprobs(token_bytes, choice.content_tokens) if wants_lp else None,
-                        "finish_reason": choice.finish_reason(finish)})
-        return {"id": rid, "object": "chat.completion", "created": now, "model": name, "choices": out,
-                "usage": usage.as_dict()}
+        def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
+            out = []
+            for i, (text, finish, lps) in enumerate(choices):
+                choice = Choice(state.tokenizer, plan)
+                choice.read(text, lps)
+                out.append({"index": i, "message": choice.message(),
+                            "logprobs": chat_logprobs(token_bytes, choice.content_tokens) if wants_lp else None,
+                            "finish_reason": choice.finish_reason(finish)})
+            return {"id": rid, "object": "chat.completion", "created": now, "model": name, "choices": out,
+                    "usage": usage.as_dict()}
 
-    first = [chunk(i, {"role": "assistant", "content": ""}, None, []) for i in range(job.n)]
-    return await _respond(request, job, usage, req, head, first, chunks, whole)
+        first = [chunk(i, {"role": "assistant", "content": ""}, None, []) for i in range(job.n)]
+        return await _respond(request, job, usage, req, head, first, chunks, whole)
+    except BaseException:  # what fails before the answer is under way must not leave the job running
+        job.cancel.set()
+        raise
 
 
 async def completions(request: Request) -> Response:
@@ -401,25 +415,29 @@ async def completions(request: Request) -> Response:
     usage = Usage(len(prompt_ids))
     job = state.start(prompt_ids, req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
                       "prompt")
-    rid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
-    token_bytes = state.tokenizer.token_bytes()
-    offsets = [CompletionLogprobs(token_bytes) for _ in range(job.n)]
-    wants_lp = job.logprobs is not None
+    try:
+        rid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.config.model_name
+        token_bytes = state.tokenizer.token_bytes()
+        offsets = [CompletionLogprobs(token_bytes) for _ in range(job.n)]
+        wants_lp = job.logprobs is not None
 
-    head = {"id": rid, "object": "text_completion", "created": now, "model": name}
+        head = {"id": rid, "object": "text_completion", "created": now, "model": name}
 
-    def chunks(i: int, text: str | None, finish: str | None, lps: list) -> list[dict[str, Any]]:
-        return [{**head, "choices": [{"index": i, "text": text or "",
-                                      "logprobs": offsets[i].block(lps) if wants_lp and lps else None,
-                                      "finish_reason": finish}]}]
+        def chunks(i: int, text: str | None, finish: str | None, lps: list) -> list[dict[str, Any]]:
+            return [{**head, "choices": [{"index": i, "text": text or "",
+                                          "logprobs": offsets[i].block(lps) if wants_lp and lps else None,
+                                          "finish_reason": finish}]}]
 
-    def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                "choices": [{"index": i, "text": text, "logprobs": offsets[i].block(lps) if wants_lp else None,
-                             "finish_reason": finish} for i, (text, finish, lps) in enumerate(choices)],
-                "usage": usage.as_dict()}
+        def whole(choices: list[tuple[str, str, list]]) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": now, "model": name,
+                    "choices": [{"index": i, "text": text, "logprobs": offsets[i].block(lps) if wants_lp else None,
+                                 "finish_reason": finish} for i, (text, finish, lps) in enumerate(choices)],
+                    "usage": usage.as_dict()}
 
-    return await _respond(request, job, usage, req, head, [], chunks, whole)
+        return await _respond(request, job, usage, req, head, [], chunks, whole)
+    except BaseException:  # what fails before the answer is under way must not leave the job running
+        job.cancel.set()
+        raise
 
 
 ROUTES: list[tuple[str, str, Callable[..., Any]]] = [

@@ -2,11 +2,16 @@
 
 Decoding a small model is bound by reading its weights, so rows decoded
 together cost little more than one. One worker thread owns the engine's
-`DecodeBatch`: between decode steps it admits waiting jobs (their prompts
-prefilled, each job's `n` choices sharing one prefill) while the batch holds
-fewer than `max_batch` rows, steps every row at once, and hands each job's
-text to its client's asyncio queue. A row ends on its stop ids, its budget, a
-stop string, or its client going away, and leaves the batch at the next step.
+`DecodeBatch`: between decode steps it admits waiting jobs, in order, while
+the batch has free rows (a job's choices admitted together share one
+prefill), steps every row at once, and hands each job's text to its client's
+asyncio queue. While other jobs wait, a job starts at most half the batch's
+rows at a time (`share`); its other choices start when rows are free and its
+turn comes round again, so one request's `n` cannot hold every row while
+others queue behind it. A row ends on its stop ids, its budget, a stop string,
+or its client going away, and leaves the batch at the next step. Whatever
+goes wrong with one job (its guide, its text) fails that job alone; the
+thread goes on serving the others.
 
 `Worker` admits at most `max_queue` jobs at once (those decoding included);
 the caller answers the next with 429. `events` is how a request reads its
@@ -60,6 +65,7 @@ class Job:
         self._tokens = [0] * n
         self._lps: list[list[Token]] = [[] for _ in range(n)]
         self._open = n  # choices not yet ended
+        self.started = 0  # choices whose rows have joined the batch
         self._over = False
 
     @property
@@ -195,31 +201,47 @@ class Worker:
                 job, i = rows[out.row]
                 if job.cancel.is_set():
                     continue  # cancelled while this step ran: dropped above at the next turn
-                if job.take(i, out):
+                try:
+                    ended = job.take(i, out)
+                except Exception as e:  # this job's text alone went wrong: it ends, its rows leave
+                    job.fail(f"generation failed: {type(e).__name__}: {e}")
+                    job.cancel.set()
+                    continue
+                if ended:
                     del rows[out.row]
                     if out.finish is None:  # a stop string ended it; the engine does not know
                         batch.cancel(out.row)
 
+    def share(self, others_waiting: bool) -> int:
+        """The most rows a job starts at once: all it asks for when nobody else waits, else half the batch."""
+        return self.max_batch if not others_waiting else max(1, self.max_batch // 2)
+
     def _admit(self, batch: Any, rows: dict[int, tuple[Job, int]], waiting: collections.deque[Job]) -> None:
-        """Start waiting jobs, in order, while their rows fit beside the batch's (a job never waits for an
-        empty batch); cancelled ones end here."""
-        while waiting:
+        """Start waiting jobs, in order, while the batch has free rows: each its choices not yet started, at most
+        `share` at once; a job with choices left goes to the back of the queue. Cancelled ones end here."""
+        for _ in range(len(waiting) + self.max_batch):  # each pass starts a row or ends a job: bounded
+            if not waiting:
+                break
             job = waiting[0]
             if job.cancel.is_set():
                 waiting.popleft()
                 job.fail(CANCELLED)
                 continue
-            if batch and len(batch) + job.n > self.max_batch:
+            take = min(job.n - job.started, self.share(len(waiting) > 1), self.max_batch - len(batch))
+            if take < 1:
                 break
             waiting.popleft()
             try:
-                ids = batch.add(job.prompt_ids, job.params, job.stop_ids, n=job.n, logprobs=job.logprobs,
-                                guide=job.guide)
+                ids = batch.add(job.prompt_ids, job.params, job.stop_ids, n=take, logprobs=job.logprobs,
+                                guide=job.guide, first=job.started)
             except Exception as e:
                 job.fail(f"generation failed: {type(e).__name__}: {e}")
                 continue
             for i, row in enumerate(ids):
-                rows[row] = (job, i)
+                rows[row] = (job, job.started + i)
+            job.started += take
+            if job.started < job.n:
+                waiting.append(job)  # its other choices start on a later turn
         # cancelled jobs further back free their place now rather than when they reach the front
         for job in [j for j in waiting if j.cancel.is_set()]:
             waiting.remove(job)
