@@ -38,12 +38,14 @@ check failed. tests/test_server_load.py runs the same scenario at CI scale.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import queue
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -689,6 +691,83 @@ def scaling(base: str, levels: list[int], max_tokens: int, repeats: int) -> list
     return rows
 
 
+def hostile_cases() -> list[tuple[str, str, dict[str, str], bytes, int]]:
+    """(name, path, extra headers, body, the status it must get) of each hostile request an adversarial probe
+    sent (the reliability issue's list), each answered before any generation."""
+    user = [{"role": "user", "content": "hi"}]
+    enum = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
+        "x": {"enum": [f"value {i}" for i in range(10_000)]}}}}}
+    cases = [
+        ("tool names all with a quote or backslash", {"messages": user, "tools": [
+            {"type": "function", "function": {"name": 'say"hi'}}, {"type": "function", "function": {"name": "a\\b"}}]}),
+        ("tools: [1] with tool_choice none", {"messages": user, "tools": [1], "tool_choice": "none"}),
+        ('tools: [{"x": 1}] with tool_choice none', {"messages": user, "tools": [{"x": 1}], "tool_choice": "none"}),
+        ("20,000 short messages (712 KB)", {"messages": [{"role": "user", "content": "hello there"}] * 20_000}),
+        ("a tool enum of 10,000 values", {"messages": user, "tools": [enum]}),
+        ("n past the batch", {"messages": user, "n": 10_000}),
+    ]
+    out = [(name, CHAT, {}, _body(body), 400) for name, body in cases]
+    simple = _body({"messages": user, "max_tokens": 8})
+    out.append(("a cross-origin simple POST (text/plain)", CHAT, {"origin": "https://evil.example",
+                                                                  "content-type": "text/plain"}, simple, 403))
+    out.append(("a foreign Host", CHAT, {"host": "evil.example"}, simple, 403))
+    return out
+
+
+def hostile(base: str, repeats: int, clients: int, per_client: int) -> list[dict[str, Any]]:
+    """Per hostile request: its status and latency alone (median of `repeats`); then a simple request's latency
+    alone and when sent as `clients` clients each start sending the hostile request `per_client` times (the
+    probe's burst; medians of `repeats` bursts), and their ratio. The first row is the control: `GET /health`
+    sent the same way, the cost of such a burst itself on this machine (the clients run on its cores too)."""
+    simple = {"prompt": "To be", "max_tokens": 16, "temperature": 0}
+
+    def simple_s(client: httpx.Client) -> float:
+        t = time.monotonic()
+        r = client.post(base + COMPLETE, json=simple, timeout=60)
+        assert r.status_code == 200, r.text
+        return time.monotonic() - t
+    cases = [("control: GET /health", "/health", {}, b"", 200)] + hostile_cases()
+    rows = []
+    with httpx.Client(trust_env=False) as c:
+        for _ in range(3):
+            simple_s(c)  # warm-up
+        for name, path, headers, body, want in cases:
+            method = "GET" if not body else "POST"
+            lat, statuses = [], set()
+            for _ in range(repeats):
+                t = time.monotonic()
+                r = c.request(method, base + path, content=body or None, headers={**JSON_HEADERS, **headers},
+                              timeout=60)
+                lat.append(time.monotonic() - t)
+                statuses.add(r.status_code)
+            alone = statistics.median(simple_s(c) for _ in range(repeats))
+            beside = []
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                attackers = [httpx.Client(trust_env=False) for _ in range(clients)]
+
+                def burst(a: httpx.Client) -> None:
+                    for _ in range(per_client):
+                        a.request(method, base + path, content=body or None, headers={**JSON_HEADERS, **headers},
+                                  timeout=60)
+                for _ in range(repeats):  # each time: a burst, and the simple request sent as it starts
+                    sent = [pool.submit(burst, a) for a in attackers]
+                    time.sleep(0.005)
+                    beside.append(simple_s(c))
+                    for f in sent:
+                        f.result()
+                for a in attackers:
+                    a.close()
+            rows.append({"request": name, "status": sorted(statuses), "want": want,
+                         "hostile_ms": round(1000 * statistics.median(lat), 1),
+                         "simple_alone_ms": round(1000 * alone, 1),
+                         "simple_beside_ms": round(1000 * statistics.median(beside), 1),
+                         "ratio": round(statistics.median(beside) / alone, 2)})
+            print(f"{name:45s} {rows[-1]['status']} (want {want}) {rows[-1]['hostile_ms']:7.1f} ms | a simple request "
+                  f"alone {rows[-1]['simple_alone_ms']:.1f} ms, sent as {clients} clients send it {per_client} times each: "
+                  f"{rows[-1]['simple_beside_ms']} ms (x{rows[-1]['ratio']})", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scaling", default=None, metavar="C,C,...",
@@ -699,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak", type=float, default=None, metavar="MINUTES",
                     help="rounds back to back for MINUTES (after the warm-up), with n, tools and hostile requests "
                          "mixed in: latency over time, errors by kind, memory at the start and end, slots at the end")
+    ap.add_argument("--hostile", action="store_true",
+                    help="each hostile request of the adversarial probe: its 4xx and time, and a simple request's "
+                         "time alone against sent as 4 clients send it 3 times each")
     ap.add_argument("--requests", type=int, default=200, help="requests per round")
     ap.add_argument("--clients", type=int, default=20, help="concurrent client threads")
     ap.add_argument("--rounds", type=int, default=3, help="rounds after the warm-up round")
@@ -723,6 +805,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['concurrent']:3d} concurrent: {r['tokens_per_s']:7.0f} tokens/s  x{r['x_one']:.2f} one alone")
         print(json.dumps(report, ensure_ascii=False))
         return 0
+    if args.hostile:
+        with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
+            ckpt = args.checkpoint or build_checkpoint(Path(tmp), max_seq_len=768)
+            with serving(ckpt, max_queue=args.max_queue, threads=args.threads) as server:
+                report["hostile"] = hostile(server.url, 7, 4, 3)
+        print(json.dumps(report, ensure_ascii=False))
+        return 0 if all(r["status"] == [r["want"]] for r in report["hostile"]) else 1
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
         # the soak's tool requests render the tool list into the prompt (some 500 tokens of this tokenizer)
@@ -789,8 +878,28 @@ def main(argv: list[str] | None = None) -> int:
                           "wrong": sum(len(r["mismatches"]) for r in rounds[1:]),
                           "slots_taken_at_end": rounds[-1]["admitted_after"]}
         s = report["soak"]
+        # over time: each tenth of the soak's rounds, its medians of the rounds' p50 / p95 and its mean memory
+        soaked, tenths = rounds[1:], []
+        k = max(1, len(rounds[1:]) // 10)
+        for i in range(0, len(soaked) - k + 1, k):
+            part = soaked[i:i + k]
+            lat = {key: tuple(round(statistics.median(r["latency_ms"][key][q] for r in part
+                                                       if r["latency_ms"][key][q] is not None))
+                              for q in ("p50", "p95")) for key in ("nonstream", "stream", "ttft", "malformed")}
+            tenths.append({"until_s": part[-1]["at_s"], "latency_ms": lat,
+                           "rss_mib": round(statistics.mean(r["rss_mib"] for r in part), 1)})
+        s["over_time"] = tenths
+        first, last_t = tenths[0]["rss_mib"], tenths[-1]["rss_mib"]
+        s["rss_trend_pct"] = round(100 * (last_t - first) / first, 2)
+        print("until   non-stream p50/p95   stream p50/p95   first token   malformed   RSS (MiB)")
+        for t in tenths:
+            la = t["latency_ms"]
+            print(f"{t['until_s']:5.0f} s {la['nonstream'][0]:6d}/{la['nonstream'][1]:<6d} ms {la['stream'][0]:6d}/"
+                  f"{la['stream'][1]:<6d} ms {la['ttft'][0]:5d}/{la['ttft'][1]:<5d} ms {la['malformed'][0]:4d}/"
+                  f"{la['malformed'][1]:<4d} ms {t['rss_mib']:8.1f}")
         print(f"soak: {s['requests']} requests in {s['rounds']} rounds over {s['minutes']:.1f} min; by status "
-              f"{s['statuses']}; wrong or lost {s['wrong']}; slots taken at the end {s['slots_taken_at_end']}")
+              f"{s['statuses']}; wrong or lost {s['wrong']}; slots taken at the end {s['slots_taken_at_end']}; "
+              f"memory, first tenth to last: {s['rss_trend_pct']:+.2f}%")
     print(f"{total} requests: {'all answers correct' if not problems else f'{len(problems)} problems'}")
     for p in problems[:20]:
         print("  " + p)

@@ -132,11 +132,33 @@ class ServerState:
     async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
         """The request body, read within the limits and validated; 400 naming the field otherwise."""
         body = await self._read_body(request)
+        if schema is ChatRequest:
+            self._count_messages(body)
         try:
             return schema.model_validate_json(body)
         except ValidationError as e:
             message, param = validation_error(e.errors(include_url=False))
             raise ApiError(400, message, param) from None
+
+    def too_many_messages(self, n: int) -> ApiError:
+        limit = self.engine.max_seq_len
+        return ApiError(400, f"the conversation has {n} messages, more than the model's context of {limit} tokens "
+                             "can hold (each takes at least 3); shorten the conversation", "messages",
+                        "context_length_exceeded")
+
+    def _count_messages(self, body: bytes) -> None:
+        """A chat body of more messages than the context can hold, refused before it is validated: validating
+        20,000 messages took 140 ms, where counting `"role"` in the bytes takes 0.7 ms and, when that count is
+        over the limit, parsing the JSON to count them exactly 7 ms."""
+        limit = self.engine.max_seq_len // 3
+        if body.count(b'"role"') <= limit:
+            return
+        try:
+            messages = json.loads(body).get("messages")
+        except (ValueError, AttributeError, RecursionError):
+            return  # malformed: validation says what is wrong
+        if isinstance(messages, list) and len(messages) > limit:
+            raise self.too_many_messages(len(messages))
 
     def encode_prompt(self, text: str, param: str) -> list[int]:
         """The prompt's token ids; a prompt too long by its byte count alone is refused before tokenizing."""
@@ -162,9 +184,7 @@ class ServerState:
         # its texts alone is refused at once, so a body of thousands of tiny messages costs no rendering.
         limit = self.engine.max_seq_len
         if len(req.messages) > limit // 3:
-            raise ApiError(400, f"the conversation has {len(req.messages)} messages, more than the model's context "
-                                f"of {limit} tokens can hold (each takes at least 3); shorten the conversation",
-                           "messages", "context_length_exceeded")
+            raise self.too_many_messages(len(req.messages))
         size = sum(len(m.content.encode("utf-8")) for m in req.messages if isinstance(m.content, str))
         if size > self.max_prompt_bytes:
             raise ApiError(400, f"the messages hold {size} bytes of text, more tokens than the model's context of "
