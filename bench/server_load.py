@@ -702,7 +702,7 @@ def hostile_cases() -> list[tuple[str, str, dict[str, str], bytes, int]]:
             {"type": "function", "function": {"name": 'say"hi'}}, {"type": "function", "function": {"name": "a\\b"}}]}),
         ("tools: [1] with tool_choice none", {"messages": user, "tools": [1], "tool_choice": "none"}),
         ('tools: [{"x": 1}] with tool_choice none', {"messages": user, "tools": [{"x": 1}], "tool_choice": "none"}),
-        ("20,000 short messages (712 KB)", {"messages": [{"role": "user", "content": "hello there"}] * 20_000}),
+        ("20,000 short messages (880 KB)", {"messages": [{"role": "user", "content": "hello there"}] * 20_000}),
         ("a tool enum of 10,000 values", {"messages": user, "tools": [enum]}),
         ("n past the batch", {"messages": user, "n": 10_000}),
     ]

@@ -3,12 +3,15 @@ and never a checkpoint with NaN weights."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from nanolm.errors import UserError
+from nanolm.io import crc32_of
 from nanolm import checkpoint as ckpt
 from nanolm.train import trainer
 from nanolm.train.trainer import train
@@ -68,6 +71,9 @@ def test_a_layer_that_overflows_stops_the_run_and_is_named(data_dir, tmp_path):
     tensors["layers.1.mlp.up_proj.weight"].fill_(1e30)
     tensors["layers.1.mlp.down_proj.weight"].fill_(3e38)
     save_file(tensors, str(bad / "model.safetensors"))
+    state = json.loads((bad / "state.json").read_text())  # the checkpoint holds these weights: its checksum too
+    state["checksums"]["model.safetensors"] = crc32_of(bad / "model.safetensors")
+    (bad / "state.json").write_text(json.dumps(state))
     assert base.step == 2
     run = tmp_path / "run"
     with pytest.raises(UserError) as e:

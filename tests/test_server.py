@@ -337,13 +337,23 @@ def test_a_conversation_too_long_to_fit_is_refused_before_it_is_rendered(engine,
 
     monkeypatch.setattr(routes, "message_from_dict", never)
     with running(create_app(engine, tok, ServeConfig(model_name="tiny"))) as url:
+        most = engine.max_seq_len // 3  # messages the context can hold at most
+        n = most + most // 2 + 1  # past that, yet not twice that: counted exactly
+        few = ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * n)[:n - 1] + OK_MSG
+        r = httpx.post(url + CHAT, json={"model": "tiny", "messages": few}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+        assert err["message"] == (f"the conversation has {n} messages, more than the model's context of "
+                                  f"{engine.max_seq_len} tokens can hold (each takes at least 3); shorten the "
+                                  "conversation")
+        # thousands: refused while the body arrives, once it holds twice as many "role" keys as the limit
         many = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 10_000 + OK_MSG
         r = httpx.post(url + CHAT, json={"model": "tiny", "messages": many}, timeout=30)
         err = r.json()["error"]
         assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded")
-        assert err["message"] == (f"the conversation has 20001 messages, more than the model's context of "
-                                  f"{engine.max_seq_len} tokens can hold (each takes at least 3); shorten the "
-                                  "conversation")
+        assert err["message"] == (f"the conversation holds more than {2 * most} \"role\" keys, more messages than "
+                                  f"the model's context of {engine.max_seq_len} tokens can hold (each takes at "
+                                  "least 3); shorten the conversation")
         long = [{"role": "user", "content": "x" * 400_000}]
         r = httpx.post(url + CHAT, json={"model": "tiny", "messages": long}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages hold 400000 bytes")

@@ -106,17 +106,29 @@ class ServerState:
         return ApiError(413, f"the request body {what} this server's limit of {self.config.max_body_bytes} bytes; "
                              "shorten the prompt or the conversation", None, "request_too_large")
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, chat: bool = False) -> bytes:
         """The body, refused as soon as it is known to pass max_body_bytes: by its declared length, before
-        reading any of it, else while it arrives. uvicorn discards the unread rest after the response."""
+        reading any of it, else while it arrives. uvicorn discards the unread rest after the response. A chat
+        body is also refused as soon as it holds twice as many `"role"` keys as the context can hold messages:
+        a body of thousands of messages is not read to its end, nor parsed."""
         limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise self._too_large(int(declared))
         body = bytearray()
+        roles, most = 0, 2 * (self.engine.max_seq_len // 3)
 
         async def receive() -> None:
+            nonlocal roles
             async for part in request.stream():
+                if chat:  # a key cut between two parts is counted with the part it ends in
+                    tail = bytes(body[-5:])
+                    roles += (tail + part).count(b'"role"') - tail.count(b'"role"')
+                    if roles > most:
+                        raise ApiError(400, f"the conversation holds more than {most} \"role\" keys, more messages "
+                                            f"than the model's context of {self.engine.max_seq_len} tokens can hold "
+                                            "(each takes at least 3); shorten the conversation", "messages",
+                                       "context_length_exceeded")
                 body.extend(part)
                 if len(body) > limit:
                     raise self._too_large(None)
@@ -131,7 +143,7 @@ class ServerState:
 
     async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
         """The request body, read within the limits and validated; 400 naming the field otherwise."""
-        body = await self._read_body(request)
+        body = await self._read_body(request, chat=schema is ChatRequest)
         if schema is ChatRequest:
             self._count_messages(body)
         try:
@@ -185,6 +197,12 @@ class ServerState:
         limit = self.engine.max_seq_len
         if len(req.messages) > limit // 3:
             raise self.too_many_messages(len(req.messages))
+        if req.tools and req.tool_choice != "none" and self.config.guide_calls:  # before the tools are rendered
+            try:
+                for i, tool in enumerate(req.tools):
+                    check_schema(tool, f"tools[{i}]")
+            except ValueError as e:
+                raise ApiError(400, str(e), "tools") from None
         size = sum(len(m.content.encode("utf-8")) for m in req.messages if isinstance(m.content, str))
         if size > self.max_prompt_bytes:
             raise ApiError(400, f"the messages hold {size} bytes of text, more tokens than the model's context of "
@@ -211,12 +229,6 @@ class ServerState:
         if forced and ('"' in forced or "\\" in forced):
             raise ApiError(400, f"tool_choice.function.name: {forced!r} holds a quote or backslash; use a plain "
                                 "name", "tool_choice")
-        if tools and self.config.guide_calls:
-            try:
-                for i, tool in enumerate(req.tools or ()):
-                    check_schema(tool, f"tools[{i}]")
-            except ValueError as e:
-                raise ApiError(400, str(e), "tools") from None
         if tools and self.config.guide_calls and all('"' in n or "\\" in n for n in names):
             raise ApiError(400, "tools: every tool's function name holds a quote or backslash, which a call cannot "
                                 "write; give at least one tool a plain name", "tools")
