@@ -354,6 +354,7 @@ def test_a_conversation_too_long_to_fit_is_refused_before_it_is_rendered(engine,
         assert err["message"] == (f"the conversation holds more than {2 * most} \"role\" keys, more messages than "
                                   f"the model's context of {engine.max_seq_len} tokens can hold (each takes at "
                                   "least 3); shorten the conversation")
+        assert r.headers["connection"] == "close"  # the rest of the body is not read and discarded
         long = [{"role": "user", "content": "x" * 400_000}]
         r = httpx.post(url + CHAT, json={"model": "tiny", "messages": long}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages hold 400000 bytes")

@@ -64,9 +64,10 @@ class ApiError(Exception):
     """A failure to answer with `status` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", unread: bool = False) -> None:
         super().__init__(message)
         self.status, self.body = status, error_body(message, type_, param, code)
+        self.unread = unread  # answered before the body was read whole: the connection closes after it
 
 
 def max_token_bytes(tokenizer: Tokenizer) -> int:
@@ -128,7 +129,7 @@ class ServerState:
                         raise ApiError(400, f"the conversation holds more than {most} \"role\" keys, more messages "
                                             f"than the model's context of {self.engine.max_seq_len} tokens can hold "
                                             "(each takes at least 3); shorten the conversation", "messages",
-                                       "context_length_exceeded")
+                                       "context_length_exceeded", unread=True)
                 body.extend(part)
                 if len(body) > limit:
                     raise self._too_large(None)
@@ -486,8 +487,10 @@ ROUTES: list[tuple[str, str, Callable[..., Any]]] = [
 # --- errors and the API key --------------------------------------------------------------------------
 
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse(exc.body, status_code=exc.status, headers=headers)
+    headers = {"Retry-After": "1"} if exc.status == 429 else {}
+    if exc.unread:  # rather than reading and discarding the rest of a body refused part-way
+        headers["Connection"] = "close"
+    return JSONResponse(exc.body, status_code=exc.status, headers=headers or None)
 
 
 async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
