@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Sequence
 
 from nanolm.config import load_config
-from nanolm.corpora import resolve_sources
+from nanolm.corpora import TEXT_CORPORA, resolve_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_duration
 
-TEXT_CORPORA = ("sanguo", "shakespeare", "sotu")
 CHAT_CORPORA = ("idioms", "chatterbot")
 SAMPLE_PROMPTS = ("话说天下大势，", "To be, or not to be,", "My fellow citizens,")
 CHAT_SCRIPT = ("「一帆风顺」是什么意思？", "What is AI?")

@@ -55,14 +55,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from nanolm.errors import UserError
 from nanolm.io import write_text_atomic
 from nanolm.progress import fmt_count, fmt_duration
-
-SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# The tags of tool calls and reasoning (chatml.py renders them), ids 3 ... 8 in a tokenizer nanolm trains.
-TAG_TOKENS: list[str] = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-# The ids of the control tokens in a tokenizer nanolm trains; a loaded one has its own (`Tokenizer.eot_id`, ...).
-EOT_ID = 0
-IM_START_ID = 1
-IM_END_ID = 2
+from nanolm.special_tokens import EOT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, TAG_TOKENS  # noqa: F401
 
 # Written into tokenizer_config.json. The tokenizer does not know the model's
 # context length; this is MiniMind's value, and an export may overwrite it with

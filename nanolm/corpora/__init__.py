@@ -44,7 +44,11 @@ from nanolm.data.formats import expand_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_bytes, fmt_count, fmt_duration
 
-__all__ = ["REGISTRY", "Corpus", "cache_dir", "describe", "fetch", "resolve_sources"]
+__all__ = ["REGISTRY", "TEXT_CORPORA", "Corpus", "cache_dir", "describe", "fetch", "resolve_sources"]
+
+# The built-in text corpora the quickstart pretrains on, in its order; the cloze benchmark holds out their parts
+# that no training path reads (nanolm/eval/cloze.py).
+TEXT_CORPORA = ("sanguo", "shakespeare", "sotu")
 
 
 def fetch(name: str, *, quiet: bool = False) -> Path:

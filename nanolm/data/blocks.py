@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
 from nanolm.data.formats import ReadStats, expand_sources, iter_block_records
 from nanolm.data.shards import FORMAT_VERSION, IGNORE_INDEX, MANIFEST, SPLITS, Batch, PackedData, SplitWriter, \
     token_dtype
@@ -53,8 +54,6 @@ def prepare_blocks(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path,
                    val_fraction: float, skip_bad: bool, shard_tokens: int, quiet: bool = False) -> dict[str, Any]:
     """Validate and tokenize block records into out_dir (see the module doc); returns the manifest. block_len:
     the longest input and output kept (0: any; the loader leaves out what does not fit its seq_len)."""
-    from nanolm.data.prepare import _check_replaceable, _sha256, _stat, val_every  # prepare calls this module
-
     k = val_every(val_fraction)
     if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 0:
         raise UserError(f"block_len={block_len!r}: must be an integer >= 0 (0: no limit at prepare)")
@@ -64,8 +63,8 @@ def prepare_blocks(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path,
     files = expand_sources(sources)
     tok = Tokenizer.load(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
-    before = [_stat(f) for f in files]
-    _check_replaceable(out_dir)
+    before = [source_stat(f) for f in files]
+    check_replaceable(out_dir)
     stats = ReadStats()
     per_split: dict[str, list[tuple[list[int], list[int]]]] = {s: [] for s in SPLITS}
     i = 0
@@ -97,7 +96,7 @@ def prepare_blocks(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path,
                           "eot_id": tok.eot_id},
             "dtype": dtype.name, "splits": splits,
             "totals": {"n_tokens": n_tokens, "n_docs": 2 * i, "bytes": sum(b["size"] for b in before)},
-            "sources": [{**b, "sha256": _sha256(f)} for f, b in zip(files, before)],
+            "sources": [{**b, "sha256": sha256_of(f)} for f, b in zip(files, before)],
             "options": options,
             "split_policy": {"val_every": k, "rule": "record i goes to val when val_every > 0 and i % val_every == 1"},
             "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples},

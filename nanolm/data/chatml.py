@@ -81,7 +81,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from nanolm.errors import UserError
-from nanolm.tokenizer import SPECIAL_TOKENS, TAG_TOKENS
+from nanolm.special_tokens import SPECIAL_TOKENS, TAG_TOKENS
 
 EOT, IM_START, IM_END = SPECIAL_TOKENS
 TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END, THINK, THINK_END = TAG_TOKENS

@@ -61,7 +61,6 @@ tokenizer and options does nothing and says so.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import multiprocessing
 import os
@@ -82,6 +81,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from nanolm.data.chatml import EOT, Conversation, Span, check_spelling, encode_chats, fit_conversation, fit_pair
+from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
 from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
                                 write_splits)
@@ -96,21 +96,10 @@ DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
 BATCH_PIECES = 4096  # ... or this many pieces, whichever comes first
 INFLIGHT_PER_WORKER = 2  # batches queued per worker: keeps workers busy, memory bounded
-# Where nanolm 0.1 wrote inside out_dir before its data was written whole beside it; a leftover of one goes with
-# the directory it is in.
-_OLD_TEMP = re.compile(r"^\.prepare-\d+-")
 
 
 # A text document at least this long (in characters, ~16 windows of 512 tokens) gives its tail to validation.
 LONG_DOC_CHARS = 1 << 15
-
-
-def val_every(val_fraction: float) -> int:
-    """k of the split policy (document i is val when i % k == 1); 0 means no val split."""
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
-            or not 0.0 <= val_fraction <= 0.5:
-        raise UserError(f"val_fraction={val_fraction!r}: must be a number from 0 (no validation split) to 0.5")
-    return 0 if val_fraction == 0 else max(2, round(1 / val_fraction))
 
 
 def split_policy(k: int, val_fraction: float, by_position: int, n_docs: int, dpo: bool = False,
@@ -370,22 +359,6 @@ def _pair_records(skip_bad: bool, stats: ReadStats, tok: Tokenizer) -> Callable[
     return records
 
 
-def _sha256(path: Path, stop: threading.Event | None = None) -> str:
-    """Hex sha256 of the file; "" if `stop` is set before it is done."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            if stop is not None and stop.is_set():
-                return ""
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _stat(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
 def _read_manifest(out_dir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
@@ -402,7 +375,7 @@ def _up_to_date(old: dict[str, Any] | None, out_dir: Path, fingerprint: str, opt
                 and [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in old["sources"]] == stats
                 and shards_intact(out_dir, old))
         # size and mtime can stay the same across an edit; the content hash cannot.
-        return same and all(s["sha256"] == _sha256(Path(s["path"])) for s in old["sources"])  # type: ignore[index]
+        return same and all(s["sha256"] == sha256_of(Path(s["path"])) for s in old["sources"])  # type: ignore[index]
     except (AttributeError, KeyError, TypeError, ValueError, OSError):
         return False
 
@@ -413,16 +386,6 @@ class _WriteError(Exception):
     def __init__(self, part: str, err: OSError) -> None:
         super().__init__(f"{part}: {err}")
         self.part, self.err = part, err
-
-
-def _check_replaceable(out_dir: Path) -> None:
-    """UserError when out_dir holds anything but prepared data: the new data replaces the whole directory."""
-    if not out_dir.is_dir():
-        return
-    for p in sorted(out_dir.iterdir()):
-        if not (p.name == MANIFEST or SHARD_FILE.match(p.name) or _OLD_TEMP.match(p.name)):
-            raise UserError(f"{out_dir}: holds {p.name}, which nanolm prepare did not write, and prepared data "
-                            f"replaces the whole directory; move it out of {out_dir}, or choose another --out")
 
 
 def _tokenize(batches: Iterator[_Batch], job: Callable[[_Batch], tuple], consume: Callable[..., None],
@@ -532,7 +495,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     else:  # text: the split rule of long documents is part of what was made
         options["long_doc_chars"] = LONG_DOC_CHARS
     split_counts = {"by_position": 0}
-    before = [_stat(f) for f in files]
+    before = [source_stat(f) for f in files]
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if out_dir.parent.is_dir():
         remove_leftovers(out_dir.parent, out_dir.name)  # a killed run's new directory, or its old one put back
@@ -540,7 +503,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
     if _up_to_date(_read_manifest(out_dir), out_dir, tok.fingerprint, options, before):
         log(f"{out_dir}: up to date (same sources, tokenizer and options); nothing to do")
         return _read_manifest(out_dir)  # type: ignore[return-value]
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
 
     sizes = [s["size"] for s in before]
     total = sum(sizes)
@@ -593,7 +556,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
         with atomic_directory(out_dir, replace=True) as tmp:
             writers.update({split: SplitWriter(tmp, split, dtype, shard_tokens, with_mask=chat or dpo,
                                                group=1 + dpo) for split in SPLITS})
-            hashes_future = hasher.submit(lambda: [_sha256(f, stop_hashing) for f in files])
+            hashes_future = hasher.submit(lambda: [sha256_of(f, stop_hashing) for f in files])
             start = time.perf_counter()
             with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not quiet) as progress:
                 if chat:
@@ -615,7 +578,7 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                 raise _WriteError("the token shards", e) from e
             hashes = hashes_future.result()
             for f, b in zip(files, before):
-                if _stat(f) != b:
+                if source_stat(f) != b:
                     raise UserError(f"{f}: changed while prepare was reading it; run `nanolm prepare` again "
                                     "once nothing writes to it")
             n_tokens = sum(s["n_tokens"] for s in splits.values())

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
 from nanolm.data.formats import ReadStats, expand_sources, iter_prompt_records
 from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SPLITS, SplitWriter, token_dtype
 from nanolm.errors import UserError
@@ -88,8 +89,6 @@ def last_user_text(messages: Sequence[dict[str, Any]]) -> str:
 def prepare_prompts(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, max_tokens: int,
                     val_fraction: float, skip_bad: bool, shard_tokens: int, quiet: bool = False) -> dict[str, Any]:
     """Validate and tokenize RL prompts into out_dir (see the module doc); returns the manifest."""
-    from nanolm.data.prepare import _check_replaceable, _sha256, _stat, val_every  # prepare calls this module
-
     k = val_every(val_fraction)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -97,8 +96,8 @@ def prepare_prompts(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path
     files = expand_sources(sources)
     tok = Tokenizer.load(tokenizer_path)
     fmt, dtype = tok.chat_format, token_dtype(tok.vocab_size)
-    before = [_stat(f) for f in files]
-    _check_replaceable(out_dir)
+    before = [source_stat(f) for f in files]
+    check_replaceable(out_dir)
     stats = ReadStats()
     per_split: dict[str, list[tuple[list[int], dict[str, Any]]]] = {s: [] for s in SPLITS}
     too_long, i = 0, 0
@@ -136,7 +135,7 @@ def prepare_prompts(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path
                           "eot_id": tok.eot_id},
             "dtype": dtype.name, "splits": splits,
             "totals": {"n_tokens": n_tokens, "n_docs": i, "bytes": sum(b["size"] for b in before)},
-            "sources": [{**b, "sha256": _sha256(f)} for f, b in zip(files, before)],
+            "sources": [{**b, "sha256": sha256_of(f)} for f, b in zip(files, before)],
             "options": options,
             "split_policy": {"val_every": k, "rule": "prompt i goes to val when val_every > 0 and i % val_every == 1"},
             "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "too_long": too_long},

@@ -78,7 +78,7 @@ from typing import Callable, Sequence
 from nanolm.data.prepare import LONG_DOC_CHARS, val_every
 from nanolm.errors import UserError
 from nanolm.eval.tasks import MCItem, Task
-from nanolm.quickstart import TEXT_CORPORA
+from nanolm.corpora import TEXT_CORPORA
 
 SEED = 0
 DEFAULT_VAL_FRACTION = 0.01  # `nanolm prepare`'s (and prepare()'s) default
