@@ -22,7 +22,7 @@ from test_train import read_metrics, tiny_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)
 
 
 def small_model(seed: int = 0) -> Transformer:
@@ -157,8 +157,9 @@ def test_the_server_answers_on_the_gpu(tokenizer_dir):
     tok = Tokenizer.load(tokenizer_dir)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=400, d_model=64, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=128))
-    engine = Engine(model, CUDA, torch.bfloat16)
-    want = tok.decode(engine.generate_all(tok.encode("To be"), SamplingParams(max_new_tokens=8, temperature=0)))
+    engine = Engine(model, CUDA, torch.float32)  # the batch and the one-off decode agree exactly in float32
+    want = tok.decode(engine.generate_all(tok.encode("To be"), SamplingParams(max_new_tokens=8, temperature=0),
+                                          (tok.im_end_id, tok.eot_id)))  # where the server stops a completion
     with running(create_app(engine, tok, ServeConfig(model_name="gpu"))) as url:
         r = httpx.post(url + "/v1/completions", json={"prompt": "To be", "max_tokens": 8, "temperature": 0},
                        timeout=60)
