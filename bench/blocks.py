@@ -106,8 +106,8 @@ def main() -> None:
                       f"held-out exact {r['exact']:.3f} (token acc {r['token_acc']:.3f}), 50% at "
                       f"{r['t50'] if r['t50'] is None else round(r['t50'])} s, 90% at "
                       f"{r['t90'] if r['t90'] is None else round(r['t90'])} s", flush=True)
-    print(f"\n| task | mode | runs | steps | held-out exact match (median, range) | token accuracy | "
-          f"time to 50% exact | time to 90% exact |")
+    print("\n| task | mode | runs | steps | held-out exact match (median, range) | token accuracy | "
+          "time to 50% exact | time to 90% exact |")
     print("|---|---|---|---|---|---|---|---|")
     for task in a.tasks:
         for mode in ("non-causal", "causal"):

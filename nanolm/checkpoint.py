@@ -271,11 +271,11 @@ def recorded_checksums(ckpt: Path) -> dict[str, str]:
         if isinstance(sums, dict) else {}
 
 
-def verify_file(path: Path) -> None:
-    """Check a checkpoint file's bytes against the CRC-32 its state.json recorded (if it recorded one): one line
-    naming the file when it was damaged since."""
+def verify_file(path: Path, want: str | None = None) -> None:
+    """Check a checkpoint file's bytes against the CRC-32 its state.json recorded (`want`, else read from there;
+    none recorded: no check): one line naming the file when it was damaged since."""
     path = Path(path)
-    want = recorded_checksums(path.parent).get(path.name)
+    want = want if want is not None else recorded_checksums(path.parent).get(path.name)
     if want is not None and path.is_file():
         check_crc32(path, want, str(path.parent / STATE),
                     "use an earlier checkpoint of the run (`nanolm train --resume` falls back to the newest one "
@@ -285,10 +285,10 @@ def verify_file(path: Path) -> None:
 def verify_checkpoint(ckpt: Path) -> None:
     """Every file of a training checkpoint whose CRC-32 its state.json recorded, checked (UserError naming the
     first that differs or is missing)."""
-    for name in recorded_checksums(ckpt):
+    for name, want in recorded_checksums(ckpt).items():
         if not (Path(ckpt) / name).is_file():
             raise UserError(f"{Path(ckpt) / name}: missing, though {STATE} lists it; the checkpoint is incomplete")
-        verify_file(Path(ckpt) / name)
+        verify_file(Path(ckpt) / name, want)
 
 
 def _read_weights(model: nn.Module, path: Path) -> None:

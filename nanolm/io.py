@@ -87,12 +87,31 @@ def crc32_of(path: Path) -> str:
     return f"{crc:08x}"
 
 
+# The files whose CRC-32 this process has checked, as they stood: (path, size, mtime_ns, the CRC they matched).
+_crc_checked: set[tuple[str, int, int, str]] = set()
+
+
+def _crc_key(path: Path, want: str) -> tuple[str, int, int, str]:
+    st = Path(path).stat()
+    return str(Path(path).resolve()), st.st_size, st.st_mtime_ns, want
+
+
+def crc32_checked(path: Path, want: str) -> bool:
+    """Whether this process has already found the file, as it stands (size, modification time), to match `want`."""
+    return _crc_key(path, want) in _crc_checked
+
+
 def check_crc32(path: Path, want: str, where: str, fix: str) -> None:
-    """UserError when the file's CRC-32 is not `want` (recorded in `where`): one line naming the file and `fix`."""
+    """UserError when the file's CRC-32 is not `want` (recorded in `where`): one line naming the file and `fix`.
+    A file is read once per process as it stands: a second check of it unchanged costs a stat."""
+    key = _crc_key(path, want)
+    if key in _crc_checked:
+        return
     got = crc32_of(path)
     if got != want:
         raise UserError(f"{path}: its checksum is {got}, not the {want} that {where} recorded when it was written: "
                         f"the file has been damaged or changed since; {fix}")
+    _crc_checked.add(key)
 
 
 # What killed writers leave: a directory being written, moved aside or deleted, and a temporary file of

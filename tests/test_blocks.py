@@ -8,20 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanolm import checkpoint as ckpt
 from nanolm.cli import main
 from nanolm.config import ModelConfig, load_config
 from nanolm.data.blocks import block_views
-from nanolm.data.loader import Loader, iter_eval_batches
+from nanolm.data.loader import iter_eval_batches
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer
 from nanolm.train.objectives import BlocksObjective
 from nanolm.train.trainer import Trainer, train
-from test_train import StepGradients, assert_close_all, read_metrics
+from test_train import StepGradients, assert_close_all, read_metrics, same_weights
 
 VOCAB = 320
 
@@ -186,9 +185,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(sort_data, tmp_path):
     resumed = train(blocks_cfg(data, tmp_path / "part"), resume=True, quiet=True)
     assert resumed.step == 12
     assert resumed.train_losses == {s: full.train_losses[s] for s in range(7, 13)}
-    a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
-    b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
     vals = [r for r in read_metrics(tmp_path / "full") if "val_loss" in r]
     assert [r["step"] for r in vals] == [4, 8, 12]
     assert all(0 <= r["val_exact"] <= r["val_token_acc"] <= 1 for r in vals)

@@ -7,12 +7,12 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanolm import checkpoint as ckpt
 from nanolm.config import OptimConfig, load_config
 from nanolm.errors import UserError
 from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
+from test_train import same_weights
 from nanolm.train.trainer import Trainer
 
 
@@ -120,9 +120,7 @@ def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(dat
                             FakeClock(), resume=True).run()
     assert (resumed.step, resumed.stop_reason) == (29, "max_steps")
     assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 30)}
-    a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
-    b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
 
 
 def test_a_short_time_budget_without_a_preset_trains_the_budget_preset(tmp_path):

@@ -15,7 +15,8 @@ import torch
 
 from nanolm import checkpoint as ckpt
 from nanolm.train.trainer import train
-from test_train import ONE_STEP, assert_close_all, masked_lm_data, micro_batch_gradients, read_metrics, tiny_cfg
+from test_train import (ONE_STEP, assert_close_all, masked_lm_data, micro_batch_gradients, read_metrics, same_weights,
+                        tiny_cfg)
 
 OVER = {"train.max_steps": 8, "train.grad_accum": 2, "train.eval_interval": 4, "train.save_interval": 4,
         "model.dropout": 0.0}
@@ -125,9 +126,7 @@ def test_a_killed_rank_comes_back_under_max_restarts_and_ends_as_the_uninterrupt
     r = torchrun_cmd("--max-restarts", "1", str(Path(__file__).parent / "kill_worker.py"), str(config), "6")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "rank 0 attempt 1: done at step 8" in r.stdout and "attempt 0: done" not in r.stdout
-    a = ckpt.load_model(tmp_path / "whole", "last")[0].state_dict()
-    b = ckpt.load_model(tmp_path / "killed", "last")[0].state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(tmp_path / "whole", tmp_path / "killed")
     assert list(losses(tmp_path / "killed")) == list(range(1, 9))  # steps 5 and 6 logged once, as redone
     assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
 

@@ -87,7 +87,7 @@ def test_token_and_sequence_averaging():
 
 from nanolm import checkpoint as ckpt  # noqa: E402
 from nanolm.train.trainer import Trainer, train  # noqa: E402
-from test_train import read_metrics, tiny_cfg  # noqa: E402
+from test_train import read_metrics, same_weights, tiny_cfg  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +210,7 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(prompts_dir, base_ru
     train(grpo_cfg(prompts_dir, tmp_path / "part", base_run, **{**over, "train.max_steps": 2}), quiet=True)
     resumed = train(grpo_cfg(prompts_dir, tmp_path / "part", base_run, **over), resume=True, quiet=True)
     assert full.step == resumed.step == 4
-    a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
-    b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)  # exact weights
+    assert same_weights(tmp_path / "full", tmp_path / "part")  # exact weights
     rewards = {r["step"]: (r["reward"], r["completion_len"]) for r in read_metrics(tmp_path / "full") if "reward" in r}
     again = {r["step"]: (r["reward"], r["completion_len"]) for r in read_metrics(tmp_path / "part") if "reward" in r}
     assert again == rewards

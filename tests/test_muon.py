@@ -12,7 +12,7 @@ from nanolm.model.transformer import Transformer
 from nanolm.train.optim import MuonAdamW, build_optimizer, is_hidden_matrix
 from nanolm.train.schedule import lr_at
 from nanolm.train.trainer import Trainer, train
-from test_train import ONE_STEP, StepGradients, assert_close_all, tiny_cfg
+from test_train import ONE_STEP, StepGradients, assert_close_all, same_weights, tiny_cfg
 
 MUON = {"optim.name": "muon", "optim.muon_lr": 0.02}
 
@@ -93,9 +93,7 @@ def test_muon_resumes_exactly(data_dir, tmp_path):
     resumed = train(tiny_cfg(data_dir, tmp_path / "part", **MUON), resume=True, quiet=True)
     assert resumed.step == 20
     assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 21)}
-    a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
-    b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
     # The saved optimizer state holds Muon's momentum buffers and AdamW's moments, by parameter name.
     state = ckpt.read_optimizer(ckpt.resolve_checkpoint(tmp_path / "part", "last"))["state"]
     assert set(state["layers.0.self_attn.q_proj.weight"]) == {"momentum_buffer"}

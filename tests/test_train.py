@@ -27,6 +27,13 @@ def tiny_cfg(data_dir: Path, out: Path, **over):
     return load_config("tiny", overrides=base)
 
 
+def same_weights(run_a: Path, run_b: Path) -> bool:
+    """Whether the last checkpoints of two runs hold bit-identical weights."""
+    a = ckpt.load_model(run_a, "last")[0].state_dict()
+    b = ckpt.load_model(run_b, "last")[0].state_dict()
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
 def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -61,9 +68,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(data_dir, tmp_path):
     resumed = train(tiny_cfg(data_dir, tmp_path / "part"), resume=True, quiet=True)
     assert resumed.step == 20
     assert resumed.train_losses == {s: full.train_losses[s] for s in range(11, 21)}
-    a = ckpt.load_model(tmp_path / "full", "last")[0].state_dict()
-    b = ckpt.load_model(tmp_path / "part", "last")[0].state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
     # metrics.jsonl of the resumed run reads as one run: each step once
     steps = [r["step"] for r in read_metrics(tmp_path / "part") if "loss" in r]
     assert steps == list(range(1, 21))

@@ -34,17 +34,15 @@ y[:, T - 1 + i].
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
+from nanolm.data.provenance import check_replaceable, manifest_head, sha256_of, source_stat, val_every
 from nanolm.data.formats import ReadStats, expand_sources, iter_block_records
-from nanolm.data.shards import FORMAT_VERSION, IGNORE_INDEX, MANIFEST, SPLITS, Batch, PackedData, SplitWriter, \
-    token_dtype
+from nanolm.data.shards import IGNORE_INDEX, MANIFEST, SPLITS, Batch, PackedData, SplitWriter, token_dtype
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, write_json_atomic
 from nanolm.tokenizer import Tokenizer
@@ -82,27 +80,17 @@ def prepare_blocks(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path,
         splits = {}
         for split, pairs in per_split.items():
             writer = SplitWriter(tmp, split, dtype, shard_tokens, group=2)
-            if pairs:
-                docs = [np.array(ids + [tok.eot_id], dtype=dtype) for pair in pairs for ids in pair]
-                writer.append(np.concatenate(docs), np.array([len(d) for d in docs]), np.ones(len(docs), dtype=bool))
+            writer.append_documents([ids for pair in pairs for ids in pair], tok.eot_id)
             splits[split] = writer.finish()
             splits[split]["n_records"] = len(pairs)
-        n_tokens = sum(s["n_tokens"] for s in splits.values())
         longest = [max((len(p[j]) for ps in per_split.values() for p in ps), default=0) for j in (0, 1)]
-        manifest = {
-            "format": "nanolm-tokens", "version": FORMAT_VERSION,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                          "eot_id": tok.eot_id},
-            "dtype": dtype.name, "splits": splits,
-            "totals": {"n_tokens": n_tokens, "n_docs": 2 * i, "bytes": sum(b["size"] for b in before)},
-            "sources": [{**b, "sha256": sha256_of(f)} for f, b in zip(files, before)],
-            "options": options,
-            "split_policy": {"val_every": k, "rule": "record i goes to val when val_every > 0 and i % val_every == 1"},
-            "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples},
-            "blocks": {"n_records": i, "train": len(per_split["train"]), "val": len(per_split["val"]),
-                       "longest_input": longest[0], "longest_output": longest[1]},
-        }
+        manifest = manifest_head(
+            tok, dtype, splits, 2 * i, [{**b, "sha256": sha256_of(f)} for f, b in zip(files, before)], options,
+            {"val_every": k, "rule": "record i goes to val when val_every > 0 and i % val_every == 1"})
+        manifest["skipped"] = {"bad_lines": stats.bad_lines, "examples": stats.examples}
+        manifest["blocks"] = {"n_records": i, "train": len(per_split["train"]), "val": len(per_split["val"]),
+                              "longest_input": longest[0], "longest_output": longest[1]}
+        n_tokens = manifest["totals"]["n_tokens"]
         write_json_atomic(tmp / MANIFEST, manifest)
     if not quiet:
         print(f"prepared {i} block records (train {len(per_split['train'])}, val {len(per_split['val'])}), "
@@ -147,7 +135,7 @@ class Blocks:
 
     def _ids(self, doc: int) -> np.ndarray:
         shard, start, length = int(self.shard[doc]), int(self.start[doc]), int(self.length[doc])
-        return self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
+        return self.data.doc_ids(shard, start, length)
 
     def order(self, seed: int, epoch: int) -> np.ndarray:
         return np.random.default_rng([seed, epoch]).permutation(len(self.kept))

@@ -361,7 +361,7 @@ class _Conversations:
     def _raw(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
         """Ids and mask of document `doc` of the split, as stored."""
         shard, start, length = int(self.shard[doc]), int(self.start[doc]), int(self.length[doc])
-        ids = self.data.check_ids(np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64), shard)
+        ids = self.data.doc_ids(shard, start, length)
         return ids, np.asarray(self.data.masks[shard][start:start + length])  # type: ignore[index]
 
     def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
@@ -560,8 +560,7 @@ class Prompts:
         prompts = []
         for k in index:
             shard, start, length = int(self.shard[k]), int(self.start[k]), int(self.length[k])
-            ids = np.asarray(self.data.shards[shard][start:start + length], dtype=np.int64)
-            prompts.append(self.data.check_ids(ids, shard).tolist())
+            prompts.append(self.data.doc_ids(shard, start, length).tolist())
         return PromptBatch(prompts, [self.records[k] for k in index], index)
 
     def tokens_per_epoch(self, order: Order) -> int:

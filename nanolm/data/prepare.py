@@ -64,7 +64,6 @@ import collections
 import json
 import multiprocessing
 import os
-import re
 import signal
 import sys
 import threading
@@ -73,7 +72,6 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -81,9 +79,9 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from nanolm.data.chatml import EOT, Conversation, Span, check_spelling, encode_chats, fit_conversation, fit_pair
-from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
+from nanolm.data.provenance import check_replaceable, manifest_head, sha256_of, source_stat, val_every
 from nanolm.data.formats import ReadStats, expand_sources, iter_chat_records, iter_pieces, iter_preference_records
-from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SHARD_FILE, SPLITS, SplitWriter, shards_intact, token_dtype,
+from nanolm.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, SplitWriter, shards_intact, token_dtype,
                                 write_splits)
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, remove_leftovers, space_note, write_failure, write_json_atomic
@@ -598,17 +596,9 @@ def prepare(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path, *, for
                 raise UserError(f"no documents in {', '.join(map(str, files))} (all empty or skipped); "
                                 "check that the files hold text")
             manifest: dict[str, Any] = {
-                "format": "nanolm-tokens",
-                "version": FORMAT_VERSION,
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                              "eot_id": tok.eot_id},
-                "dtype": dtype.name,
-                "splits": splits,
-                "totals": {"n_tokens": n_tokens, "n_docs": n_docs, "bytes": total},
-                "sources": [{**b, "sha256": h} for b, h in zip(before, hashes)],
-                "options": options,
-                "split_policy": split_policy(k, val_fraction, split_counts["by_position"], n_docs, dpo, chat),
+                **manifest_head(tok, dtype, splits, n_docs, [{**b, "sha256": h} for b, h in zip(before, hashes)],
+                                options, split_policy(k, val_fraction, split_counts["by_position"], n_docs, dpo,
+                                                      chat)),
                 "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "empty_docs": stats.empty_docs},
                 "throughput": {"seconds": round(seconds, 3), "workers": workers,
                                "mb_per_s": round(total / 1e6 / seconds, 3) if seconds > 0 else None,

@@ -22,15 +22,12 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
-from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
+from nanolm.data.provenance import check_replaceable, manifest_head, sha256_of, source_stat, val_every
 from nanolm.data.formats import ReadStats, expand_sources, iter_prompt_records
-from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SPLITS, SplitWriter, token_dtype
+from nanolm.data.shards import MANIFEST, SPLITS, SplitWriter, token_dtype
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, write_json_atomic
 from nanolm.tokenizer import Tokenizer
@@ -121,27 +118,17 @@ def prepare_prompts(sources: Sequence[Path], tokenizer_path: Path, out_dir: Path
         splits = {}
         for split, items in per_split.items():
             writer = SplitWriter(tmp, split, dtype, shard_tokens)
-            if items:
-                ids = [np.array(t + [tok.eot_id], dtype=dtype) for t, _ in items]
-                writer.append(np.concatenate(ids), np.array([len(t) for t in ids]), np.ones(len(ids), dtype=bool))
+            writer.append_documents([t for t, _ in items], tok.eot_id)
             splits[split] = writer.finish()
             lines = "".join(json.dumps(e, ensure_ascii=False) + "\n" for _, e in items)
             (tmp / records_file(tmp, split).name).write_text(lines, encoding="utf-8")
-        n_tokens = sum(s["n_tokens"] for s in splits.values())
-        manifest = {
-            "format": "nanolm-tokens", "version": FORMAT_VERSION,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                          "eot_id": tok.eot_id},
-            "dtype": dtype.name, "splits": splits,
-            "totals": {"n_tokens": n_tokens, "n_docs": i, "bytes": sum(b["size"] for b in before)},
-            "sources": [{**b, "sha256": sha256_of(f)} for f, b in zip(files, before)],
-            "options": options,
-            "split_policy": {"val_every": k, "rule": "prompt i goes to val when val_every > 0 and i % val_every == 1"},
-            "skipped": {"bad_lines": stats.bad_lines, "examples": stats.examples, "too_long": too_long},
-            "prompts": {"template": fmt.name, "n_prompts": i, "train": len(per_split["train"]),
-                        "val": len(per_split["val"])},
-        }
+        manifest = manifest_head(
+            tok, dtype, splits, i, [{**b, "sha256": sha256_of(f)} for f, b in zip(files, before)], options,
+            {"val_every": k, "rule": "prompt i goes to val when val_every > 0 and i % val_every == 1"})
+        manifest["skipped"] = {"bad_lines": stats.bad_lines, "examples": stats.examples, "too_long": too_long}
+        manifest["prompts"] = {"template": fmt.name, "n_prompts": i, "train": len(per_split["train"]),
+                               "val": len(per_split["val"])}
+        n_tokens = manifest["totals"]["n_tokens"]
         write_json_atomic(tmp / MANIFEST, manifest)
     if not quiet:
         print(f"prepared {i} prompts (train {len(per_split['train'])}, val {len(per_split['val'])}), {n_tokens} "

@@ -60,7 +60,7 @@ import torch
 
 from nanolm.data.chatml import TARGET
 from nanolm.errors import UserError
-from nanolm.io import check_crc32
+from nanolm.io import check_crc32, crc32_checked
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -178,6 +178,12 @@ class SplitWriter:
             self._trainable += int(np.count_nonzero(mask & TARGET))
         self._n += len(tokens)
         self._docs += len(doc_ends)
+
+    def append_documents(self, docs: list[list[int]], eot_id: int) -> None:
+        """Append whole documents (token ids), each followed by the end-of-text id, without a loss mask."""
+        if docs:
+            arrays = [np.array(d + [eot_id], dtype=self.dtype) for d in docs]
+            self.append(np.concatenate(arrays), np.array([len(a) for a in arrays]), np.ones(len(arrays), dtype=bool))
 
     def _put(self, key: str, array: np.ndarray) -> None:
         """Write the array's bytes to the open shard's file `key`, adding them to its CRC-32."""
@@ -324,26 +330,17 @@ def _check_manifest(m: dict[str, Any], path: Path) -> None:
                 for k, v in crc.items())), f"{where}.crc32", "an object of 8-hex-digit CRC-32s of bin, idx, mask")
 
 
-# The shard files whose CRC-32 this process has checked: (path, size, mtime_ns, recorded CRC).
-_verified: set[tuple[str, int, int, str]] = set()
-
-
 def _verify(files: list[tuple[Path, str]], manifest_path: Path) -> None:
     """Check shard files' CRC-32s against the manifest's, once per file as it stands (module doc), on a thread
     per core (zlib computes without the GIL); the first file that differs is the error."""
-    todo = []
-    for path, want in files:
-        st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, want)
-        if key not in _verified:
-            todo.append((path, want, key))
+    todo = [(path, want) for path, want in files if not crc32_checked(path, want)]
     if not todo:
         return
-    def check(item: tuple[Path, str, Any]) -> None:
+
+    def check(item: tuple[Path, str]) -> None:
         check_crc32(item[0], item[1], str(manifest_path), "run `nanolm prepare` again to rewrite the data")
     with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
         list(pool.map(check, todo))
-    _verified.update(key for _, _, key in todo)
 
 
 class PackedData:
@@ -466,6 +463,10 @@ class PackedData:
                             f"of {self.vocab_size} tokens ({MANIFEST}); the data is damaged, run `nanolm prepare` "
                             "again")
         return ids
+
+    def doc_ids(self, shard: int, start: int, length: int) -> np.ndarray:
+        """The int64 ids of one document (`documents` gives where each is), checked to be in the vocabulary."""
+        return self.check_ids(np.asarray(self.shards[shard][start:start + length], dtype=np.int64), shard)
 
     def documents(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, start, length) of every document in split order, int64 each; length without the EOT."""

@@ -107,11 +107,12 @@ class ServerState:
         return ApiError(413, f"the request body {what} this server's limit of {self.config.max_body_bytes} bytes; "
                              "shorten the prompt or the conversation", None, "request_too_large")
 
-    async def _read_body(self, request: Request, chat: bool = False) -> bytes:
-        """The body, refused as soon as it is known to pass max_body_bytes: by its declared length, before
-        reading any of it, else while it arrives. uvicorn discards the unread rest after the response. A chat
-        body is also refused as soon as it holds twice as many `"role"` keys as the context can hold messages:
-        a body of thousands of messages is not read to its end, nor parsed."""
+    async def _read_body(self, request: Request, chat: bool = False) -> tuple[bytes, int]:
+        """The body and, for a chat body, the `"role"` keys it holds; refused as soon as it is known to pass
+        max_body_bytes: by its declared length, before reading any of it, else while it arrives. uvicorn
+        discards the unread rest after the response. A chat body is also refused as soon as it holds twice as
+        many `"role"` keys as the context can hold messages: a body of thousands of messages is not read to its
+        end, nor parsed."""
         limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > limit:
@@ -140,13 +141,13 @@ class ServerState:
             raise ApiError(408, f"the request body did not arrive within {timeout:g} s of its headers "
                                 f"({len(body)} bytes came); send the whole request at once", None,
                            "request_timeout") from None
-        return bytes(body)
+        return bytes(body), roles
 
     async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
         """The request body, read within the limits and validated; 400 naming the field otherwise."""
-        body = await self._read_body(request, chat=schema is ChatRequest)
+        body, roles = await self._read_body(request, chat=schema is ChatRequest)
         if schema is ChatRequest:
-            self._count_messages(body)
+            self._count_messages(body, roles)
         try:
             return schema.model_validate_json(body)
         except ValidationError as e:
@@ -159,12 +160,12 @@ class ServerState:
                              "can hold (each takes at least 3); shorten the conversation", "messages",
                         "context_length_exceeded")
 
-    def _count_messages(self, body: bytes) -> None:
+    def _count_messages(self, body: bytes, roles: int) -> None:
         """A chat body of more messages than the context can hold, refused before it is validated: validating
-        20,000 messages took 140 ms, where counting `"role"` in the bytes takes 0.7 ms and, when that count is
-        over the limit, parsing the JSON to count them exactly 7 ms."""
+        20,000 messages took 140 ms, where the `"role"` keys are counted as the body arrives and, when there are
+        more than the limit, parsing the JSON to count the messages exactly takes 7 ms."""
         limit = self.engine.max_seq_len // 3
-        if body.count(b'"role"') <= limit:
+        if roles <= limit:
             return
         try:
             messages = json.loads(body).get("messages")
