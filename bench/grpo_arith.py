@@ -29,7 +29,7 @@ from typing import Any
 
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from nanolm.config import load_config
+    from nanolm.config.load import load_config
     from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
 
-    from nanolm.config import load_config
+    from nanolm.config.load import load_config
     from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare

@@ -26,7 +26,8 @@ tensor present, none extra, every shape equal.
 A run directory holds `checkpoints/step-XXXXXXXX/`. Each is written with
 `nanolm.io.atomic_directory`, so a step directory exists only once it is
 whole: a crash during a save leaves the previous checkpoints untouched.
-`best.json` names the step with the lowest validation loss; the newest step
+`best.json` names the step with the best value of the run's best metric (`metric`,
+`value`: the lowest val_loss, the highest val_reward or task score); the newest step
 directory is `last`. Old step directories beyond `keep_last` are pruned,
 except the best one (renamed out of sight before they are deleted). Each
 state.json also records the best step (`best_step`), so a best.json left
@@ -479,7 +480,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
     best_file = ckdir / "best.json"
     if best_step is not None and (is_best or _read_best_step(ckdir) != best_step):
         try:
-            write_json_atomic(best_file, {"step": best_step, "val_loss": state.get("best_val_loss")})
+            write_json_atomic(best_file, {"step": best_step, "metric": state.get("best_metric"),
+                                          "value": state.get("best_value")})
         except OSError as e:
             raise UserError(f"{best_file}: could not update it ({write_failure(e)}); checkpoint {final} is saved; "
                             f"free some space and resume with --resume") from None
@@ -487,6 +489,12 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
         if int(STEP_RE.match(old_dir.name).group(1)) != best_step:
             remove_directory(old_dir)
     return final
+
+
+def tokenizer_fingerprint(src: Path) -> str | None:
+    """The fingerprint of the tokenizer checkpoint `src` was trained with; None when it does not hold it."""
+    from nanolm.tokenizer import Tokenizer
+    return Tokenizer.load(src).fingerprint if (src / "tokenizer.json").is_file() else None
 
 
 def _nbytes(obj: Any) -> int:

@@ -69,7 +69,7 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
-    from nanolm.config import override_fields
+    from nanolm.config.load import override_fields
     g = p.add_argument_group("config fields (override the preset and the config file)")
     for name, typ in override_fields().items():
         if name == "data.sets":  # given as --data DIR:key=value,... (see _config_from_args)
@@ -87,7 +87,8 @@ _SHORTCUTS = {"out": "train.out_dir", "stage": "train.stage", "init_from": "trai
 
 
 def _config_from_args(args: argparse.Namespace):
-    from nanolm.config import data_overrides, load_config, override_fields
+    from nanolm.config import data_overrides
+    from nanolm.config.load import load_config, override_fields
     overrides = {k: v for k, v in vars(args).items() if k in override_fields()}
     if getattr(args, "data", None) is not None:
         overrides.update(data_overrides(args.data))
@@ -110,7 +111,7 @@ def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
     import dataclasses
     import typing
 
-    from nanolm.config import override_fields
+    from nanolm.config.load import override_fields
     types = override_fields(cls)
     g = p.add_argument_group(title)
     for f in dataclasses.fields(cls):

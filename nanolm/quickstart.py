@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from nanolm.config import load_config
+from nanolm.config.load import load_config
 from nanolm.corpora import TEXT_CORPORA, resolve_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_duration
@@ -229,7 +229,7 @@ def quickstart(out: Path, *, minutes: float = 6.0, corpora: Sequence[str] = TEXT
     print(format_report(card))
     artefacts["report"] = write_report(card, out / "report")
     print(f"== done in {fmt_duration(time.perf_counter() - t0)} "
-          f"(pretraining: {result.step} steps, best val loss {result.best_val_loss:.3f})")
+          f"(pretraining: {result.step} steps, best {result.best_metric.replace('_', ' ')} {result.best_value:.3f})")
     for name, path in artefacts.items():
         print(f"  {name:<11}{path.resolve()}")
     print(f"\nnext: nanolm chat {final}   |   nanolm report {' '.join(str(r) for r in runs)}   |   "

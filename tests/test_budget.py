@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from nanolm import checkpoint as ckpt
-from nanolm.config import OptimConfig, load_config
+from nanolm.config import OptimConfig
+from nanolm.config.load import load_config
 from nanolm.errors import UserError
 from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
 from test_train import same_weights
@@ -124,7 +125,8 @@ def test_time_budget_fits_max_steps_from_the_timed_steps_and_resume_keeps_it(dat
 
 
 def test_a_short_time_budget_without_a_preset_trains_the_budget_preset(tmp_path):
-    from nanolm.config import BUDGET_PRESET, preset
+    from nanolm.config import preset
+    from nanolm.config.load import BUDGET_PRESET
     cfg = load_config(overrides={"train.max_minutes": "3"})
     assert BUDGET_PRESET == "cpu-small" and cfg.model == preset("cpu-small").model
     assert cfg.train.max_steps == 0 and cfg.train.batch_size == preset("cpu-small").train.batch_size

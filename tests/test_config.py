@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from nanolm.config import Config, ModelConfig, load_config, override_fields, preset
+from nanolm.config import Config, ModelConfig, preset
+
+from nanolm.config.load import load_config, override_fields
 from nanolm.errors import UserError
 
 

@@ -423,7 +423,7 @@ def test_tasks_are_scored_at_each_validation_and_pick_the_best_checkpoint(traine
     assert vals[-1]["task/mine/centred"] == pytest.approx(again["centred"])
     best = json.loads((root / "run" / "checkpoints" / "best.json").read_text())["step"]
     first_best = max(vals, key=lambda r: (r["task/mine/acc_norm"], -r["step"]))["step"]
-    assert best == first_best and res.best_val_loss == -max(r["task/mine/acc_norm"] for r in vals)
+    assert best == first_best and res.best_value == max(r["task/mine/acc_norm"] for r in vals)
 
 
 def test_nanolm_eval_task_prints_the_table_and_writes_json(trained, capsys):

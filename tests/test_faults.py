@@ -411,7 +411,7 @@ def test_training_killed_at_random_and_chosen_moments_resumes_bit_identically(da
     assert oa["state"].keys() == ob["state"].keys()
     assert all(torch.equal(oa["state"][n][k], ob["state"][n][k]) for n in oa["state"] for k in oa["state"][n])
     sa, sb = (json.loads((d / "state.json").read_text()) for d in (a, b))
-    assert sa["loader"] == sb["loader"] and sa["rng"] == sb["rng"] and sa["best_val_loss"] == sb["best_val_loss"]
+    assert sa["loader"] == sb["loader"] and sa["rng"] == sb["rng"] and sa["best_value"] == sb["best_value"]
     assert json.loads((run / "checkpoints" / "best.json").read_text()) == \
         json.loads((ref / "checkpoints" / "best.json").read_text())
     assert [d.name for d in ckpt.step_dirs(run)] == [d.name for d in ckpt.step_dirs(ref)]
@@ -429,7 +429,7 @@ def test_a_stale_best_json_is_repaired_and_what_killed_saves_left_is_removed(dat
     model = Transformer(cfg.model)
 
     def save(step: int, best_val: float, is_best: bool) -> None:
-        ckpt.save_checkpoint(run, step, model, None, cfg, {"tokens": 0, "best_val_loss": best_val}, keep_last=2,
+        ckpt.save_checkpoint(run, step, model, None, cfg, {"tokens": 0, "best_metric": "val_loss", "best_value": best_val}, keep_last=2,
                              is_best=is_best)
     save(1, 3.0, True)
     save(2, 2.0, True)
@@ -446,7 +446,7 @@ def test_a_stale_best_json_is_repaired_and_what_killed_saves_left_is_removed(dat
     (ck / f".tmp-step-00000005-{os.getppid()}").mkdir()
     save(3, 2.0, False)
     assert hidden(ck) == [f".tmp-step-00000005-{os.getppid()}"]
-    assert json.loads((ck / "best.json").read_text()) == {"step": 2, "val_loss": 2.0}
+    assert json.loads((ck / "best.json").read_text()) == {"step": 2, "metric": "val_loss", "value": 2.0}
     assert json.loads((ck / "step-00000003" / "state.json").read_text())["best_step"] == 2
     save(4, 2.0, False)
     # keep_last=2 plus the best, step 2 (with best.json left naming step 1, step 2 would be pruned here)

@@ -219,7 +219,7 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(prompts_dir, base_ru
 def step_gradients(cfg) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The gradient of a GRPO run's first step (rollout, then every micro-batch's backward), and its rewards."""
     t = Trainer(cfg, quiet=True)
-    batches, extra = t._rollout([t.data.next_batch() for _ in range(t.accum)])
+    batches, extra = t.objective.before_step(t.model, [t.data.next_batch() for _ in range(t.accum)], t.info)
     units = [t.objective.units(b) for b in batches]
     t._micro_batches(t.model, batches, units, sum(units), sync=False)
     return {n: p.grad.clone() for n, p in t.model.named_parameters()}, extra
@@ -370,7 +370,7 @@ def test_sft_then_grpo_raises_the_held_out_reward(tmp_path):
     0.25-0.46 for most seeds after 300 steps) and GRPO with the answer reward raises the sampled train reward
     (e.g. 0.16 -> 0.27 over 100 steps), but not the greedy held-out accuracy by a margin a test could state over
     seeds: bench/grpo_arith.py measures it, see notes/README-16.md."""
-    from nanolm.config import load_config
+    from nanolm.config.load import load_config
     from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare

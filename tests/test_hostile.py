@@ -34,7 +34,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nanolm.config import DataSetConfig, load_config, override_fields
+from nanolm.config import DataSetConfig
+
+from nanolm.config.load import load_config, override_fields
 from nanolm.data import chatml
 from nanolm.data.chatml import render_chat
 from nanolm.data.formats import (

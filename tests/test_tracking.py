@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nanolm.config import Config, load_config
+from nanolm.config import Config
+
+from nanolm.config.load import load_config
 from nanolm.errors import UserError
 from nanolm.train.trainer import train
 from nanolm.train.metrics import MetricsWriter, TensorBoardTracker, make_trackers, read_metrics, scalars

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from nanolm.config import load_config
+from nanolm.config.load import load_config
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
 from nanolm.train.trainer import train
@@ -192,7 +192,8 @@ def test_activation_checkpointing_and_attention_kernel_leave_the_losses_unchange
     # The checkpoint keeps the model's own names: it loads into a plain model.
     model, _ = ckpt.load_model(tmp_path / "ac", "last")
     assert "layers.0.self_attn.q_proj.weight" in model.state_dict()
-    assert recomputed.best_val_loss == pytest.approx(plain.best_val_loss, rel=1e-5)
+    assert recomputed.best_metric == plain.best_metric == "val_loss"
+    assert recomputed.best_value == pytest.approx(plain.best_value, rel=1e-5)
 
 
 def test_an_attention_kernel_the_device_lacks_stops_at_start(data_dir, tmp_path):

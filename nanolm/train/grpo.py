@@ -46,7 +46,8 @@ from nanolm.data.prompts import PromptBatch, last_user_text
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.infer.engine import Engine
 from nanolm.runtime import decode_dtype
-from nanolm.train.objectives import Loss
+from nanolm.train import distributed
+from nanolm.train.objectives import Loss, Objective
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
 
@@ -93,7 +94,7 @@ class Sampled:
     finish: list[str]
 
 
-class GRPOObjective:
+class GRPOObjective(Objective):
     """The GRPO stage (see the module doc). The reference is a frozen model, the model with its LoRA adapters
     off (`disable_adapters`), or none at all when grpo.beta is 0."""
 
@@ -109,6 +110,8 @@ class GRPOObjective:
         self.stop_ids = (tokenizer.im_end_id,)
         self.engine: Engine | None = None
         self.last: dict[str, float] = {}  # this rank's sums of the last rollout (rewards, lengths, times)
+        self.updates = cfg.inner_epochs  # optimizer updates per rollout
+        self.best = ("val_reward", True)  # the held-out prompts' mean reward picks the best checkpoint
 
     # -------------------------------------------------------------------------------------- sampling
 
@@ -213,6 +216,38 @@ class GRPOObjective:
                     with self.disable_adapters(model):  # type: ignore[misc]
                         b.ref_logp = token_logps(model(b.x), b.y)
         return b
+
+    # -------------------------------------------------------------------------------------- the step's hooks
+
+    def before_step(self, model: nn.Module, batches: list[PromptBatch], info: distributed.DistInfo
+                    ) -> tuple[list[Rollouts], dict[str, float]]:
+        """This rank's prompt micro-batches -> rollout micro-batches, and the rollout's metrics over all ranks.
+        The sampling seed of the step is drawn from the run's torch RNG (saved in checkpoints)."""
+        seed = int(torch.randint(0, 1 << 62, (1,)).item())
+        rollouts = self.rollout(model, batches, seed)
+        local = self.last
+        keys = sorted(local)
+        totals = distributed.sum_across_ranks(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64,
+                                                           device=self.device), info).tolist()
+        summed = dict(zip(keys, totals))
+        extra = step_metrics(summed)
+        # Times: this rank's (rank 0 logs); the score share is the rollout's time outside generation.
+        extra.update(generate_s=local["generate_s"], score_s=local["rollout_s"] - local["generate_s"],
+                     rollout_tok_s=summed["completion_tokens"] / info.world_size / max(local["generate_s"], 1e-9))
+        return rollouts, extra
+
+    def after_step(self, extra: dict[str, float], update_s: float) -> dict[str, float]:
+        """The step's share of time spent generating, once its updates are timed."""
+        extra["update_s"] = update_s
+        extra["generate_share"] = extra["generate_s"] / max(extra["generate_s"] + update_s + extra["score_s"], 1e-9)
+        return extra
+
+    def warning(self, logged: dict[str, float]) -> str | None:
+        if logged.get("zero_var_groups", 0.0) > 0.5:
+            return (f"warning: {logged['zero_var_groups']:.0%} of the groups have equal rewards and teach nothing; "
+                    "raise grpo.group_size or grpo.temperature, or use prompts the model solves sometimes (not "
+                    "always, not never)")
+        return None
 
     # -------------------------------------------------------------------------------------- the loss
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -94,11 +94,41 @@ def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[],
     return loss_sum, n_tokens, n_bytes
 
 
-class LMObjective:
+class Objective:
+    """What a stage trains (nanolm/train/stages.py builds it): `__call__(model, batch)` is a micro-batch's `Loss`
+    summed over its `units`, `evaluate` scores a validation split. The hooks have defaults that fit every stage
+    but RL: `before_step` turns the step's batches into what the loss reads (GRPO: prompts into scored
+    rollouts, with the rollout's metrics), `updates` optimizer updates run over them, `after_step` adds to the
+    step's logged metrics once its updates are timed, `warning` is said with a logged step."""
+
+    updates = 1  # optimizer updates per step over the same batches
+    best = ("val_loss", False)  # the validation metric that picks the best checkpoint, and whether higher is better
+    units = staticmethod(target_tokens)  # what every micro-batch and rank of a step weighs alike
+
+    def __call__(self, model: nn.Module, batch: Batch) -> Loss:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+                 token_bytes: torch.Tensor | None) -> dict[str, float]:
+        raise NotImplementedError
+
+    def positions(self, batch: Batch) -> int:
+        """The input positions the model reads of the batch (the tokens a step counts)."""
+        return batch.x.numel()
+
+    def before_step(self, model: nn.Module, batches: list, info: Any) -> tuple[list, dict[str, float]]:
+        return batches, {}
+
+    def after_step(self, extra: dict[str, float], update_s: float) -> dict[str, float]:
+        return extra
+
+    def warning(self, logged: dict[str, float]) -> str | None:
+        return None
+
+
+class LMObjective(Objective):
     """Next-token cross-entropy summed over the targets (+ aux_loss_coef x the MoE balance loss, per micro-batch).
     The logged `loss` is the cross-entropy."""
-
-    units = staticmethod(target_tokens)
 
     def __init__(self, model: nn.Module, aux_loss_coef: float) -> None:
         self.moe = bool(moe_layers(model))
@@ -174,7 +204,7 @@ class BlocksObjective(LMObjective):
         return out
 
 
-class DPOObjective:
+class DPOObjective(Objective):
     """Direct preference optimisation on batches of (chosen, rejected) row pairs.
 
     The reference is either a frozen model (the initial weights) or, for a
@@ -226,7 +256,7 @@ class DPOObjective:
         return {f"val_{k}": v / n for k, v in sums.items()} if n else {}
 
 
-class DistillObjective:
+class DistillObjective(Objective):
     """KL to a frozen teacher's temperature-softened distributions, mixed with cross-entropy by alpha."""
 
     def __init__(self, teacher: nn.Module, temperature: float, alpha: float, vocab_size: int,
@@ -236,8 +266,6 @@ class DistillObjective:
         self.alpha = alpha
         self.vocab_size = vocab_size  # the tokenizer's; models may pad their vocabularies differently
         self.lm = lm
-
-    units = staticmethod(target_tokens)
 
     def __call__(self, model: nn.Module, batch: Batch) -> Loss:
         with torch.no_grad():
@@ -250,6 +278,3 @@ class DistillObjective:
                  token_bytes: torch.Tensor | None) -> dict[str, float]:
         # The student's own cross-entropy: comparable with any other run on the same data.
         return self.lm.evaluate(model, batches, autocast, token_bytes)
-
-
-Objective = LMObjective | BlocksObjective | DPOObjective | DistillObjective

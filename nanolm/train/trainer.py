@@ -18,14 +18,12 @@ Every stage runs through a `Trainer`:
   checkpoint;
 - `run()` repeats steps until `max_steps`, the token or time budget, the end
   of a curriculum or Ctrl-C, logging, evaluating and saving on the configured
-  intervals, and evaluates and saves once more at the end. With
-  `train.max_steps = 0` the schedule is fitted to the budget: a token budget
-  fixes max_steps at the start, a time budget after the first
-  `schedule.probe_steps` steps (all inside the warmup, whose learning rates do
-  not depend on it) from their measured rate, and once more a quarter into
-  that plan from the rate of the whole loop since (evaluations included, and
-  robust to a busy moment in the probe); state.json records the decision, so a
-  resumed run keeps it.
+  intervals, and evaluates and saves once more at the end.
+
+What differs between stages is the stage's (nanolm/train/stages.py: its data
+kinds, defaults and objective); the loop's components are apart: validation
+and the best checkpoint's metric (validation.py), the schedule's length fitted
+to a budget (budget.py), metrics and trackers (metrics.py).
 
 `train(cfg)` is `Trainer(cfg).run()`.
 """
@@ -46,7 +44,6 @@ import torch
 
 from nanolm import checkpoint as ckpt
 from nanolm.config import Config
-from nanolm.data.loader import iter_eval_batches
 from nanolm.data.shards import Batch
 from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
@@ -60,9 +57,11 @@ from nanolm.train import distributed
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
 from nanolm.train.optim import build_optimizer
-from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
-from nanolm.train.grpo import GRPOObjective, step_metrics
-from nanolm.train.objectives import BlocksObjective, DistillObjective, DPOObjective, LMObjective, Objective
+from nanolm.train.budget import Budget
+from nanolm.train.schedule import lr_at, probe_steps
+from nanolm.train.validation import Best, Validation
+from nanolm.train import stages
+from nanolm.train.objectives import Objective
 
 
 @dataclass
@@ -71,7 +70,8 @@ class TrainResult:
     step: int
     tokens: int
     last_checkpoint: Path | None
-    best_val_loss: float  # the best value of train.best_metric as minimised: val_loss, or minus a task score
+    best_metric: str  # what picked the best checkpoint: val_loss, val_reward (GRPO) or task/<name>/<metric>
+    best_value: float | None  # its best value (None: never evaluated)
     train_losses: dict[int, float] = field(default_factory=dict)
     stop_reason: str = ""
 
@@ -138,23 +138,6 @@ def _tokenizer_dir(data: DataStream) -> Path | None:
     return path if (path / "tokenizer.json").is_file() else None
 
 
-def _token_bytes(tok_dir: Path | None, vocab_size: int) -> torch.Tensor | None:
-    """UTF-8 bytes per token id, for bits-per-byte; None when the tokenizer is not at hand."""
-    if tok_dir is None:
-        return None
-    from nanolm.tokenizer import Tokenizer
-    lengths = torch.zeros(vocab_size, dtype=torch.float64)
-    tb = torch.tensor(Tokenizer.load(tok_dir).token_byte_lengths(), dtype=torch.float64)
-    lengths[: len(tb)] = tb[:vocab_size]
-    return lengths
-
-
-def _tokenizer_of(src: Path) -> str | None:
-    """The fingerprint of the tokenizer checkpoint `src` was trained with; None when it does not hold it."""
-    from nanolm.tokenizer import Tokenizer
-    return Tokenizer.load(src).fingerprint if (src / "tokenizer.json").is_file() else None
-
-
 def _newest_that_verifies(steps: list[Path]) -> tuple[Path, list[str]]:
     """The newest checkpoint whose weights and optimizer state match the CRC-32s its state.json recorded, and a
     line for each newer one that did not (left in place: the resumed run writes those steps again)."""
@@ -191,7 +174,7 @@ def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path | Non
     elif ckpt.step_dirs(run_dir):
         raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
                         f"another --out for a new run")
-    if tc.stage in ("sft", "lora", "dpo", "grpo") and not tc.init_from:
+    if stages.get(tc.stage).fine_tunes and not tc.init_from:
         raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
                         f"checkpoint>")
     return resume_src, skipped
@@ -210,6 +193,8 @@ class Trainer:
         seed_everything(tc.seed)
         self.accum = distributed.per_rank_accum(tc.grad_accum, info)  # this rank's micro-batches per step
         self.quiet = quiet
+        self.stage = stages.get(tc.stage)  # what this run trains: nanolm/train/stages.py
+        self.stage.check(cfg)
 
         # One data set (data.path) or a curriculum/mixture of several (data.sets); see nanolm/data/sources.py.
         self.data = DataStream.from_config(cfg, rank=info.rank, world_size=info.world_size)
@@ -221,10 +206,11 @@ class Trainer:
         self.attention = attention_kernel(tc.sdpa_backend, self.device, self.dtype, cfg.model.head_dim,
                                           masked=self.data.is_chat)
         # [(set name, val split)] of the sets that have one (RL prompts: any held-out prompt is one to decode)
-        self.val_sets = self.data.val_sets(1 if tc.stage == "grpo" else tc.seq_len)
         self.tok_dir = _tokenizer_dir(self.data)
-        self.token_bytes = _token_bytes(self.tok_dir, cfg.model.vocab_size) if self.val_sets else None
-        self.tasks, self.task_tok = self._eval_tasks()  # train.eval_tasks: read now, so a bad file stops the start
+        # held-out data, benchmarks and degeneration samples: read now, so a bad task file stops the start
+        self.validation = Validation(cfg, self.data, self.stage.val_seq_len(cfg), self.tok_dir,
+                                     self.device, fsdp=tc.parallel == "fsdp" and info.enabled)
+        self.val_sets = self.validation.val_sets
 
         resume_src, skipped = _resume_source(cfg, self.run_dir, resume)
         if skipped and info.is_main:  # said even when quiet: a newer checkpoint is passed over
@@ -245,13 +231,11 @@ class Trainer:
         self.objective = self._objective()
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
 
-        self.step, self.tokens, self.best_val, self.elapsed_before = 0, 0, float("inf"), 0.0
+        self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
+        self.best = Best.of(cfg, self.objective)  # what picks the best checkpoint, and its best value so far
         self.clock = time.perf_counter  # the clock of max_minutes, elapsed_s and the step rate of a budget fit
-        # The steps the schedule decays over: configured, or fitted to the budget (None until the fit is made).
-        self.max_steps: int | None = tc.max_steps or None
-        self.budget_fit: dict[str, Any] | None = None  # how a fitted max_steps was chosen (state.json)
-        if self.max_steps is None and tc.max_tokens and not tc.max_minutes:
-            self._fit(steps_for_tokens(tc.max_tokens, self.tokens_per_step), {"rule": "max_tokens"}, announce=False)
+        # The steps the schedule decays over: configured, or fitted to the budget (nanolm/train/budget.py).
+        self.budget = Budget(cfg, self.tokens_per_step, self.accum, bool(self.val_sets), self.say, self._warn_repeats)
         if resume_src is None and info.is_main:  # a fresh start: what a run killed before its first save logged
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsWriter(self.run_dir, enabled=info.is_main,
@@ -287,11 +271,7 @@ class Trainer:
             if ckpt.is_adapter(weights):
                 raise UserError(f"{weights}: --init-from needs a full checkpoint, not a LoRA adapter; merge it "
                                 f"first with `nanolm lora merge`")
-            theirs, ours = _tokenizer_of(weights), self.data.manifest["tokenizer"]["fingerprint"]
-            if theirs not in (None, ours):  # its weights are tied to the ids of its tokenizer
-                raise UserError(f"{weights}: --init-from was trained with tokenizer {theirs[:12]}, but the data was "
-                                f"prepared with {ours[:12]}, so its token ids mean other text; prepare the data "
-                                f"with {weights / 'tokenizer.json'}")
+            self.check_tokenizer(weights, "--init-from", f"prepare the data with {weights / 'tokenizer.json'}")
         model = ckpt.build_model(cfg.model, weights)
         if weights is not None and weights != resume_src:
             self.say(f"initialised weights from {weights}")
@@ -307,153 +287,28 @@ class Trainer:
             lora.mark_only_lora_as_trainable(model)
         return model, adapter_base
 
-    def _eval_tasks(self) -> tuple[list, Any]:
-        """The benchmarks of train.eval_tasks (each its first eval_task_items items unless its spec says n) and
-        the tokenizer they are scored with; ([], None) when there are none."""
-        tc = self.cfg.train
-        if not tc.eval_tasks and not tc.degeneration_samples:
-            return [], None
-        if self.tok_dir is None:
-            raise UserError("train.eval_tasks / train.degeneration_samples need the data's tokenizer, which its "
-                            "manifest does not point to; prepare the data with `nanolm prepare --tokenizer DIR` and "
-                            "keep that directory")
-        from nanolm.eval.runner import load_task, parse_task_spec
-        from nanolm.tokenizer import Tokenizer
-        tasks = []
-        for spec in tc.eval_tasks:
-            parsed = parse_task_spec(spec)
-            parsed.n = parsed.n or tc.eval_task_items
-            tasks.append(load_task(parsed))
-        names = [t.task.name for t in tasks]
-        if tc.best_metric != "val_loss" and tc.best_metric.split("/")[1] not in names:
-            raise UserError(f"train.best_metric={tc.best_metric}: no task of that name in train.eval_tasks (names: "
-                            f"{', '.join(names)}); name it as the table does, or add name=... to its spec")
-        needs_engine = tc.degeneration_samples or any(t.task.kind == "gen" for t in tasks)
-        if needs_engine and tc.parallel == "fsdp" and self.info.enabled:
-            raise UserError("generative eval_tasks and train.degeneration_samples decode with the engine, which needs "
-                            "whole weights; under train.parallel=fsdp use multiple-choice tasks only")
-        return tasks, Tokenizer.load(self.tok_dir)
-
-    def _task_scores(self) -> dict[str, float]:
-        """train.eval_tasks and the degeneration samples, scored with the current weights (on every rank: under
-        FSDP the forward is collective; each rank gets the same numbers)."""
-        from nanolm.eval.runner import evaluate_tasks, task_metrics
-        tc = self.cfg.train
-        engine = None
-        if tc.degeneration_samples or any(t.task.kind == "gen" for t in self.tasks):
-            from nanolm.infer.engine import Engine
-            engine = Engine(self.model, self.device)  # a copy of this step's weights, for decoding
-        with self.compute():
-            results = evaluate_tasks(self.model, self.task_tok, self.tasks, chat_default=self.data.is_chat,
-                                     batch_size=tc.batch_size, device=self.device, engine=engine)
-        out = task_metrics(results)
-        if tc.degeneration_samples and self.val_sets:
-            from nanolm.config import SamplingParams
-            from nanolm.eval.degeneration import degeneration_scores, sample_completions
-            val = self.val_sets[0][1]
-            prompts = []
-            for b in iter_eval_batches(val, tc.batch_size, min(32, tc.seq_len), None):
-                prompts += [row.tolist() for row in b.x]
-                if len(prompts) >= tc.degeneration_samples:
-                    break
-            params = SamplingParams(max_new_tokens=64, seed=tc.seed)
-            scores = degeneration_scores(sample_completions(engine, prompts[:tc.degeneration_samples], params,
-                                                            (self.task_tok.eot_id, self.task_tok.im_end_id)))
-            out.update({f"degen/{k}": scores[k] for k in ("distinct_1", "distinct_2", "loop_fraction")})
-        return out
-
-    def _best_score(self, val: dict[str, float]) -> float | None:
-        """The number train.best_metric minimises: the validation loss (for GRPO, minus the mean validation
-        reward), or minus a task score."""
-        metric = self.cfg.train.best_metric
-        if metric == "val_loss":
-            return -val["val_reward"] if "val_reward" in val else val.get("val_loss")
-        return -val[metric] if metric in val else None
-
-    def _frozen(self, model: torch.nn.Module, src: Path, what: str) -> torch.nn.Module:
+    def frozen(self, model: torch.nn.Module, src: Path, what: str) -> torch.nn.Module:
         """`model` (a DPO reference, a distillation teacher, built from checkpoint `src`) frozen on this device."""
         self.say(f"{what}: {src} ({count_params(model)['total'] / 1e6:.2f}M parameters)")
         return model.to(self.device).eval().requires_grad_(False)
 
+    def check_tokenizer(self, src: Path, what: str, fix: str) -> None:
+        """Checkpoint `src`'s weights are tied to the ids of its tokenizer: refuse one other than the data's."""
+        theirs, ours = ckpt.tokenizer_fingerprint(src), self.data.manifest["tokenizer"]["fingerprint"]
+        if theirs not in (None, ours):
+            raise UserError(f"{src}: {what} was trained with another tokenizer ({theirs[:12]}) than the data's "
+                            f"({ours[:12]}), so its token ids mean other text; {fix}")
+
     def _objective(self) -> Objective:
         """The stage's batch -> loss function, checked against the kind of data it is given."""
-        cfg, stage, kind = self.cfg, self.cfg.train.stage, self.data.kind
-        where = cfg.data.path or ", ".join(s.path for s in cfg.data.sets)
-        if not cfg.model.causal and stage != "blocks":
-            raise UserError(f"model.causal is false: a non-causal model trains only with --stage blocks on "
-                            f"`nanolm prepare --format blocks` data, not train.stage={stage}; drop "
-                            "--model.causal false for this stage")
-        if (stage == "blocks") != (kind == "blocks"):
-            fix = ("prepare input/output records with `nanolm prepare --format blocks`" if stage == "blocks"
-                   else "block data trains with --stage blocks")
-            raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
-        if stage == "blocks":
-            T, causal = cfg.train.seq_len, cfg.model.causal
-            need = 2 * T - 1 if causal else T  # a causal model reads both blocks as one sequence
-            if need > cfg.model.max_seq_len:
-                raise UserError(f"model.max_seq_len={cfg.model.max_seq_len} is shorter than the {need} positions a "
-                                f"{'causal' if causal else 'non-causal'} model reads of blocks of train.seq_len {T}"
-                                f"{' (input and output as one sequence)' if causal else ''}; set --model.max_seq_len "
-                                f"{need} or lower --seq-len")
-            return BlocksObjective(self.model, cfg.model.aux_loss_coef, causal)
-        if (stage == "grpo") != (kind == "prompts"):
-            fix = ("prepare RL prompts with `nanolm prepare --format prompts`" if stage == "grpo"
-                   else "RL prompts train with --stage grpo")
-            raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
-        if stage == "grpo":
-            return self._grpo_objective()
-        if (stage == "dpo") != (kind == "dpo"):
-            fix = ("prepare preference pairs with `nanolm prepare --format dpo`" if stage == "dpo"
-                   else "preference data trains with --stage dpo")
-            raise UserError(f"{where}: train.stage={stage} cannot train on {kind} data; {fix}")
-        lm = LMObjective(self.model, cfg.model.aux_loss_coef)
-        if stage == "dpo":
-            if cfg.uses_lora:  # the reference is the same model with its adapters off: no second copy
-                return DPOObjective(cfg.dpo.beta, None, lora.disable_adapters)
-            # The frozen reference: dpo.ref_from, else the initial weights (train.init_from), as the policy is
-            # built (its max_seq_len may have been raised for the pairs).
-            src = ckpt.resolve_checkpoint(cfg.dpo.ref_from or cfg.train.init_from, "best")
-            return DPOObjective(cfg.dpo.beta, self._frozen(ckpt.build_model(cfg.model, src), src, "DPO reference"))
-        if stage == "distill":
-            src = ckpt.resolve_checkpoint(cfg.distill.teacher, "best")
-            theirs, ours = _tokenizer_of(src), self.data.manifest["tokenizer"]["fingerprint"]
-            if theirs is None:
-                raise UserError(f"{src}: the teacher checkpoint holds no tokenizer.json, so its tokenizer cannot be "
-                                f"checked against the data's; use a checkpoint written by nanolm train")
-            if theirs != ours:
-                raise UserError(f"{src}: the teacher was trained with another tokenizer ({theirs[:12]}) than the "
-                                f"data's ({ours[:12]}); distillation compares token distributions, so both must "
-                                f"use the same tokenizer: prepare the data with the teacher's tokenizer")
-            teacher = ckpt.load_model(src)[0]  # any size: its own model config
-            return DistillObjective(self._frozen(teacher, src, "distillation teacher"), cfg.distill.temperature,
-                                    cfg.distill.alpha, self.data.vocab_size, lm)
-        return lm
-
-    def _grpo_objective(self) -> GRPOObjective:
-        """The GRPO stage's objective: the data's tokenizer, the rewards, and the reference (the initial weights
-        frozen; for LoRA the model with its adapters off; none when grpo.beta is 0)."""
-        from nanolm.tokenizer import Tokenizer
-        from nanolm.train.rewards import Rewards
-        cfg, g = self.cfg, self.cfg.grpo
-        if cfg.train.parallel == "fsdp" and self.info.enabled:
-            raise UserError("train.parallel=fsdp does not run --stage grpo (the rollout engine decodes from a full "
-                            "copy of the weights); use --train.parallel ddp")
-        if self.tok_dir is None:
-            raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({self.data.manifest['tokenizer'].get('path')}) "
-                            "is not at hand, and sampling needs it; prepare the prompts again with a tokenizer "
-                            "directory that stays in place")
-        rewards = Rewards.from_spec(g.rewards, thinking=g.thinking, length_min=g.length_min,
-                                    length_max=g.length_max, reward_model=g.reward_model, device=str(self.device))
-        reference, switch = None, None
-        if g.beta > 0:
-            if cfg.uses_lora:  # the reference is the same model with its adapters off: no second copy
-                switch = lora.disable_adapters
-            else:
-                src = ckpt.resolve_checkpoint(cfg.train.init_from, "best")
-                reference = self._frozen(ckpt.build_model(cfg.model, src), src, "GRPO reference")
-        return GRPOObjective(g, Tokenizer.load(self.tok_dir), rewards, reference=reference, disable_adapters=switch,
-                             device=self.device, rank=self.info.rank, world_size=self.info.world_size,
-                             compute=self.compute)
+        cfg, stage = self.cfg, self.stage
+        if not cfg.model.causal and not stage.trains_non_causal:
+            ways = " or ".join(f"--stage {s.name} on `nanolm prepare --format {s.kinds[0]}` data"
+                               for s in map(stages.get, stages.names()) if s.trains_non_causal)
+            raise UserError(f"model.causal is false: a non-causal model trains only with {ways}, not "
+                            f"train.stage={stage.name}; drop --model.causal false for this stage")
+        stages.check_data(stage, self.data.kind, cfg.data.path or ", ".join(s.path for s in cfg.data.sets))
+        return stage.objective(self)
 
     def _restore(self, src: Path) -> None:
         """Continue checkpoint `src` of this run: optimizer state, then state.json into the data stream and RNG."""
@@ -467,11 +322,9 @@ class Trainer:
             step, tokens = int(state["step"]), int(state["tokens"])
             if step < 0 or tokens < 0:
                 raise ValueError(f"step {step}, tokens {tokens}")
-            best = state.get("best_val_loss")  # of train.best_metric, as minimised (a task score negated)
-            self.best_val = float(best) if best is not None else float("inf")
+            self.best.restore(state)
             self.elapsed_before = float(state.get("elapsed_s", 0.0))
-            if self.cfg.train.max_steps == 0 and state.get("budget_fit"):  # the fitted schedule, as decided
-                self.max_steps, self.budget_fit = int(state["budget_fit"]["max_steps"]), dict(state["budget_fit"])
+            self.budget.restore(state)
             self.data.load_state_dict(state["loader"])
             ckpt.set_rng_state(state["rng"])
         except UserError as e:  # the data position does not fit this data
@@ -485,13 +338,8 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        """Input positions of one optimizer step as configured (DPO: batch_size counts (chosen, rejected) pairs)."""
-        tc = self.cfg.train
-        if self.data.kind == "prompts":  # GRPO: at most, every completion of the step at its longest
-            return tc.batch_size * tc.grad_accum * self.cfg.grpo.group_size * self.cfg.grpo.max_new_tokens
-        if self.data.kind == "blocks":  # a causal model reads the input and output blocks as one sequence
-            return tc.batch_size * (2 * tc.seq_len - 1 if self.cfg.model.causal else tc.seq_len) * tc.grad_accum
-        return tc.batch_size * (2 if self.data.kind == "dpo" else 1) * tc.seq_len * tc.grad_accum
+        """Input positions of one optimizer step as configured (the stage counts them)."""
+        return self.stage.tokens_per_step(self.cfg)
 
     def report(self) -> None:
         """The derived settings, printed once at the start."""
@@ -521,25 +369,15 @@ class Trainer:
                                    f" | one epoch = {data.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
         for line in data.describe():
             self.say(f"data stream: {line}")
-        if tc.stage == "grpo":
-            g = cfg.grpo
-            self.say(f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens)"
-                     f" per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per "
-                     f"rollout | loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | "
-                     f"validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
+        if (line := self.stage.describe(cfg)) is not None:
+            self.say(line)
         for s in data.sets:  # which rule made each set's val split (the manifest's split_policy)
             rule = s.data.manifest.get("split_policy", {}).get("summary")
             if rule:
                 self.say(f"val split{f' of {s.name}' if several else ''}: {rule}")
         for tracker in self.metrics.trackers:
             self.say(f"tracking: {tracker.describe()}")
-        if tc.max_steps:
-            steps = f"max_steps {self.max_steps}"
-        elif self.budget_fit:
-            steps = self._fit_text()
-        else:
-            steps = (f"max_steps fitted to the time budget at the step rate of the first "
-                     f"{probe_steps(cfg.optim.warmup_steps)} steps")
+        steps = self.budget.describe(probe_steps(cfg.optim.warmup_steps))
         muon = (f" (AdamW; Muon matrices {cfg.optim.muon_lr:g} x the same factor)" if cfg.optim.name == "muon"
                 else "")
         self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}{muon}, "
@@ -597,52 +435,28 @@ class Trainer:
         """
         cfg, info, device = self.cfg, self.info, self.device
         # Before a time budget's fit, only warmup steps run, whose lr does not depend on max_steps.
-        lr = lr_at(self.step, cfg.optim, self.max_steps or cfg.optim.warmup_steps + 1)
+        lr = lr_at(self.step, cfg.optim, self.budget.max_steps or cfg.optim.warmup_steps + 1)
         for group in self.optimizer.param_groups:  # Muon's groups scale the schedule (nanolm/train/optim.py)
             group["lr"] = lr * group.get("lr_scale", 1.0)
         if batches is None:
             batches = [self.data.next_batch() for _ in range(self.accum)]
-        extra: dict[str, float] = {}
-        if isinstance(self.objective, GRPOObjective):  # prompts -> scored completions of the current policy
-            batches, extra = self._rollout(batches)
+        # GRPO: prompts -> scored completions of the current policy, and the rollout's metrics
+        batches, extra = self.objective.before_step(self.model, batches, self.info)
         units = [self.objective.units(b) for b in batches]  # counted on the host: no device sync
         batches = [b.to(device, non_blocking=True) for b in batches]
         step_units = distributed.sum_across_ranks(sum(units), info)
         t0 = time.perf_counter()
-        # GRPO: grpo.inner_epochs updates over one rollout; every other stage: one.
-        for _ in range(self.cfg.grpo.inner_epochs if extra else 1):
+        for _ in range(self.objective.updates):  # GRPO: grpo.inner_epochs updates over one rollout
             sums, means, grad_norm, finite = self._update(batches, units, step_units)
             if not finite:
                 break
-        if extra:
-            extra["update_s"] = time.perf_counter() - t0
-            extra["generate_share"] = extra["generate_s"] / max(extra["generate_s"] + extra["update_s"]
-                                                                + extra["score_s"], 1e-9)
+        extra = self.objective.after_step(extra, time.perf_counter() - t0)
         # the input positions the model read (an objective may read part of a batch); every rank takes as many
-        positions = getattr(self.objective, "positions", lambda b: b.x.numel())
-        tokens = sum(positions(b) for b in batches) * info.world_size
+        tokens = sum(self.objective.positions(b) for b in batches) * info.world_size
         self.step += 1
         self.tokens += tokens
         return StepResult(lr, step_units, len(batches) * info.world_size, tokens, grad_norm, finite, sums, means,
                           extra)
-
-    def _rollout(self, prompts: list[Any]) -> tuple[list[Any], dict[str, float]]:
-        """GRPO: this rank's prompt micro-batches -> rollout micro-batches, and the rollout's metrics over all
-        ranks. The sampling seed of the step is drawn from the run's torch RNG (saved in checkpoints)."""
-        objective = self.objective
-        assert isinstance(objective, GRPOObjective)
-        seed = int(torch.randint(0, 1 << 62, (1,)).item())
-        rollouts = objective.rollout(self.model, prompts, seed)
-        local = objective.last
-        keys = sorted(local)
-        totals = distributed.sum_across_ranks(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64,
-                                                           device=self.device), self.info).tolist()
-        summed = dict(zip(keys, totals))
-        extra = step_metrics(summed)
-        # Times: this rank's (rank 0 logs); the score share is the rollout's time outside generation.
-        extra.update(generate_s=local["generate_s"], score_s=local["rollout_s"] - local["generate_s"],
-                     rollout_tok_s=summed["completion_tokens"] / self.info.world_size / max(local["generate_s"], 1e-9))
-        return rollouts, extra
 
     def _update(self, batches: list[Any], units: list[int], step_units: int
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, bool]:
@@ -705,34 +519,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ evaluate, save
 
     def evaluate(self) -> dict[str, float]:
-        """Validation on each set's val split (eval_batches each); with several sets, per-set metrics as
-        `val_loss/<name>` and their (mixture: weighted) mean as `val_loss`, which picks the best checkpoint."""
-        if not self.val_sets and not self.tasks:
+        """Validation (nanolm/train/validation.py): each set's val split (eval_batches each; with several sets,
+        per-set metrics as `val_loss/<name>` and their (mixture: weighted) mean as `val_loss`), the benchmarks
+        and degeneration samples; logged and printed."""
+        if not self.validation.active:
             return {}
-        tc = self.cfg.train
         t0 = time.perf_counter()
-        self.model.eval()
-        per_set = {}
-        for name, val_data in self.val_sets:
-            batches = (b.to(self.device) for b in iter_eval_batches(val_data, tc.batch_size, tc.seq_len,
-                                                                    tc.eval_batches))
-            per_set[name] = self.objective.evaluate(self.model, batches, self.compute, self.token_bytes)
-        res = self.data.combine_eval(per_set) if per_set else {}
-        if self.tasks or tc.degeneration_samples:  # benchmarks: task/<name>/acc, ... and degen/...
-            res.update(self._task_scores())
-        self.model.train()
+        res = self.validation.scores(self.model, self.objective, self.compute)
         if not res:
             return {}
         res["eval_s"] = time.perf_counter() - t0
         self.metrics.write({"step": self.step, "tokens": self.tokens, **res})
-
-        def shown(k: str) -> str:  # with several sets: the mean, then each set's value
-            per = ", ".join(f"{name} {res[f'{k}/{name}']:.4f}" for name, _ in self.val_sets if f"{k}/{name}" in res)
-            return f"{k.replace('_', ' ')} {res[k]:.4f}" + (f" ({per})" if per else "")
-        line = " | ".join([shown(k) for k in res if k != "eval_s" and "/" not in k]
-                          + [f"{k.removeprefix('task/').removeprefix('degen/').replace('/', ' ')} {v:.4f}"
-                             for k, v in res.items() if k.startswith(("task/", "degen/"))])
-        self.say(f"step {self.step:>6} | {line} | eval {res['eval_s']:.1f}s")
+        self.say(f"step {self.step:>6} | {self.validation.line(res)} | eval {res['eval_s']:.1f}s")
         return res
 
     def save(self, is_best: bool = False) -> Path:
@@ -748,89 +546,35 @@ class Trainer:
         optim_state = distributed.full_optimizer_state(self.model, self.optimizer)
         if self.info.is_main:
             state = {"tokens": self.tokens, "loader": self.data.state_dict(), "rng": ckpt.rng_state(),
-                     "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
-                     "elapsed_s": self.elapsed(), **({"budget_fit": self.budget_fit} if self.budget_fit else {})}
+                     **self.best.state(),
+                     "elapsed_s": self.elapsed(), **self.budget.state()}
             path = ckpt.save_checkpoint(self.run_dir, self.step, self.model, optim_state, self.cfg, state,
                                         tokenizer_dir=self.tok_dir, keep_last=self.cfg.train.keep_last,
                                         is_best=is_best, adapter_base=self.adapter_base, weights=weights)
         distributed.barrier(self.info)
         return path
 
-    def _best_shown(self) -> str:
-        metric = self.cfg.train.best_metric
-        if metric == "val_loss":
-            return (f"val reward {-self.best_val:.4f}" if self.cfg.train.stage == "grpo"
-                    else f"val loss {self.best_val:.4f}")
-        return f"{metric} {-self.best_val:.4f}"
-
     def elapsed(self) -> float:
         """Seconds of training in this run so far, the runs it resumed included."""
         return self.elapsed_before + self.clock() - self.t_start
 
-    def _fit(self, max_steps: int, how: dict[str, Any], announce: bool = True) -> None:
-        """Fix the schedule's max_steps for a budget (train.max_steps 0), and say so (else report() does)."""
-        tc = self.cfg.train
-        if tc.max_tokens:  # a token budget caps a time budget's steps too
-            max_steps = min(max_steps, steps_for_tokens(tc.max_tokens, self.tokens_per_step))
-        self.max_steps = max(max_steps, self.step + 1)
-        self.budget_fit = {"max_steps": self.max_steps, "at_step": self.step, **how}
-        if announce:
-            self.say(f"schedule: {self._fit_text()}")
-            self._warn_repeats()
-
-    def _fit_text(self) -> str:
-        how = self.budget_fit or {}
-        rate = (f" at {how['step_s']:.3f}s/step over steps {how['timed_steps']}" if "step_s" in how else "")
-        return (f"max_steps {self.max_steps} fitted to {how.get('rule')}{rate}: warmup {self.cfg.optim.warmup_steps}, "
-                f"then {self.cfg.optim.schedule} to step {self.max_steps}"
-                + (" (note: no more steps than the warmup)" if self.max_steps <= self.cfg.optim.warmup_steps else ""))
-
     def _warn_repeats(self) -> None:
         """Warn when the planned steps see the training data more than SEEN_TIMES_WARNING times."""
-        if self.max_steps is None or len(self.data.sets) > 1 or self.cfg.train.stage != "pretrain":
+        max_steps = self.budget.max_steps
+        if max_steps is None or len(self.data.sets) > 1 or not self.stage.pretrains:
             return
-        epochs = (self.max_steps - self.step) * self.tokens_per_step / max(1, self.data.n_tokens)
+        epochs = (max_steps - self.step) * self.tokens_per_step / max(1, self.data.n_tokens)
         if epochs > SEEN_TIMES_WARNING and len(self.data.sets) == 1:
-            self.say(f"warning: the planned {self.max_steps} steps see the {fmt_count(self.data.n_tokens)} training "
+            self.say(f"warning: the planned {max_steps} steps see the {fmt_count(self.data.n_tokens)} training "
                      f"tokens {epochs:.1f} times; past ~{SEEN_TIMES_WARNING} a model this size starts to memorise "
                      "them: use more data, or a smaller model or budget")
-
-    def _fit_time(self, step_times: list[float]) -> None:
-        """Fix max_steps for max_minutes from the timed steps (the first one, with its one-time costs, left out
-        when there are others)."""
-        tc = self.cfg.train
-        timed = step_times[1:] or step_times
-        step_s = sorted(timed)[len(timed) // 2]
-        # A validation pass is a forward (about a third of a training step's work) of eval_batches micro-batches.
-        eval_fraction = tc.eval_batches / (3 * self.accum)
-        fitted = steps_for_time(tc.max_minutes * 60, self.elapsed(), self.step, step_s,
-                                eval_interval=tc.eval_interval if self.val_sets else 0,
-                                eval_step_fraction=eval_fraction if self.val_sets else 0.0)
-        refit_at = self.step + max(1, (max(fitted, self.step + 1) - self.step) // 4)
-        self._fit(fitted, {"rule": "max_minutes", "step_s": round(step_s, 6),
-                           "timed_steps": f"{self.step - len(timed) + 1}-{self.step}", "refit_at": refit_at,
-                           "elapsed_s": round(self.elapsed(), 6)})
-
-    def _refit_time(self) -> None:
-        """A quarter into the first fit's plan, fit max_steps again from the rate since that fit (all the loop's
-        costs included: evaluations, saves, a machine that got busier or quieter), once; recorded as the first."""
-        fit = self.budget_fit
-        assert fit is not None
-        tc = self.cfg.train
-        rate = (self.elapsed() - fit["elapsed_s"]) / max(1, self.step - fit["at_step"])
-        fitted = steps_for_time(tc.max_minutes * 60, self.elapsed(), self.step, rate,
-                                eval_step_fraction=tc.eval_batches / (3 * self.accum) if self.val_sets else 0.0)
-        first = fit["max_steps"]
-        self._fit(fitted, {"rule": "max_minutes", "step_s": round(rate, 6),
-                           "timed_steps": f"{fit['at_step'] + 1}-{self.step}", "first_fit": first}, announce=False)
-        self.say(f"schedule: refit after step {self.step}: {self._fit_text()} (was {first})")
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def _stop_reason(self, flag: _StopFlag) -> str | None:
         """Why the run stops before its next step, or None."""
         tc = self.cfg.train
-        if self.max_steps is not None and self.step >= self.max_steps:
+        if self.budget.max_steps is not None and self.step >= self.budget.max_steps:
             return "max_steps"
         for event in self.data.pop_events():  # a curriculum moved on during the last step
             self.say(f"step {self.step:>6} | {event['message']}")
@@ -849,10 +593,8 @@ class Trainer:
         logged = res.logged(info)
         logged.update(res.extra)
         loss = logged.pop("loss")
-        if res.extra and res.extra["zero_var_groups"] > 0.5:
-            self.say(f"step {self.step:>6} | warning: {res.extra['zero_var_groups']:.0%} of the groups have equal "
-                     "rewards and teach nothing; raise grpo.group_size or grpo.temperature, or use prompts the "
-                     "model solves sometimes (not always, not never)")
+        if (warning := self.objective.warning(res.extra)) is not None:
+            self.say(f"step {self.step:>6} | {warning}")
         self.losses[self.step] = loss
         shown = {k: v for k, v in logged.items() if not (k.endswith("_std") or k in ("generate_s", "score_s"))}
         extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in shown.items())
@@ -863,7 +605,8 @@ class Trainer:
             torch.cuda.synchronize()
         tok_s = window[1] / (time.perf_counter() - window[0])
         mfu = tok_s * self.fpt / self.peak
-        remaining = (self.max_steps - self.step) * self.tokens_per_step / tok_s if self.max_steps else math.inf
+        max_steps = self.budget.max_steps
+        remaining = (max_steps - self.step) * self.tokens_per_step / tok_s if max_steps else math.inf
         if tc.max_tokens:
             remaining = min(remaining, max(0, tc.max_tokens - self.tokens) / tok_s)
         if tc.max_minutes:
@@ -875,7 +618,7 @@ class Trainer:
                             "grad_norm": res.grad_norm.item(), "tokens_per_s": tok_s, "mfu": mfu,
                             "elapsed_s": self.elapsed(), **where})
         shown_set = f" [{where['data']['set']} epoch {where['data']['epoch']}]" if several else ""
-        self.say(f"step {self.step:>6}/{self.max_steps or '?'}{shown_set} | loss {loss:.4f}{extra} | lr {res.lr:.2e} | "
+        self.say(f"step {self.step:>6}/{max_steps or '?'}{shown_set} | loss {loss:.4f}{extra} | lr {res.lr:.2e} | "
                  f"grad {res.grad_norm.item():.3f} | {fmt_count(tok_s)} tok/s | MFU {mfu * 100:.1f}% | "
                  f"ETA {fmt_duration(remaining)}")
 
@@ -895,28 +638,26 @@ class Trainer:
                 t0 = self.clock()
                 res = self.train_step()
                 steps_done += 1
-                if self.max_steps is None:
+                if self.budget.max_steps is None:
                     step_times.append(self.clock() - t0)
                     if len(step_times) >= probe_steps(self.cfg.optim.warmup_steps) or self.step > \
                             self.cfg.optim.warmup_steps:
-                        self._fit_time(step_times)
+                        self.budget.fit_time(step_times, self.step, self.elapsed())
                 window = (window[0], window[1] + res.tokens)
                 if self.nonfinite_in_row >= tc.max_nonfinite_steps:
                     reason = "nonfinite"
                     break
-                if self.step % tc.log_interval == 0 or self.step == self.max_steps:
+                if self.step % tc.log_interval == 0 or self.step == self.budget.max_steps:
                     self._log(res, window)
                     window = (time.perf_counter(), 0)
                 is_best = False
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and \
-                        self.step < (self.max_steps or math.inf):
+                        self.step < (self.budget.max_steps or math.inf):
                     val = self.evaluate()
                     evaluated_at = self.step
-                    score = self._best_score(val)
-                    if score is not None and score < self.best_val:
-                        self.best_val, is_best = score, True
-                if self.budget_fit and self.step == self.budget_fit.get("refit_at"):  # after this step's eval
-                    self._refit_time()
+                    is_best = self.best.improves(val)
+                if self.budget.refit_due(self.step):  # after this step's eval
+                    self.budget.refit_time(self.step, self.elapsed())
                 if is_best or (tc.save_interval and self.step % tc.save_interval == 0):
                     last_saved = self.save(is_best=is_best)
             stop_reason = reason
@@ -925,10 +666,7 @@ class Trainer:
         # max_tokens, max_minutes or Ctrl-C right after an evaluation) or saved.
         if steps_done or not ckpt.step_dirs(self.run_dir):
             val = self.evaluate() if evaluated_at != self.step else {}
-            score = self._best_score(val)
-            is_best = score is not None and score < self.best_val
-            if is_best:
-                self.best_val = score
+            is_best = self.best.improves(val)
             if is_best or last_saved is None or last_saved.name != f"step-{self.step:08d}":
                 last_saved = self.save(is_best=is_best)
         else:
@@ -936,14 +674,16 @@ class Trainer:
         self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "stop", "reason": stop_reason})
         self.metrics.close()
         distributed.teardown(self.info)
+        best = f"; best {self.best.shown()}" if self.best.value is not None else ""
         self.say(f"stopped at step {self.step} ({stop_reason}); {fmt_count(self.tokens)} tokens; checkpoint: "
-                 f"{last_saved}" + (f"; best {self._best_shown()}" if math.isfinite(self.best_val) else ""))
+                 f"{last_saved}{best}")
         if stop_reason == "nonfinite":
             raise UserError(f"stopped: {self.nonfinite_in_row} steps in a row had a NaN/inf loss or gradient (first "
                             f"at {self.first_nonfinite}); their updates were skipped, so {last_saved} holds finite "
                             f"weights; lower optim.lr (now {self.cfg.optim.lr:g}) or raise optim.warmup_steps, check "
                             f"the data near that step, or raise train.max_nonfinite_steps, then --resume")
-        return TrainResult(self.run_dir, self.step, self.tokens, last_saved, self.best_val, self.losses, stop_reason)
+        return TrainResult(self.run_dir, self.step, self.tokens, last_saved, self.best.metric, self.best.value,
+                           self.losses, stop_reason)
 
 
 def train(cfg: Config, *, resume: bool = False, quiet: bool = False) -> TrainResult:

@@ -1,0 +1,114 @@
+"""A stage and a data kind are registry entries: a new one is a class registered from outside nanolm/, and the
+loop trains with it; the trainer and prepare name none of the built-in ones."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanolm
+from nanolm.config.load import load_config
+from nanolm.errors import UserError
+from nanolm.train import stages
+from nanolm.train.objectives import Loss, Objective
+from nanolm.train.trainer import Trainer
+
+ROOT = Path(nanolm.__file__).parent
+
+
+class LastTokenObjective(Objective):
+    """A toy objective: the cross-entropy of each row's last target only; its unit is a row."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @staticmethod
+    def units(batch) -> int:
+        return int(batch.x.shape[0])
+
+    def __call__(self, model, batch) -> Loss:
+        logits = model(batch.x)[:, -1]
+        ce = F.cross_entropy(logits.float(), batch.y[:, -1], reduction="sum")
+        return Loss(ce, {"loss": ce.detach()})
+
+    def evaluate(self, model, batches, autocast, token_bytes) -> dict[str, float]:
+        total, rows = 0.0, 0
+        with torch.no_grad(), autocast():
+            for b in batches:
+                total += float(self(model, b).total)
+                rows += b.x.shape[0]
+        return {"val_loss": total / rows} if rows else {}
+
+
+class LastToken(stages.Stage):
+    name = "toy-last-token"
+    kinds = ("text",)
+
+    def defaults(self, base):
+        return {"optim": {"lr": 1e-3, "min_lr": 1e-4}}
+
+    def objective(self, trainer):
+        return LastTokenObjective(trainer.model)
+
+
+@pytest.fixture
+def toy_stage(monkeypatch):
+    monkeypatch.setattr(stages, "_REGISTRY", dict(stages._REGISTRY))  # registered for this test only
+    stages.register(LastToken)
+    return LastToken
+
+
+def toy_cfg(data_dir: Path, out: Path, **over):
+    base = {"data.path": str(data_dir), "train.out_dir": str(out), "train.stage": LastToken.name,
+            "model.vocab_size": 400, "model.d_model": 32, "model.n_layer": 2, "model.n_head": 4,
+            "model.n_kv_head": 2, "model.max_seq_len": 32, "train.seq_len": 32, "train.batch_size": 4,
+            "train.max_steps": 3, "train.eval_interval": 0, "train.eval_batches": 2, "train.dtype": "float32",
+            "optim.warmup_steps": 0, "model.dropout": 0.0}
+    base.update(over)
+    return load_config("tiny", overrides=base)
+
+
+def test_a_registered_stage_trains_one_step_with_its_own_objective_and_defaults(toy_stage, data_dir, tmp_path):
+    cfg = toy_cfg(data_dir, tmp_path / "run")
+    assert (cfg.optim.lr, cfg.optim.min_lr) == (1e-3, 1e-4)  # the stage's defaults, before the overrides
+    t = Trainer(cfg, quiet=True)
+    assert isinstance(t.objective, LastTokenObjective)
+    batch = t.data.next_batch()
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    with torch.no_grad():  # the step's loss, by hand: each row's last target, averaged over the rows
+        expected = F.cross_entropy(t.model(batch.x)[:, -1], batch.y[:, -1]).item()
+    res = t.train_step([batch])
+    assert res.units == batch.x.shape[0]
+    assert res.logged(t.info)["loss"] == pytest.approx(expected, rel=1e-6)
+    assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    # the whole loop, with its validation and checkpoint, under the new stage's name
+    result = t.run()
+    assert result.step == 3 and result.best_metric == "val_loss" and result.best_value is not None
+    assert (tmp_path / "run" / "checkpoints" / "best.json").is_file()
+
+
+def test_an_unknown_stage_names_the_registered_ones(data_dir, tmp_path):
+    with pytest.raises(UserError, match=r"train\.stage must be one of pretrain, sft, lora, dpo, distill, grpo, "
+                                        r"blocks, got 'toy-last-token'"):
+        toy_cfg(data_dir, tmp_path / "run")
+
+
+def test_a_stage_refuses_data_of_another_kind_with_the_fix(toy_stage, data_dir, tmp_path):
+    class OnlyBlocks(LastToken):
+        name = "toy-blocks"
+        kinds = ("blocks",)
+        prepare_hint = "prepare blocks for it"
+    stages.register(OnlyBlocks)
+    with pytest.raises(UserError, match=r"train\.stage=toy-blocks cannot train on text data; prepare blocks for it"):
+        Trainer(toy_cfg(data_dir, tmp_path / "run", **{"train.stage": "toy-blocks"}), quiet=True)
+
+
+def test_the_trainer_names_no_stage_and_no_data_kind():
+    names = set(stages.names()) | {"text", "chat", "pairs", "dpo", "prompts", "blocks"}
+    for path in (ROOT / "train" / "trainer.py",):
+        literals = set(re.findall(r"""["']([a-z]+)["']""", path.read_text(encoding="utf-8")))
+        assert not literals & names, f"{path.name} names {sorted(literals & names)}"
