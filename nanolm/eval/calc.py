@@ -54,7 +54,7 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
                max_new_tokens: int = 64) -> dict[str, Any]:
     """Score `calc` items with greedy replies through the chat template with the built-in tools offered.
     Returns {"kind": "calc", "n", "acc", "chance": 0, "centred", "stderr", "called", "computed", "items"}."""
-    from nanolm.config import SamplingParams
+    from nanolm.config.sampling import SamplingParams
     from nanolm.infer.guide import GuideVocab, ToolCallGuide
     from nanolm.infer.tools import Toolbox
 

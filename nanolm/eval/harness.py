@@ -107,7 +107,7 @@ class NanoLM(LM):
         return out
 
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
-        from nanolm.config import SamplingParams
+        from nanolm.config.sampling import SamplingParams
         groups: dict[tuple, list[int]] = {}  # requests of the same settings are decoded together
         for i, req in enumerate(requests):
             kwargs = dict(req.args[1] or {})

@@ -137,7 +137,7 @@ def evaluate_tasks(model: torch.nn.Module, tok: Any, tasks: Sequence[LoadedTask]
                    sampling: Any = None, rows: int = 16) -> list[dict[str, Any]]:
     """Score each task with `model` (generative tasks with `engine`, an Engine of the same weights, made when
     not given). Returns one result per task: {"task", "kind", "n", "shots", "chat", "acc", ...}."""
-    from nanolm.config import SamplingParams
+    from nanolm.config.sampling import SamplingParams
     from nanolm.eval.scoring import score_gen, score_mc
 
     results = []
@@ -221,7 +221,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     continuations); prints nothing, writes the JSON (to `out`, default <run>/eval/<checkpoint>.json) and
     returns {"checkpoint", "tasks": [...], "degeneration": {...}, "path"}."""
     from nanolm.checkpoint import load_model, require_causal
-    from nanolm.config import SamplingParams
+    from nanolm.config.sampling import SamplingParams
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import check_vocab
     from nanolm.io import write_json_atomic

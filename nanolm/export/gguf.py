@@ -76,7 +76,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from nanolm.config import ModelConfig
+from nanolm.config.model import ModelConfig
 from nanolm.errors import UserError
 from nanolm.io import atomic_file, fsync_dir
 from nanolm.model.transformer import Yarn

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanolm.config import SamplingParams
+from nanolm.config.sampling import SamplingParams
 from nanolm.data.chatml import QWEN3, ChatFormat
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, check_new_directory, write_text_atomic

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator, TextIO
 
-from nanolm.config import SamplingParams
+from nanolm.config.sampling import SamplingParams
 from nanolm.data.chatml import ChatError, Message, ToolCall, control_in
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine

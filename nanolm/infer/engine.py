@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from nanolm.checkpoint import require_causal
-from nanolm.config import SEED_RANGE, SamplingParams
+from nanolm.config.sampling import SEED_RANGE, SamplingParams
 from nanolm.infer.fuse import fuse_projections
 from nanolm.infer.sampling import Penalties, apply_penalties, sample_rows
 from nanolm.model.transformer import KVCache

@@ -9,7 +9,7 @@ from typing import Iterable, Iterator, Sequence, TextIO
 
 import torch
 
-from nanolm.config import SamplingParams
+from nanolm.config.sampling import SamplingParams
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, Guide
 from nanolm.infer.text import TextStream

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from nanolm.config import SamplingParams
+from nanolm.config.sampling import SamplingParams
 
 PerRow = float | torch.Tensor  # one value for every row, or a (B,) tensor of one per row
 

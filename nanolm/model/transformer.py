@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanolm.config import ModelConfig
+from nanolm.config.model import ModelConfig
 from nanolm.model.linear_ce import linear_cross_entropy
 from nanolm.model.moe import MoE, moe_param_counts
 

@@ -41,7 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanolm.config import GRPOConfig, SamplingParams
+from nanolm.config.methods import GRPOConfig
+from nanolm.config.sampling import SamplingParams
 from nanolm.data.prompts import PromptBatch, last_user_text
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.infer.engine import Engine

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanolm.config import SamplingParams, ServeConfig
+from nanolm.config.sampling import SamplingParams
+from nanolm.config.serve import ServeConfig
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.tokenizer import Tokenizer

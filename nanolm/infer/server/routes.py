@@ -35,7 +35,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanolm.config import SamplingParams, ServeConfig
+from nanolm.config.sampling import SamplingParams
+from nanolm.config.serve import ServeConfig
 from nanolm.data.chatml import TOOL_CALL, ChatError, check_conversation, message_from_dict, tools_from_value
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from nanolm.config import SEED_RANGE, SamplingParams
+from nanolm.config.sampling import SEED_RANGE, SamplingParams
 from nanolm.data.chatml import ROLE_NAMES
 from nanolm.infer.engine import Token
 

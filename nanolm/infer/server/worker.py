@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from nanolm.config import SamplingParams
+from nanolm.config.sampling import SamplingParams
 from nanolm.infer.engine import Token
 from nanolm.infer.text import TextStream
 from nanolm.tokenizer import Tokenizer
