@@ -51,7 +51,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # Below this width bf16 autocast trains no faster than float32 on a CPU even with native bf16: the casts of
 # weights and activations cost what the smaller matmuls save. Measured on a 2-core AVX512-BF16 CPU, 4 layers,
-# batch 8 x 256, 1 thread: d_model 64 1.0x, 128 1.2x, 256 1.6x the float32 tokens/s (README, CPU quality).
+# batch 8 x 256, 1 thread: d_model 64 1.0x, 128 1.2x, 256 1.6x the float32 tokens/s (bench/RESULTS.md, bf16 training on a CPU).
 BF16_MIN_D_MODEL = 128
 
 

@@ -4,7 +4,7 @@
 #   bash recipes/minimind_multi_gpu.sh                         # every GPU of this machine, built-in corpora
 #   PRETRAIN_DATA=pretrain_hq.jsonl SFT_DATA=sft_mini_512.jsonl bash recipes/minimind_multi_gpu.sh
 #   PARALLEL=fsdp PRESET=minimind-104m bash recipes/minimind_multi_gpu.sh
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash recipes/minimind_multi_gpu.sh   # on each node, see README
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash recipes/minimind_multi_gpu.sh   # on each node, see docs/training.md
 #   SMOKE=1 NPROC=2 bash recipes/minimind_multi_gpu.sh         # the whole recipe in a minute on a CPU (gloo)
 #
 # Every stage is resumable: run the script again after a crash or a stopped job and each stage

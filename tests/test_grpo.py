@@ -369,7 +369,7 @@ def test_sft_then_grpo_raises_the_held_out_reward(tmp_path):
     The easy level (`--level easy`, single-digit sums and differences) does give a middling SFT (held-out
     0.25-0.46 for most seeds after 300 steps) and GRPO with the answer reward raises the sampled train reward
     (e.g. 0.16 -> 0.27 over 100 steps), but not the greedy held-out accuracy by a margin a test could state over
-    seeds: bench/grpo_arith.py measures it, see notes/README-16.md."""
+    seeds: bench/grpo_arith.py measures it, see bench/RESULTS.md."""
     from nanolm.config.load import load_config
     from nanolm.data.arith import write_arith
     from nanolm.data.formats import iter_texts

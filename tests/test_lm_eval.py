@@ -1,5 +1,5 @@
 """The lm-evaluation-harness model `nanolm`, offline: a task YAML over a local JSONL file, run through the
-command line the README gives, scores what `nanolm eval --task` scores on the same items."""
+command line docs/evaluation.md gives, scores what `nanolm eval --task` scores on the same items."""
 
 from __future__ import annotations
 

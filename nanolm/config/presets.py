@@ -19,9 +19,10 @@ def _preset_tiny() -> Config:
     )
 
 
-# The dense presets compile the model: measured on a 2-core CPU at minimind-26m's shape (README, Benchmark),
-# torch.compile raises training MFU from 79% to 86% (fp32) and 42% to 50% (bf16) and lowers peak memory by
-# about a quarter, after a first step of 15-30 s. Pass --train.compile false for short runs.
+# The dense presets compile the model: measured on a 2-core CPU at minimind-26m's shape (bench/RESULTS.md,
+# training and decoding throughput), torch.compile raises training MFU from 79% to 86% (fp32) and 42% to 50%
+# (bf16) and lowers peak memory by about a quarter, after a first step of 15-30 s. Pass --train.compile false
+# for short runs.
 def _preset_minimind_26m() -> Config:
     return Config(
         model=ModelConfig(vocab_size=6400, d_model=512, n_layer=8, n_head=8, n_kv_head=2, max_seq_len=512),
@@ -100,7 +101,7 @@ def _preset_minimind_3_moe() -> Config:
 def _preset_cpu_small() -> Config:
     # What a time budget without a preset trains (BUDGET_PRESET_MINUTES): tiny's shape with Muon, which reached
     # 2.32 bits per byte against AdamW's 2.43 in 3 CPU-minutes on 1 MB of Shakespeare held out by position
-    # (bench/quality.py; README, "Quality per CPU-minute").
+    # (bench/quality.py; bench/RESULTS.md, "Quality per CPU-minute").
     return Config(
         model=ModelConfig(vocab_size=6400, d_model=128, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=256),
         optim=OptimConfig(name="muon", lr=2e-3, min_lr=2e-4, warmup_steps=20),

@@ -25,7 +25,7 @@ otherwise) and a `Modelfile` that says how to talk to it:
 
 Why q8_0 by default: nanolm's models are small (minimind-26m is 26 MiB at
 q8_0, 16 MiB at q4_0), so the 40% that q4_0 saves is little, while q8_0 is
-near-lossless (see the README for the measured perplexities).
+near-lossless (see bench/RESULTS.md, GGUF quantisation, for the measured perplexities).
 
 The Modelfile is read by ollama's parser (parser/parser.go): a value in
 three double quotes is taken verbatim up to the next three, and characters
