@@ -45,7 +45,6 @@ save, is refused instead of silently producing nonsense.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import hashlib
 import json
 import re
@@ -205,6 +204,8 @@ def _count(names: Sequence[str], pattern: str) -> int:
 _DIMS = {"embed_tokens.weight": ("vocab_size", "d_model"), "lm_head.weight": ("vocab_size", "d_model"),
          "q_proj.weight": ("n_head x head_dim", "d_model"), "k_proj.weight": ("n_kv_head x head_dim", "d_model"),
          "v_proj.weight": ("n_kv_head x head_dim", "d_model"), "o_proj.weight": ("d_model", "n_head x head_dim"),
+         "q_proj.bias": ("n_head x head_dim",), "k_proj.bias": ("n_kv_head x head_dim",),
+         "v_proj.bias": ("n_kv_head x head_dim",),
          "mlp.gate_proj.weight": ("n_hidden", "d_model"), "mlp.up_proj.weight": ("n_hidden", "d_model"),
          "mlp.down_proj.weight": ("d_model", "n_hidden"), "mlp.gate.weight": ("n_experts", "d_model"),
          "experts.0.gate_proj.weight": ("moe_n_hidden", "d_model"),
@@ -394,7 +395,7 @@ def write_model_dir(out: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfi
     out = Path(out)
     with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", **(metadata or {})})
-        write_json_atomic(tmp / CONFIG, {"model": dataclasses.asdict(cfg)})
+        write_json_atomic(tmp / CONFIG, {"model": cfg.to_dict()})
         copy_tokenizer(tokenizer_from, tmp)
     return out
 

@@ -249,9 +249,11 @@ def write_hf(dir: Path, **config_over) -> Path:
 
 @pytest.mark.parametrize("field, value, says", [
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling"),
-    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "rope_parameters"),
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}, "rope_parameters"),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "beta_fast": 32}, "rope_parameters"),
     ("attention_bias", True, "attention_bias"),
-    ("head_dim", 32, "head_dim"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("head_dim", 33, "head_dim"),
     ("hidden_act", "gelu", "hidden_act"),
     ("model_type", "mistral", "model_type"),
 ])

@@ -222,7 +222,7 @@ def exported_config(tmp_path: Path, tokenizer_dir: Path) -> Path:
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": False}, "rope_parameters"),
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling"),
     ("layer_types", ["full_attention", "sliding_attention"], "layer_types"),
-    ("head_dim", None, "head_dim"),  # Qwen3's default then is 128, which nanolm cannot express at this width
+    ("head_dim", 0, "head_dim"),
 ])
 def test_import_refuses_qwen3_settings_nanolm_cannot_express(field, value, says, tmp_path, tokenizer_dir):
     src = exported_config(tmp_path, tokenizer_dir)
@@ -233,6 +233,19 @@ def test_import_refuses_qwen3_settings_nanolm_cannot_express(field, value, says,
         cfg[field] = value
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=rf"config\.json: {says} = .* is not supported; "):
+        import_hf(src, tmp_path / "nano")
+    assert not (tmp_path / "nano").exists()
+
+
+def test_import_without_head_dim_takes_qwen3s_default_and_refuses_weights_of_another(tmp_path, tokenizer_dir):
+    """Qwen3Config's head_dim is 128 when config.json has none: the 16-wide heads of these weights then do not
+    fit, and the message says so."""
+    src = exported_config(tmp_path, tokenizer_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["head_dim"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"weights: model\.layers\.0\.self_attn\.k_norm\.weight has shape \(16,\) "
+                                        r"but config\.json implies \(128,\); the weights and the config do not"):
         import_hf(src, tmp_path / "nano")
     assert not (tmp_path / "nano").exists()
 

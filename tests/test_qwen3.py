@@ -224,7 +224,7 @@ def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_scales_the_tables():
 
 
 def test_yarn_config_is_validated_with_one_line_messages():
-    with pytest.raises(UserError, match=r"model.rope_scaling must be one of none, yarn, got 'ntk'"):
+    with pytest.raises(UserError, match=r"model.rope_scaling must be one of none, yarn, llama3, got 'ntk'"):
         tiny(rope_scaling="ntk")
     with pytest.raises(UserError, match=r"model.rope_factor=4.0 applies only with model.rope_scaling yarn"):
         tiny(rope_factor=4.0)

@@ -143,7 +143,7 @@ class Config:
         return self.train.stage == "lora" or self.lora.enabled
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "model": self.model.to_dict()}
 
     def summary(self) -> list[str]:
         """One line per section, `section: field=value ...`, for the start-of-run print."""

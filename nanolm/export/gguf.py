@@ -6,8 +6,13 @@ and the tokenizer (byte-level BPE vocabulary, merges, special-token ids and
 the ChatML chat template), so `llama-cli -m model.gguf` or an ollama
 Modelfile `FROM ./model.gguf` needs nothing else.
 
-Architectures:
+Architectures (`gguf_architecture`):
 - dense models are written as llama.cpp's "llama" architecture;
+- dense models with q/k/v biases (Qwen2, Qwen2.5) are "qwen2", whose
+  attention adds `attn_q.bias`, `attn_k.bias` and `attn_v.bias` to the
+  projections, as nanolm does; llama.cpp sizes qwen2's projections as
+  d_model x d_model, so only models whose head_dim is d_model / n_head can be
+  written as it;
 - MoE models whose routing llama's Mixtral path computes (no shared expert,
   top-k weights renormalised) are "llama" too, with each layer's experts
   stacked into 3-D `ffn_{gate,up,down}_exps` tensors and the router as
@@ -24,7 +29,13 @@ Architectures:
   RMS-normalises each head's q and k (`attn_q_norm`, `attn_k_norm`) before
   RoPE exactly as nanolm does; MoE models with QK-norm are "qwen3moe", which
   routes as llama's Mixtral path (softmax, top-k, renormalised) with no shared
-  expert, so only such models (every block MoE) can be written as it.
+  expert, so only such models (every block MoE) can be written as it;
+- models with both QK-norm and q/k/v biases, and MoE models with the biases,
+  are refused: no llama.cpp architecture computes them.
+
+Head size: `{arch}.attention.key_length` / `value_length` carry head_dim for
+qwen3 and qwen3moe (as llama.cpp's converter writes them), and for every
+other architecture where head_dim is not d_model / n_head, llama.cpp's default.
 
 RoPE layout: nanolm (like HF Llama) rotates the two halves of each head,
 pairing dimension i with i + hs/2; llama.cpp's "llama" and "bailingmoe" graphs
@@ -46,6 +57,12 @@ scales cos/sin by 0.1 ln(factor) + 1 times `rope.scaling.attn_factor`, which is
 written (as the model's attention factor divided by that default) only for a
 model whose attention factor is not the default (llama.cpp of llama-cpp-python
 0.3.36 reads that key, not `yarn_attn_factor`, for it).
+
+Llama 3's scaling (`model.rope_scaling` llama3): no rope.scaling keys, but a
+`rope_freqs.weight` tensor of hs/2 float32 factors that llama.cpp divides each
+pair's frequency by (its ggml_rope_ext's freq_factors), computed as
+convert_hf_to_gguf.py does (`Llama3.freq_factors`); llama.cpp reads it in its
+"llama" architecture only, so other architectures with it are refused.
 
 Tensor types (`tensor_type`): norms and the MoE router stay float32 (as
 llama.cpp's converter and its quantizer keep them); the other matrices are
@@ -79,7 +96,7 @@ import torch.nn as nn
 from nanolm.config.model import ModelConfig
 from nanolm.errors import UserError
 from nanolm.io import atomic_file, fsync_dir
-from nanolm.model.transformer import Yarn
+from nanolm.model.transformer import Llama3, Yarn
 from nanolm.progress import Progress, fmt_bytes
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -117,11 +134,25 @@ class MoELayout:
 
 
 def gguf_architecture(cfg: ModelConfig) -> str:
-    """The llama.cpp architecture a model is written as ("llama", "bailingmoe", "qwen3" or "qwen3moe"); refuses
-    what none of them computes."""
-    if not cfg.use_moe:
-        return "qwen3" if cfg.qk_norm else "llama"
-    return _moe_layout(cfg).arch
+    """The llama.cpp architecture a model is written as ("llama", "qwen2", "bailingmoe", "qwen3" or "qwen3moe");
+    refuses what none of them computes."""
+    if cfg.qkv_bias and (cfg.qk_norm or cfg.use_moe):
+        field = "model.qk_norm" if cfg.qk_norm else "model.use_moe"
+        raise UserError(f"model.qkv_bias with {field}: llama.cpp's architectures with q/k/v biases (qwen2) have no "
+                        "QK-norm and no experts; export it with `nanolm export hf` instead")
+    if cfg.use_moe:
+        arch = _moe_layout(cfg).arch
+    else:
+        arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if arch == "qwen2" and cfg.head_dim * cfg.n_head != cfg.d_model:
+        raise UserError(f"model.head_dim={cfg.head_dim} with model.qkv_bias: llama.cpp's qwen2 sizes q, k and v as "
+                        f"model.d_model / model.n_head ({cfg.d_model} / {cfg.n_head}) per head; GGUF export needs "
+                        "that head_dim (or `nanolm export hf`)")
+    if cfg.rope_scaling == "llama3" and arch != "llama":
+        raise UserError(f"model.rope_scaling llama3 on a {arch} model: llama.cpp reads Llama 3's frequency factors "
+                        "(rope_freqs) only in its llama architecture (no QK-norm, q/k/v biases or shared experts); "
+                        "export it with `nanolm export hf` instead")
+    return arch
 
 
 def _moe_layout(cfg: ModelConfig) -> MoELayout:
@@ -153,14 +184,16 @@ def gguf_tensors(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, torch.Te
 
     Shapes are PyTorch's (out, in); GGUF lists dimensions in the reverse order,
     which is llama.cpp's {in, out}. q and k projections are RoPE-interleaved for
-    llama and bailingmoe. Tied embeddings are written once (llama and qwen3 fall
-    back to token_embd for the output), except for bailingmoe, which requires
-    an `output` tensor.
+    llama and bailingmoe. Tied embeddings are written once (llama, qwen2 and
+    qwen3 fall back to token_embd for the output), except for bailingmoe, which
+    requires an `output` tensor.
     """
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     arch = gguf_architecture(cfg)
     order = rope_interleave if _interleaves(arch) else lambda w, n_heads: w
     out: list[tuple[str, torch.Tensor]] = [("token_embd.weight", sd["embed_tokens.weight"])]
+    if (llama3 := Llama3.of(cfg)) is not None:
+        out.append(("rope_freqs.weight", llama3.freq_factors(cfg.head_dim, cfg.rope_theta)))  # (hs/2,)
     for i in range(cfg.n_layer):
         p, b = f"layers.{i}.", f"blk.{i}."
         out += [
@@ -168,6 +201,12 @@ def gguf_tensors(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, torch.Te
             (b + "attn_q.weight", order(sd[p + "self_attn.q_proj.weight"], cfg.n_head)),
             (b + "attn_k.weight", order(sd[p + "self_attn.k_proj.weight"], cfg.n_kv_head)),
             (b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"]),
+        ]
+        if cfg.qkv_bias:  # a bias is reordered as its projection's rows are
+            out += [(b + "attn_q.bias", order(sd[p + "self_attn.q_proj.bias"], cfg.n_head)),
+                    (b + "attn_k.bias", order(sd[p + "self_attn.k_proj.bias"], cfg.n_kv_head)),
+                    (b + "attn_v.bias", sd[p + "self_attn.v_proj.bias"])]
+        out += [
             (b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"]),
             (b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]),
         ]
@@ -298,7 +337,8 @@ def _write_metadata(writer: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, 
     writer.add_rope_freq_base(float(cfg.rope_theta))
     writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
     writer.add_rope_dimension_count(cfg.head_dim)
-    if arch in ("qwen3", "qwen3moe"):  # as llama.cpp's converter writes Qwen3's head size
+    # As llama.cpp's converter writes Qwen3's head size; elsewhere llama.cpp's default is d_model / n_head.
+    if arch in ("qwen3", "qwen3moe") or cfg.head_dim * cfg.n_head != cfg.d_model:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     if cfg.rope_scaling == "yarn":

@@ -3,20 +3,27 @@
 `export_hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load with no custom code (no
 `trust_remote_code`); `import_hf` turns such a directory (or another Llama,
-Qwen3 or Qwen3-MoE checkpoint) into a nanolm checkpoint that `nanolm train --init-from` starts
-from. Every renaming and reshaping of weights lives in `to_hf` / `from_hf`,
+Qwen2 / Qwen2.5, Qwen3 or Qwen3-MoE checkpoint) into a nanolm checkpoint that `nanolm train --init-from`
+starts from. Every renaming and reshaping of weights lives in `to_hf` / `from_hf`,
 pure functions on state dicts and config dicts; the rest of this file moves
 files. `transformers` itself is not needed by either direction.
 
-Which architecture
+Which architecture (`hf_model_type`)
 - A dense model becomes `LlamaForCausalLM`. nanolm's decoder is Llama's:
   the same module names (under `model.`), RMSNorm, SwiGLU, grouped-query
   attention, rotate-half RoPE, no biases. The conversion prefixes the keys and
   drops the tied head, which HF also stores once.
+- A dense model with q/k/v biases (`model.qkv_bias`) becomes
+  `Qwen2ForCausalLM`: Llama's layer with biases on q_proj, k_proj and v_proj
+  (and none on o_proj), as Qwen2 and Qwen2.5 have them.
 - A dense model with QK-norm (`model.qk_norm`, MiniMind-3) becomes
   `Qwen3ForCausalLM`: Llama's layer plus `self_attn.q_norm` / `k_norm`, an
   RMSNorm of size head_dim applied to each head before RoPE, as nanolm does.
-  `head_dim` is always written (Qwen3's default is 128, not hidden / heads).
+  No transformers family has both the biases and QK-norm, and such a model is
+  refused.
+- `head_dim` is written for every architecture (Qwen3's default is 128, not
+  hidden / heads; the others read hidden / heads without it), so a head size
+  other than d_model / n_head (`model.head_dim`) reaches each of them.
 - A MoE model without QK-norm becomes `Qwen2MoeForCausalLM`. Qwen2-MoE is the
   one MoE family in transformers with nanolm's exact layer: Llama attention
   (Qwen3-MoE adds QK-norm; DeepSeek-V2/V3 use latent attention),
@@ -24,10 +31,11 @@ Which architecture
   routed plus shared experts (Mixtral has no shared expert) and dense layers
   interleaved (`decoder_sparse_step` = moe_every, with the same
   `(i + 1) % step == 0` rule). The remaining differences are bridged exactly:
-  * Qwen2 attention has q/k/v biases: they are written as zeros with
-    `qkv_bias: true`, which every transformers version reads (and vLLM and
-    llama.cpp, whose Qwen2-MoE always has the biases); `qkv_bias: false`
-    would load only in transformers >= 5.
+  * Qwen2 attention has q/k/v biases: a model without them (`model.qkv_bias`
+    false) gets them as zeros with `qkv_bias: true`, which every transformers
+    version reads (and vLLM and llama.cpp, whose Qwen2-MoE always has the
+    biases); `qkv_bias: false` would load only in transformers >= 5. On import
+    all-zero biases are dropped again and any other makes `qkv_bias` true.
   * Qwen2-MoE always scales the shared expert by
     sigmoid(shared_expert_gate(x)); nanolm's shared expert is ungated, so the
     gate is written as zeros (sigmoid(0) = 0.5 exactly) and the shared
@@ -48,20 +56,23 @@ Which architecture
   has no QK-norm), and the export is refused.
 
 RoPE: `rope_theta` and `rope_parameters` are written for every architecture
-(transformers < 5 reads the first, >= 5 the second); a YaRN model also gets
-`rope_scaling`, which both read, with rope_type "yarn", factor,
+(transformers < 5 reads the first, >= 5 the second); a scaled model also gets
+`rope_scaling`, which both read: rope_type "yarn" with factor,
 original_max_position_embeddings, beta_fast, beta_slow and attention_factor
-when it is not the default. transformers computes the same frequencies from
-them (nanolm's are its, bit for bit).
+when it is not the default, or rope_type "llama3" (Llama 3.1 / 3.2) with
+factor, low_freq_factor, high_freq_factor and original_max_position_embeddings.
+transformers computes the same frequencies from them (nanolm's are its, bit
+for bit).
 
-Import reads `llama`, `qwen3` and `qwen3_moe` checkpoints nanolm can express
-(SiLU, plain RoPE or transformers' YaRN, no biases, head_dim = hidden_size /
-num_attention_heads, full attention in every layer), among them MiniMind-3's
+Import reads `llama`, `qwen2`, `qwen3` and `qwen3_moe` checkpoints nanolm can
+express (SiLU, plain RoPE, transformers' YaRN or Llama 3's scaling, q/k/v
+biases only as Qwen2 has them, any even head_dim, full attention in every
+layer), among them Llama 3.x, Qwen2.5, Qwen3-0.6B and MiniMind-3's
 transformers release (Qwen3 / Qwen3-MoE written by its convert_model.py,
-rope_scaling null), and `qwen2_moe` ones of the exported form (zero q/k/v
-biases, zero shared-expert gate); anything else is a UserError naming the
-config field. Experts may be stored one by one or fused into 3-D
-`experts.gate_up_proj` / `experts.down_proj` tensors. Weights come only from
+rope_scaling null), and `qwen2_moe` ones of the exported form (zero
+shared-expert gate); anything else is a UserError naming the config field.
+Experts may be stored one by one or fused into 3-D `experts.gate_up_proj` /
+`experts.down_proj` tensors. Weights come only from
 safetensors files, single or sharded; nothing is unpickled.
 
 Tokenizer: nanolm needs `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` at ids
@@ -96,11 +107,13 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-SUPPORTED_TYPES = ("llama", "qwen3", "qwen2_moe", "qwen3_moe")
-# The YaRN settings nanolm reads from rope_scaling / rope_parameters, besides rope_type and rope_theta (truncate
-# only as true, mscale and mscale_all_dim only as null: transformers' default YaRN).
-YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate",
-             "mscale", "mscale_all_dim"}
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# The settings nanolm reads from rope_scaling / rope_parameters for each rope_type, besides rope_type and
+# rope_theta (YaRN's truncate only as true, mscale and mscale_all_dim only as null: transformers' default YaRN).
+ROPE_KEYS = {"default": set(),
+             "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                      "truncate", "mscale", "mscale_all_dim"},
+             "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -121,15 +134,18 @@ def _moe_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)]
 
 
-# model_type -> architecture, for each (use_moe, qk_norm) a nanolm model can have.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_type -> architecture, for each (use_moe, qk_norm, qkv_bias) a nanolm model can have.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
     """The transformers model_type a nanolm model is exported as; UserError for a model none of them computes."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise UserError("model.qkv_bias with model.qk_norm: no transformers family has both (Qwen2 has the q/k/v "
+                        "biases, Qwen3 the QK-norm); export a model with one of them, or use `nanolm export gguf`")
     if not cfg.use_moe:
-        return "qwen3" if cfg.qk_norm else "llama"
+        return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
     if not cfg.qk_norm:
         return "qwen2_moe"
     if cfg.n_shared_experts:
@@ -144,13 +160,16 @@ def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
     (or rope_scaling first when it is set); all are written, with the same values."""
     if cfg.rope_scaling == "none":
         return {"rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
-    yarn: dict[str, Any] = {"rope_type": "yarn", "factor": cfg.rope_factor,
-                            "original_max_position_embeddings": cfg.rope_original_max_len,
-                            "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow}
-    if cfg.rope_attention_factor:  # else transformers computes the same default, 0.1 ln(factor) + 1
-        yarn["attention_factor"] = cfg.rope_attention_factor
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": yarn,
-            "rope_parameters": {**yarn, "rope_theta": cfg.rope_theta}}
+    scaling: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_len}
+    if cfg.rope_scaling == "llama3":
+        scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    else:
+        scaling.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+        if cfg.rope_attention_factor:  # else transformers computes the same default, 0.1 ln(factor) + 1
+            scaling["attention_factor"] = cfg.rope_attention_factor
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+            "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
 
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -165,6 +184,7 @@ def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
@@ -181,14 +201,14 @@ def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "dtype": dtype_name,
     }
     if model_type == "llama":
-        out.update({"head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+        out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
         return out
     out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer})
     if model_type == "qwen2_moe":
-        out["qkv_bias"] = True  # zero biases, see the module docstring
-    else:  # Qwen3's default head_dim is 128 whatever the width, so it is always written
-        out.update({"head_dim": cfg.head_dim, "attention_bias": False})
-    if model_type == "qwen3":
+        out["qkv_bias"] = True  # the model's biases, or zeros: see the module docstring
+    elif model_type != "qwen2":  # Qwen2's attention always has its q/k/v biases
+        out["attention_bias"] = False
+    if model_type in ("qwen2", "qwen3"):
         return out
     n_moe = len(_moe_layers(cfg))
     out.update({
@@ -229,7 +249,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
     if hf_config["model_type"] == "qwen2_moe":
         C, hs = cfg.d_model, cfg.head_dim
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
-        for i in range(cfg.n_layer):
+        for i in range(cfg.n_layer if not cfg.qkv_bias else 0):  # Qwen2-MoE's biases: zeros where nanolm has none
             attn = f"model.layers.{i}.self_attn."
             out[attn + "q_proj.bias"] = zeros(cfg.n_head * hs)
             out[attn + "k_proj.bias"] = zeros(cfg.n_kv_head * hs)
@@ -282,9 +302,9 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
 
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM), qwen3 "
-                          "(Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM) and qwen2_moe (Qwen2MoeForCausalLM, "
-                          "as nanolm exports it)")
+        raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM), qwen2 "
+                          "(Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM) and "
+                          "qwen2_moe (Qwen2MoeForCausalLM, as nanolm exports it)")
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
         raise unsupported("hidden_act", act, "nanolm's MLP is SwiGLU (hidden_act \"silu\")")
@@ -295,32 +315,45 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
     rope_fields: dict[str, Any] = {}
     if rope is not None:
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-        extra = set(rope) - ({"rope_type", "type", "rope_theta"} | (YARN_KEYS if kind == "yarn" else set())) \
+        kind = kind if isinstance(kind, str) and kind in ROPE_KEYS else None
+        extra = set(rope) - {"rope_type", "type", "rope_theta"} - ROPE_KEYS.get(kind, set()) \
             if isinstance(rope, dict) else set()
         # truncate false (gpt-oss) and mscale (DeepSeek) change YaRN's formula; nanolm computes transformers'
         # default one.
-        if kind not in ("default", "yarn") or extra or rope.get("truncate", True) is not True or \
+        if kind is None or extra or rope.get("truncate", True) is not True or \
                 rope.get("mscale") or rope.get("mscale_all_dim"):
-            raise unsupported(rope_key, rope, "nanolm uses plain RoPE ({\"rope_type\": \"default\"}) or YaRN "
+            raise unsupported(rope_key, rope, "nanolm uses plain RoPE ({\"rope_type\": \"default\"}), YaRN "
                               "({\"rope_type\": \"yarn\", \"factor\": ..., \"original_max_position_embeddings\": ..., "
-                              "optionally beta_fast, beta_slow, attention_factor})")
+                              "optionally beta_fast, beta_slow, attention_factor}) or Llama 3's ({\"rope_type\": "
+                              "\"llama3\", \"factor\": ..., \"low_freq_factor\": ..., \"high_freq_factor\": ..., "
+                              "\"original_max_position_embeddings\": ...})")
         theta = rope.get("rope_theta", theta)
-        if kind == "yarn":
+        if kind in ("yarn", "llama3"):
             def number(key: str, default: float | None) -> float:
                 return get_float(f"{rope_key}.{key}", default, rope.get(key))
 
-            attention = rope.get("attention_factor")
+            # transformers' original length: a top-level original_max_position_embeddings first (Phi-3 keeps
+            # it there), then the rope dict's, then max_position_embeddings.
+            original = "original_max_position_embeddings"
             rope_fields = dict(
-                rope_scaling="yarn", rope_factor=number("factor", None),
-                # transformers' default for a missing original length: max_position_embeddings
-                rope_original_max_len=get_int(f"{rope_key}.original_max_position_embeddings",
+                rope_scaling=kind, rope_factor=number("factor", None),
+                rope_original_max_len=get_int(original if original in hf_config else f"{rope_key}.{original}",
                                               hf_config.get("max_position_embeddings"),
-                                              rope.get("original_max_position_embeddings")),
-                rope_beta_fast=number("beta_fast", 32.0), rope_beta_slow=number("beta_slow", 1.0),
-                rope_attention_factor=0.0 if attention is None else number("attention_factor", None))
-    for name in ("attention_bias", "mlp_bias"):
-        if hf_config.get(name):
-            raise unsupported(name, hf_config[name], f"nanolm's linear layers have no bias ({name} false)")
+                                              hf_config.get(original, rope.get(original))))
+            if kind == "yarn":
+                attention = rope.get("attention_factor")
+                rope_fields.update(
+                    rope_beta_fast=number("beta_fast", 32.0), rope_beta_slow=number("beta_slow", 1.0),
+                    rope_attention_factor=0.0 if attention is None else number("attention_factor", None))
+            else:  # transformers requires both; Llama 3.x's values are these
+                rope_fields.update(rope_low_freq_factor=number("low_freq_factor", 1.0),
+                                   rope_high_freq_factor=number("high_freq_factor", 4.0))
+    if model_type not in ("qwen2", "qwen2_moe"):
+        if hf_config.get("attention_bias"):
+            raise unsupported("attention_bias", hf_config["attention_bias"], "it adds an o_proj bias, which "
+                              "nanolm's attention lacks (nanolm has q/k/v biases as Qwen2 has them: qwen2)")
+    if hf_config.get("mlp_bias"):
+        raise unsupported("mlp_bias", hf_config["mlp_bias"], "nanolm's MLP has no bias (mlp_bias false)")
     if hf_config.get("use_sliding_window"):
         raise unsupported("use_sliding_window", True, "nanolm attends to the whole context (false)")
     layer_types = hf_config.get("layer_types")
@@ -328,16 +361,22 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
         raise unsupported("layer_types", layer_types, "nanolm attends to the whole context in every layer "
                           "(\"full_attention\")")
     d_model, n_head = get_int("hidden_size"), get_int("num_attention_heads")
-    # Qwen3Config's head_dim defaults to 128 whatever the width; the others' to hidden_size / heads.
+    # Qwen3Config's head_dim defaults to 128 whatever the width; the others' to hidden_size / heads (0 here).
     head_dim = hf_config.get("head_dim", 128 if model_type == "qwen3" else None)
-    if n_head > 0 and head_dim is not None and head_dim != d_model // n_head:
-        raise unsupported("head_dim", head_dim, f"nanolm needs head_dim = hidden_size / num_attention_heads "
-                          f"({d_model} / {n_head})")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0
+                                 or head_dim % 2):
+        raise unsupported("head_dim", head_dim, "nanolm's heads are a positive even size (RoPE rotates pairs)")
+    # Qwen2's attention always has q/k/v biases; Qwen2-MoE's unless qkv_bias is false, and all-zero ones are
+    # the stand-ins nanolm exports for none.
+    bias_keys = [k for k in hf_state_dict if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))
+                                         and any(hf_state_dict[k].any() for k in bias_keys))
     n_layer = get_int("num_hidden_layers")
     kv = hf_config.get("num_key_value_heads")
     fields: dict[str, Any] = dict(
         vocab_size=get_int("vocab_size"), d_model=d_model, n_layer=n_layer, n_head=n_head,
-        n_kv_head=n_head if kv is None else get_int("num_key_value_heads"),
+        n_kv_head=n_head if kv is None else get_int("num_key_value_heads"), head_dim=head_dim or 0,
+        qkv_bias=qkv_bias,
         n_hidden=get_int("intermediate_size"),
         max_seq_len=get_int("max_position_embeddings", 2048), rope_theta=get_float("rope_theta", 0.0, theta),
         **rope_fields,
@@ -392,13 +431,10 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
             sd[f"{experts}{j}.gate_proj.weight"], sd[f"{experts}{j}.up_proj.weight"] = gate.clone(), up.clone()
             sd[f"{experts}{j}.down_proj.weight"] = down[j].clone()  # (C, moe_hidden)
     if model_type == "qwen2_moe":
-        if hf_config.get("qkv_bias", True):
+        if hf_config.get("qkv_bias", True) and not cfg.qkv_bias:
             for i in range(cfg.n_layer):
                 for proj in ("q_proj", "k_proj", "v_proj"):
-                    key = f"model.layers.{i}.self_attn.{proj}.bias"
-                    if take(key).any():
-                        raise UserError(f"{where_w}: {key} is not zero, and nanolm's attention has no biases; "
-                                        f"only q/k/v biases of zero (as nanolm exports them) can be imported")
+                    take(f"model.layers.{i}.self_attn.{proj}.bias")  # zeros: the stand-ins for none
         for i in _moe_layers(cfg):
             mlp = f"model.layers.{i}.mlp."
             gate = take(mlp + "shared_expert_gate.weight")

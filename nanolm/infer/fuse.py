@@ -13,9 +13,10 @@ A fused module keeps the stacked matrix as its only copy of those weights (no se
 gate/up remain, so nothing can wrap or update them behind the fused product), and it is an ordinary
 module: `.to()` converts the matrix, and load_state_dict takes the model's own layout
 (`q_proj.weight`, ...), which is how `Engine.load_weights` refreshes it. Its own state_dict is in the
-fused layout; checkpoints are written from the training model, never from this copy. An attention or
-MLP with a projection that is not a plain bias-free nn.Linear (a LoRA adapter: W x + s B A x) is left
-as it is and runs its separate products.
+fused layout; checkpoints are written from the training model, never from this copy. q/k/v biases
+(Qwen2's) are stacked the same way, into one bias added to the one product. An attention or MLP with a
+projection that is not a plain nn.Linear (a LoRA adapter: W x + s B A x) is left as it is and runs its
+separate products.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ from nanolm.model.transformer import MLP, Attention, apply_rope, swiglu
 SMALL_ROWS = 32
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for x (..., in) and weight (out, in), in the faster form for few rows on a CPU."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x (..., in), weight (out, in) and bias (out,), in the faster form for few rows
+    on a CPU."""
     rows = x.numel() // x.shape[-1]
     if 1 < rows <= SMALL_ROWS and x.device.type == "cpu" and weight.dtype == torch.float32:
-        return (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+        y = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 class DecodeLinear(nn.Linear):
@@ -59,19 +62,23 @@ class DecodeLinear(nn.Linear):
         return decode_linear(x, self.weight)
 
 
-def _stacked(*linears: nn.Linear) -> nn.Parameter:
-    """The linears' weights stacked by rows: (sum of their out_features, in_features), no gradient."""
-    return nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+def _stacked(*linears: nn.Linear, part: str = "weight") -> nn.Parameter | None:
+    """The linears' weights (or biases) stacked by rows: (sum of their out_features, in_features), no gradient;
+    None for biases the linears do not have."""
+    if getattr(linears[0], part) is None:
+        return None
+    return nn.Parameter(torch.cat([getattr(m, part).detach() for m in linears]), requires_grad=False)
 
 
 def _load_stock_layout(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
-    """load_state_dict pre-hook: the stacked linears' weights, in the model's own layout, become the entry
-    of the fused matrix (rows in order), which load_state_dict then checks and copies in place.
+    """load_state_dict pre-hook: the stacked linears' weights (biases), in the model's own layout, become the
+    entry of the fused matrix (vector), rows in order, which load_state_dict then checks and copies in place.
 
     Where one of them is absent nothing is changed, so a strict load names the missing fused key.
     """
     for fused, names in module.stacks.items():
-        keys = [f"{prefix}{name}.weight" for name in names]
+        part = fused.rpartition("_")[2]  # "weight" or "bias"
+        keys = [f"{prefix}{name}.{part}" for name in names]
         if all(k in state_dict for k in keys):
             state_dict[prefix + fused] = torch.cat([state_dict.pop(k) for k in keys])  # one layer at a time
 
@@ -79,17 +86,19 @@ def _load_stock_layout(module: nn.Module, state_dict: dict[str, torch.Tensor], p
 class FusedAttention(Attention):
     """Attention whose q, k and v come from one product and whose q and k turn in one RoPE.
 
-    qkv_weight: ((nh + 2 nkv) * hs, C), the rows of q_proj, k_proj and v_proj in that order. The
-    QK-norm modules (q_norm, k_norm), when the attention has them, are the attention's own.
+    qkv_weight: ((nh + 2 nkv) * hs, C), the rows of q_proj, k_proj and v_proj in that order; qkv_bias:
+    ((nh + 2 nkv) * hs,), their biases in the same order, or None without biases. The QK-norm modules
+    (q_norm, k_norm), when the attention has them, are the attention's own.
     """
 
-    stacks = {"qkv_weight": ("q_proj", "k_proj", "v_proj")}
+    stacks = {"qkv_weight": ("q_proj", "k_proj", "v_proj"), "qkv_bias": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, attn: Attention) -> None:
         nn.Module.__init__(self)  # not Attention.__init__, which would make new projections to throw away
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
         self.dropout, self.causal = attn.dropout, attn.causal
         self.qkv_weight = _stacked(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_bias = _stacked(attn.q_proj, attn.k_proj, attn.v_proj, part="bias")
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.o_proj = attn.o_proj
         self.train(attn.training)
@@ -100,7 +109,8 @@ class FusedAttention(Attention):
         """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with QK-norm (if any) then RoPE applied
         to q and k."""
         B, T, _ = x.shape
-        qkv = decode_linear(x, self.qkv_weight).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
+        qkv = decode_linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, (nh+2nkv)*hs)
+        qkv = qkv.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
         qk = qkv[:, :self.n_head + self.n_kv_head]  # (B, nh+nkv, T, hs)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.n_head]), self.k_norm(qk[:, self.n_head:])], dim=1)
@@ -134,9 +144,14 @@ def _plain(*modules: nn.Module) -> bool:
     return all(type(m) is nn.Linear and m.bias is None for m in modules)
 
 
+def _plain_with_biases(*modules: nn.Module) -> bool:
+    """Plain nn.Linear modules that all have a bias, or none has."""
+    return all(type(m) is nn.Linear for m in modules) and len({m.bias is None for m in modules}) == 1
+
+
 def _fused_class(module: nn.Module) -> type[nn.Module] | None:
     """The fused class for an architecture Attention or MLP whose projections are plain, else None."""
-    if type(module) is Attention and _plain(module.q_proj, module.k_proj, module.v_proj):
+    if type(module) is Attention and _plain_with_biases(module.q_proj, module.k_proj, module.v_proj):
         return FusedAttention
     if type(module) is MLP and _plain(module.gate_proj, module.up_proj):
         return FusedMLP

@@ -4,16 +4,23 @@ Token embedding -> n_layer x [RMSNorm -> grouped-query attention with RoPE ->
 residual, RMSNorm -> SwiGLU MLP (or MoE) -> residual] -> RMSNorm -> LM head
 (optionally tied to the embedding).
 
-Two options make it Qwen3's (and MiniMind-3's) decoder:
-- `qk_norm`: each head's queries and keys go through an RMSNorm over the head
-  dimension before RoPE, one learned weight of size head_dim for q and one for
-  k per layer, shared by the heads (`self_attn.q_norm`, `self_attn.k_norm`).
-  It keeps the attention logits bounded whatever the scale of the projections.
-  Without it a model has no such modules, so older checkpoints load unchanged.
+Options make it the decoder of the small model families people already have:
+- `qk_norm` (Qwen3, MiniMind-3): each head's queries and keys go through an
+  RMSNorm over the head dimension before RoPE, one learned weight of size
+  head_dim for q and one for k per layer, shared by the heads
+  (`self_attn.q_norm`, `self_attn.k_norm`). It keeps the attention logits
+  bounded whatever the scale of the projections. Without it a model has no
+  such modules, so older checkpoints load unchanged.
+- `qkv_bias` (Qwen2, Qwen2.5): q_proj, k_proj and v_proj have biases
+  (`self_attn.q_proj.bias`, ...); o_proj has none, as in Qwen2.
+- `head_dim` other than d_model / n_head (Qwen3-0.6B: 128 at 1024 / 16):
+  q_proj is d_model -> n_head * head_dim and o_proj the way back.
 - `rope_scaling = "yarn"`: the RoPE frequencies of YaRN (`Yarn`), computed in
   float32 exactly as transformers computes them, with cos/sin scaled by the
   attention factor, so a model trained at one context length runs at a longer
   one (`ModelConfig.with_yarn` stretches a trained model at load time).
+- `rope_scaling = "llama3"`: Llama 3.1 / 3.2's frequencies (`Llama3`), also
+  computed as transformers computes them.
 
 Module names follow HuggingFace's Llama / Qwen3 (`layers.N.self_attn.q_proj`,
 ...) and RoPE uses the same rotate-half convention, so export to
@@ -111,17 +118,72 @@ class Yarn:
         return 1.0 / (self.factor * base) * (1 - kept) + 1.0 / base * kept
 
 
+@dataclass(frozen=True)
+class Llama3:
+    """Llama 3.1 / 3.2's RoPE scaling (rope_type "llama3"), as transformers has it.
+
+    A dimension pair of wavelength w = 2 pi / f_i keeps f_i where w < original_max_len / high_freq_factor (it
+    turns often enough over the pretraining context), gets f_i / factor where w > original_max_len /
+    low_freq_factor, and between them (1 - s) f_i / factor + s f_i with s = (original_max_len / w -
+    low_freq_factor) / (high_freq_factor - low_freq_factor). cos and sin are not scaled.
+    """
+
+    factor: float
+    original_max_len: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    scale = 1.0  # what cos and sin are multiplied by
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Llama3 | None":
+        if cfg.rope_scaling != "llama3":
+            return None
+        return cls(cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor)
+
+    def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
+        """The scaled frequencies (hs/2,) float32: transformers' `_compute_llama3_parameters`, operation by
+        operation in the same order and precision, so an exported model's frequencies are bit-identical."""
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+        low_wavelen = self.original_max_len / self.low_freq_factor
+        high_wavelen = self.original_max_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (self.high_freq_factor -
+                                                                             self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+    def freq_factors(self, head_dim: int, theta: float) -> torch.Tensor:
+        """What each pair's frequency is divided by, (hs/2,) float32: 1, factor, or 1 / ((1 - s) / factor + s)
+        between; llama.cpp reads these as the `rope_freqs` tensor. Computed as convert_hf_to_gguf.py computes
+        them, in float32 in the same order, so the values are the converter's."""
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (self.high_freq_factor -
+                                                                             self.low_freq_factor)
+        out = torch.where(wavelen > self.original_max_len / self.low_freq_factor, self.factor,
+                          1 / ((1 - smooth) / self.factor + smooth))
+        return torch.where(wavelen < self.original_max_len / self.high_freq_factor, 1.0, out)
+
+
+def rope_scaling(cfg: ModelConfig) -> Yarn | Llama3 | None:
+    """The RoPE scaling of a model config, or None for plain RoPE."""
+    return Yarn.of(cfg) or Llama3.of(cfg)
+
+
 def rope_tables(head_dim: int, max_len: int, theta: float,
-                yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape (max_len, head_dim) in the rotate-half layout, YaRN-scaled when `yarn` is given.
+                scaling: Yarn | Llama3 | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of shape (max_len, head_dim) in the rotate-half layout, scaled by `scaling` (YaRN or
+    Llama 3's) when it is given.
 
     The angles and their cos/sin are computed in float64 and rounded once to float32.
     """
-    if yarn is None:
+    if scaling is None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (hs/2,)
         scale = 1.0
     else:
-        inv_freq, scale = yarn.inv_freq(head_dim, theta).double(), yarn.scale
+        inv_freq, scale = scaling.inv_freq(head_dim, theta).double(), scaling.scale
     t = torch.arange(max_len, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # (max_len, hs/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, hs)
@@ -176,9 +238,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         # QK-norm (Qwen3): one weight over the head dimension, shared by the heads.
         self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -249,7 +311,7 @@ class Attention(nn.Module):
             # T new tokens after `start` cached ones: token i sees positions <= start + i.
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
             y = sdpa(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
-        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)
 
 
@@ -310,17 +372,20 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, Yarn.of(cfg))
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, rope_scaling(cfg))
         # Not saved in checkpoints: they are derived from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer) (GPT-2)."""
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer) (GPT-2); norm
+        weights ones and biases zeros."""
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
@@ -428,9 +493,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     Each weight of a matrix multiply costs 2 FLOPs per token forward; the LM head
     counts even when tied (the lookup is free, the projection is not).
     For MoE layers only the active experts count (MFU measures useful work).
-    Norms (QK-norm included) and RoPE are elementwise and not counted.
-    Attention scores and the weighted sum cost 2 * 2 * n_layer * seq_len * d_model
-    forward (causal masking is not subtracted, as in the PaLM/nanoGPT convention).
+    Norms (QK-norm included), biases and RoPE are elementwise and not counted.
+    Attention scores and the weighted sum cost 2 * 2 * n_layer * seq_len * n_head * head_dim
+    (d_model unless head_dim says otherwise) forward (causal masking is not subtracted, as in
+    the PaLM/nanoGPT convention).
     """
     attn = cfg.d_model * cfg.head_dim * (cfg.n_head + 2 * cfg.n_kv_head) + cfg.n_head * cfg.head_dim * cfg.d_model
     dense_mlp = 3 * cfg.d_model * cfg.n_hidden  # gate, up, down
@@ -438,5 +504,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
                                cfg.n_shared_experts)["active"] if cfg.use_moe else 0  # active experts + router
     matmul_params = sum(attn + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.n_layer))
     matmul_params += cfg.vocab_size * cfg.d_model
-    attn = 2 * cfg.n_layer * seq_len * cfg.d_model
+    attn = 2 * cfg.n_layer * seq_len * cfg.n_head * cfg.head_dim
     return 3 * (2 * matmul_params + 2 * attn)
