@@ -68,7 +68,7 @@ from nanolm.data.loader import Loader
 
 # prepare's own shard writer and split rule, so the generated set is in exactly its format.
 from nanolm.data.prepare import val_every
-from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SPLITS, PackedData, SplitWriter, token_dtype, write_splits
+from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SPLITS, Manifest, PackedData, SplitWriter, token_dtype, write_splits
 from nanolm.io import write_json_atomic
 from nanolm.progress import fmt_bytes
 from nanolm.tokenizer import EOT_ID
@@ -250,7 +250,7 @@ def _evict(data: PackedData) -> bool:
     """Drop the shards' pages from the page cache (clean pages not mapped anywhere); False where unsupported."""
     if not hasattr(os, "posix_fadvise"):
         return False
-    split = data.manifest["splits"][data.split]
+    split = data.manifest.splits[data.split]
     for s in split["shards"]:
         fd = os.open(data.data_dir / s["bin"], os.O_RDONLY)
         try:
@@ -380,9 +380,9 @@ def prepare_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             cmd = [sys.executable, "-m", "nanolm", "prepare", str(path), "--tokenizer", str(work / "tokenizer"),
                    "--out", str(out), "--workers", str(args.workers)]
             run = run_child(cmd, work / f"prepare-{path.stem}-{r}.log", args.threads)
-            manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-            runs.append({**asdict(run), "tokens": manifest["totals"]["n_tokens"],
-                         "tokenize_mb_per_s": manifest["throughput"]["mb_per_s"],
+            manifest = Manifest.read(out)
+            runs.append({**asdict(run), "tokens": manifest.totals["n_tokens"],
+                         "tokenize_mb_per_s": manifest.throughput["mb_per_s"],
                          "wall_mb_per_s": size / 1e6 / run.seconds})
             say(f"  peak RSS {fmt_bytes(run.peak_rss_bytes)}, {runs[-1]['wall_mb_per_s']:.2f} MB/s wall")
             shutil.rmtree(out)

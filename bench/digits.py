@@ -66,7 +66,7 @@ def setup(work: Path, max_chars: int, chat_max_chars: int, heldout_chars: int) -
                                                                                           dict[str, Path]]:
     """The quickstart's tokenizer text (text files, chat files) and the held-out texts, each a text JSONL."""
     from nanolm.corpora import resolve_sources
-    from nanolm.data.arith import worked_reply, write_arith
+    from nanolm.data.arith import write_arith
     from nanolm.data.tooluse import build_calculator_conversations
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.append(time.perf_counter() - t)
                 shutil.rmtree(out)
             secs = statistics.median(runs)
-            nbytes, ntok = m["totals"]["bytes"], m["totals"]["n_tokens"]
+            nbytes, ntok = m.totals["bytes"], m.totals["n_tokens"]
             results["corpora"][name] = {"kind": kinds[name], "bytes": nbytes, "tokens": ntok, "seconds": secs,
                                         "runs": runs, "mb_per_s": nbytes / secs / 1e6, "tokens_per_s": ntok / secs}
             print(f"{name}: {runs}", file=sys.stderr)

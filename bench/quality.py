@@ -80,8 +80,9 @@ def setup(work: Path, corpus: str, chars: int, vocab_size: int) -> Path:
     if not (data / "manifest.json").is_file():
         train_tokenizer([text[:cut]], work / "tokenizer", vocab_size=vocab_size, quiet=True)
         prepare([work / f"{corpus}.txt"], work / "tokenizer", data, val_fraction=0.1, workers=1, quiet=True)
-    manifest = json.loads((data / "manifest.json").read_text())
-    assert manifest["split_policy"]["by_position"] == 1, manifest["split_policy"]  # one document, split by position
+    from nanolm.data.shards import Manifest
+    policy = Manifest.read(data).split_policy
+    assert policy["by_position"] == 1, policy  # one document, split by position
     return data
 
 

@@ -13,6 +13,8 @@ model) holds:
     state.json          (training) step, tokens seen, data position, RNG states, best validation loss
     optimizer.pt        (training) AdamW state keyed by parameter name, unsharded (torch.save; read with
                         weights_only=True)
+    <name>.safetensors + <name>.optimizer.pt   (training) a module trained beside the model (PPO's critic
+                        as critic.*): its weights and optimizer state, restored on --resume
     tokenizer.json, tokenizer_config.json   when the model's tokenizer is known
 
 A model is built from its model config alone (`read_model_config`), and its
@@ -429,16 +431,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([dec(s) for s in state["cuda"]])
 
 
+def companion_files(name: str) -> tuple[str, str]:
+    """The weights and optimizer files of a module trained beside the model (PPO's critic: "critic")."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or f"{name}.safetensors" == WEIGHTS:
+        raise ValueError(f"a companion module needs a lower-case name of its own, got {name!r}")
+    return f"{name}.safetensors", f"{name}.optimizer.pt"
+
+
+def load_companion(ckpt: Path, name: str, module: nn.Module) -> None:
+    """The weights of companion `name` from training checkpoint `ckpt` into `module`, strictly (after their
+    checksum)."""
+    path = Path(ckpt) / companion_files(name)[0]
+    if not path.is_file():
+        raise UserError(f"{path}: missing; this checkpoint holds no {name} (written by another stage?), so the run "
+                        f"cannot resume from it")
+    try:
+        _read_weights(module, path)
+    except RuntimeError as e:  # load_state_dict: a missing or unexpected tensor, a shape
+        raise UserError(f"{path}: does not fit this run's {name} ({first_line(e)}); resume with the settings the "
+                        f"run was saved with") from None
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state: dict[str, Any] | None,
                     cfg: Config, state: dict[str, Any], *, tokenizer_dir: Path | None = None,
                     keep_last: int = 2, is_best: bool = False, adapter_base: dict[str, Any] | None = None,
-                    weights: dict[str, torch.Tensor] | None = None) -> Path:
+                    weights: dict[str, torch.Tensor] | None = None,
+                    companions: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None) -> Path:
     """Write checkpoint `step` atomically, update best.json, prune old ones. Returns its directory.
 
     optimizer_state: `distributed.full_optimizer_state` (keyed by parameter name), or None.
     weights: the full weights when `model` is sharded (`distributed.full_model_state`); else taken from `model`.
     adapter_base: for a LoRA run, {"base_fingerprint": ..., "base_checkpoint": ...}; only the adapter is saved.
+    companions: {name: (weights, optimizer state)} of modules trained beside the model (`companion_files`).
     """
+    companions = companions or {}
     ckdir = Path(run_dir) / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
     remove_leftovers(ckdir)
@@ -461,9 +487,17 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
             if optimizer_state is not None:
                 part = OPTIMIZER
                 torch.save(optimizer_state, tmp / OPTIMIZER)
+            extra_files: list[str] = []
+            for name, (tensors_of, optim_of) in companions.items():
+                weights_file, optim_file = companion_files(name)
+                part = weights_file
+                save_file(tensors_of, str(tmp / weights_file), metadata={"format": "pt", "step": str(step)})
+                part = optim_file
+                torch.save(optim_of, tmp / optim_file)
+                extra_files += [weights_file, optim_file]
             part = STATE
             # CRC-32 of each weights file, read back as written (from the page cache): what every load checks
-            checksums = {n: crc32_of(tmp / n) for n in (WEIGHTS, OPTIMIZER) if (tmp / n).is_file()}
+            checksums = {n: crc32_of(tmp / n) for n in (WEIGHTS, OPTIMIZER, *extra_files) if (tmp / n).is_file()}
             write_json_atomic(tmp / STATE, {"step": step, **state, "best_step": best_step, "checksums": checksums})
             part = "tokenizer files"
             copy_tokenizer(tokenizer_dir, tmp)
@@ -472,6 +506,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer_state:
     except (OSError, SafetensorError, RuntimeError) as e:
         # What this save needs on disk: tensors + JSON and tokenizer files.
         needed = (_nbytes(lora.lora_state_dict(model) if tensors is None else tensors) + _nbytes(optimizer_state)
+                  + _nbytes(list(companions.values()))
                   + (1 << 16) + sum((Path(tokenizer_dir) / n).stat().st_size for n in TOKENIZER_FILES
                                     if tokenizer_dir is not None and (Path(tokenizer_dir) / n).is_file()))
         raise UserError(f"{final}: could not write checkpoint ({part}: {write_failure(e)}); "
@@ -523,9 +558,10 @@ def _recorded_best_step(ckdir: Path, newest: Path | None) -> int | None:
     return _read_best_step(ckdir)
 
 
-def read_optimizer(ckpt: Path) -> dict[str, Any]:
-    """The saved optimizer state (keyed by parameter name), read without unpickling anything but tensors."""
-    path = Path(ckpt) / OPTIMIZER
+def read_optimizer(ckpt: Path, file: str = OPTIMIZER) -> dict[str, Any]:
+    """The saved optimizer state (keyed by parameter name), read without unpickling anything but tensors; `file`:
+    the model's, or a companion's (`companion_files`)."""
+    path = Path(ckpt) / file
     verify_file(path)
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)

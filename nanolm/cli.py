@@ -60,12 +60,11 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> None:
-    from nanolm.data.prepare import prepare
     from nanolm.corpora import resolve_sources
+    from nanolm.data.prepare import PrepareConfig, run
 
-    files = resolve_sources(args.sources)
-    prepare(files, Path(args.tokenizer), Path(args.out), format=args.format, max_tokens=args.max_tokens,
-            val_fraction=args.val_fraction, workers=args.workers, skip_bad=args.skip_bad, block_len=args.block_len)
+    args.sources = resolve_sources(args.sources)  # built-in corpus names become their files
+    run(_from_fields(args, PrepareConfig))
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -107,7 +106,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
 def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
     """One option per field of the dataclass `cls`, generated from it: field `top_k` is `--top-k` (or the field's
-    metadata "flag"), typed as the field, with the field's default and its metadata "help"."""
+    metadata "flag"), typed as the field (a list's items), with the field's default and its metadata "help"; a
+    field without a default is a required option, or a positional argument with metadata "positional" (and
+    "nargs"); metadata "choices" lists the values allowed, "type" the command line's type if not the field's.
+    "help" and "choices" may be functions, called here."""
     import dataclasses
     import typing
 
@@ -116,14 +118,25 @@ def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
     g = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
         kind = next(t for t in (*typing.get_args(types[f.name]), types[f.name]) if t is not type(None))
-        default = "none" if f.default is None else '""' if f.default == "" else f.default
+        meta = {k: v() if callable(v) else v for k, v in f.metadata.items() if k in ("help", "choices")}
+        helps = meta.get("help", f.name)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # given every time
+            if f.metadata.get("positional"):
+                g.add_argument(f.name, type=f.metadata.get("type", kind), nargs=f.metadata.get("nargs"), help=helps)
+            else:
+                g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
+                               required=True, help=helps)
+            continue
+        value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        default = "none" if value is None else '""' if value == "" else value
         if kind is bool:  # --name / --no-name
-            g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, default=f.default,
-                           action=argparse.BooleanOptionalAction, help=f"{f.metadata.get('help', f.name)}")
+            g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, default=value,
+                           action=argparse.BooleanOptionalAction, help=f"{helps}")
             continue
         g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
-                       default=f.default, metavar=kind.__name__.upper(),
-                       help=f"{f.metadata.get('help', f.name)} (default {default})")
+                       default=value, choices=meta.get("choices"),
+                       metavar=None if "choices" in meta else kind.__name__.upper(),
+                       help=f"{helps} (default {default})")
 
 
 def _from_fields(args: argparse.Namespace, cls: type):
@@ -272,6 +285,21 @@ def _cmd_plot(args: argparse.Namespace) -> None:
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     from nanolm.evaluate import evaluate, format_result
+    if args.endpoint:  # a served model: tool-use tasks only, through its chat completions
+        from nanolm.eval.runner import format_table, run_endpoint_eval
+        if args.checkpoint or args.data or args.degeneration:
+            raise UserError("nanolm eval --endpoint scores a served model: give --model NAME and --task "
+                            "toolcall:FILE, without a checkpoint, --data or --degeneration")
+        if not args.model or not args.task:
+            raise UserError("nanolm eval --endpoint URL needs --model NAME (as the endpoint names it) and --task "
+                            "toolcall:FILE")
+        report = run_endpoint_eval(args.endpoint, args.model, args.task, max_new_tokens=args.max_new_tokens,
+                                   api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), out=args.out)
+        print(format_table(report["tasks"]))
+        print(f"results -> {report['path']}")
+        return
+    if not args.checkpoint:
+        raise UserError("nanolm eval: give a run or checkpoint directory (or --endpoint URL --model NAME)")
     if not args.data and not args.task:
         raise UserError("nanolm eval: nothing to score; pass --data (loss, perplexity, bits per byte on text) "
                         "and/or --task (benchmarks: a built-in name such as idioms, or a task file)")
@@ -310,6 +338,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from nanolm.config import PRESETS, SamplingParams, ServeConfig
+    from nanolm.data.prepare import PrepareConfig
     from nanolm.export.ollama import DEFAULT_OUTTYPE
     from nanolm.infer.tools import MAX_TOOL_ROUNDS
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
@@ -388,25 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     tt.set_defaults(func=_cmd_tokenizer_train)
 
     pr = sub.add_parser("prepare", help="tokenize text into memory-mapped training shards")
-    pr.add_argument("sources", nargs="+", help="built-in corpora and/or .txt/.jsonl files or directories")
-    pr.add_argument("--tokenizer", required=True, help="tokenizer directory (or tokenizer.json)")
-    pr.add_argument("--out", required=True, help="output directory for shards + manifest.json")
-    pr.add_argument("--format", choices=["text", "chat", "dpo", "prompts", "blocks"], default="text",
-                    help="text: {\"text\": ...} lines / .txt files; chat: conversations (MiniMind, OpenAI messages "
-                         "or Alpaca JSONL) rendered with the ChatML template, loss only on assistant replies; "
-                         "dpo: preference pairs ({\"chosen\", \"rejected\"} conversations, or "
-                         "{\"prompt\", \"chosen\", \"rejected\"}); prompts: RL prompts for --stage grpo "
-                         "({\"prompt\": ...} or {\"messages\": [...]}, with reference fields such as \"answer\"); blocks: "
-                         "input and output blocks for --stage blocks ({\"input\": ..., \"output\": ...}, or "
-                         "{\"text\": ...} cut at --block-len)")
-    pr.add_argument("--max-tokens", type=int, default=1024,
-                    help="chat: longest conversation kept; longer ones lose their oldest exchanges first")
-    pr.add_argument("--block-len", type=int, default=0,
-                    help="blocks: the longest input and output (longer records are refused; 0: any) and where "
-                         "a {\"text\": ...} record is cut into its input and output")
-    pr.add_argument("--val-fraction", type=float, default=0.01)
-    pr.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
-    pr.add_argument("--skip-bad", action="store_true", help="skip malformed JSONL lines and report the count")
+    _add_fields(pr, PrepareConfig, "what to prepare, from what")
     pr.set_defaults(func=_cmd_prepare)
 
     tr = sub.add_parser("train", help="train a model (one loop for every stage)",
@@ -453,8 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers), gguf (llama.cpp) "
                                        "or ollama")
     exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, Qwen3 with QK-norm; MoE: Qwen2-MoE, "
-                                            "Qwen3-MoE with QK-norm)",
+    for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, Qwen2 with q/k/v biases, Qwen3 with "
+                                            "QK-norm; MoE: Qwen2-MoE, Qwen3-MoE with QK-norm)",
                                       "output directory"),
                                      ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file"),
                                      ("ollama", "a directory of model.gguf and a Modelfile for `ollama create`",
@@ -495,11 +506,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="loss, perplexity and bits-per-byte of a checkpoint on any text; benchmark "
                                      "tasks (multiple choice, generative) and degeneration of sampled text")
-    ev.add_argument("checkpoint", help="a run or checkpoint directory")
+    ev.add_argument("checkpoint", nargs="?", default=None,
+                    help="a run or checkpoint directory (none with --endpoint)")
+    ev.add_argument("--endpoint", default=None, metavar="URL",
+                    help="score a served model instead: an OpenAI-compatible API's base URL "
+                         "(http://127.0.0.1:8000/v1 for nanolm serve, http://localhost:11434/v1 for ollama); "
+                         "tool-use tasks (toolcall:FILE) only")
+    ev.add_argument("--model", default=None, help="with --endpoint: the model's name at the endpoint")
+    ev.add_argument("--api-key", default=None, help="with --endpoint: its key (default $OPENAI_API_KEY)")
     ev.add_argument("--data", nargs="+", default=None,
                     help="built-in corpora, .txt/.jsonl files or directories, or a prepared data directory")
     ev.add_argument("--task", action="append", default=[], metavar="TASK[:key=value,...]",
-                    help="a benchmark: a built-in one (idioms, cloze, calc, arith), or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
+                    help="a benchmark: a built-in one (idioms, cloze, calc, arith), toolcall:FILE (tool use), or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
                          "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, "
                          "style=cloze|letters, name=; repeatable")
     ev.add_argument("--chat", choices=["auto", "on", "off"], default="auto",

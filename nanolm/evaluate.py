@@ -21,7 +21,6 @@ the same text.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -29,8 +28,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from nanolm.data.kinds import ChatKind, PairsKind
 from nanolm.data.loader import iter_eval_batches
-from nanolm.data.shards import MANIFEST, Batch, PackedData
+from nanolm.data.shards import MANIFEST, Batch, Manifest, PackedData
 from nanolm.errors import UserError
 from nanolm.infer.generate import check_vocab
 from nanolm.progress import Progress, fmt_count
@@ -105,19 +105,15 @@ def _prepared_stream(data: PackedData, limit: int | None) -> np.ndarray:
 
 def _open_prepared(path: Path, tok: Tokenizer, ckpt_dir: Path) -> PackedData:
     """The val split of a prepared directory, else its train split, checked against the checkpoint's tokenizer."""
-    try:
-        splits = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["splits"]
-        split = "val" if splits["val"]["shards"] else "train"
-    except (OSError, ValueError, KeyError, TypeError):
-        split = "val"  # PackedData says what is wrong with the manifest
-    data = PackedData(path, split)
-    theirs = data.manifest["tokenizer"]["fingerprint"]
+    splits = Manifest.read(path).splits  # a UserError names what is wrong with it
+    data = PackedData(path, "val" if splits.get("val", {}).get("shards") else "train")
+    theirs = data.manifest.tokenizer.fingerprint
     if theirs != tok.fingerprint:
         raise UserError(f"{path / MANIFEST}: the data was tokenized with tokenizer {theirs[:12]}, but {ckpt_dir} "
                         f"uses tokenizer {tok.fingerprint[:12]}; pass the raw .txt/.jsonl files instead (nanolm eval "
                         f"tokenizes them with the checkpoint's tokenizer), or prepare the data with this tokenizer")
-    if data.is_dpo:
-        raise UserError(f"{path}: preference pairs (--format dpo) have no single text to score; "
+    if data.kind == PairsKind.name:
+        raise UserError(f"{path}: preference pairs (--format pairs) have no single text to score; "
                         f"evaluate on text or chat data")
     return data
 
@@ -166,7 +162,7 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
                             "not both")
         data = _open_prepared(Path(prepared[0]), tok, ckpt_dir)
         split, described = data.split, f"{prepared[0]} ({data.split} split)"
-        if data.is_chat:
+        if data.kind == ChatKind.name:
             max_batches = None if max_tokens is None else math.ceil(max_tokens / (batch_size * T))
             batches: Iterator[Batch] = iter_eval_batches(data, batch_size, T, max_batches)
             expected = None

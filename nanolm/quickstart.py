@@ -229,7 +229,9 @@ def quickstart(out: Path, *, minutes: float = 6.0, corpora: Sequence[str] = TEXT
     print(format_report(card))
     artefacts["report"] = write_report(card, out / "report")
     print(f"== done in {fmt_duration(time.perf_counter() - t0)} "
-          f"(pretraining: {result.step} steps, best {result.best_metric.replace('_', ' ')} {result.best_value:.3f})")
+          f"(pretraining: {result.step} steps"
+          + (f", best {result.best_metric.replace('_', ' ')} {result.best_value:.3f})" if result.best_value is not None
+             else ")"))
     for name, path in artefacts.items():
         print(f"  {name:<11}{path.resolve()}")
     print(f"\nnext: nanolm chat {final}   |   nanolm report {' '.join(str(r) for r in runs)}   |   "

@@ -80,14 +80,14 @@ def write_masked_data(root: Path, splits: dict, fmt: str, split_extra: dict | No
     return root
 
 
-def read_masked_docs(out: Path, m: dict, split: str = "train") -> list:
+def read_masked_docs(out: Path, m, split: str = "train") -> list:
     """(ids, mask) of each document of a split of chat or preference data, shard by shard, checking the file
     layout: one uint8 per token, as many TARGET bits as the manifest's n_trainable, EXCHANGE bits only on
     <|im_start|> tokens. The masks returned hold the TARGET bit alone."""
     import numpy as np
     shards = []
-    for sh in m["splits"][split]["shards"]:
-        ids = np.fromfile(out / sh["bin"], dtype=m["dtype"]).astype(np.int64)
+    for sh in m.splits[split]["shards"]:  # m: the Manifest prepare returned
+        ids = np.fromfile(out / sh["bin"], dtype=m.dtype).astype(np.int64)
         mask = np.fromfile(out / sh["mask"], dtype=np.uint8)
         offsets = np.fromfile(out / sh["idx"], dtype=np.uint64).astype(np.int64)
         assert len(mask) == len(ids) == sh["n_tokens"] and int((mask & 1).sum()) == sh["n_trainable"]

@@ -13,7 +13,7 @@ from nanolm import checkpoint as ckpt
 from nanolm.cli import main
 from nanolm.config import ModelConfig
 from nanolm.config.load import load_config
-from nanolm.data.blocks import block_views
+from nanolm.data.kinds.blocks import block_views
 from nanolm.data.loader import iter_eval_batches
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import IGNORE_INDEX, Batch, PackedData
@@ -139,7 +139,8 @@ def test_prepare_reads_both_layouts_and_names_the_line_of_a_bad_record(sort_data
     # Nano's layout: one sequence, cut at the block length into its input and output
     src = _write(tmp_path / "nano.jsonl", [{"text": "1234" + "567"}, {"input": "4", "output": "44"}])
     m = prepare([src], tok_dir, tmp_path / "n", format="blocks", block_len=4, val_fraction=0, quiet=True)
-    assert m["blocks"] == {"n_records": 2, "train": 2, "val": 0, "longest_input": 4, "longest_output": 3}
+    assert m.kind == "blocks" and m.section == {"n_records": 2, "train": 2, "val": 0, "longest_input": 4,
+                                                "longest_output": 3}
     rows = next(iter_eval_batches(PackedData(tmp_path / "n", "train"), 2, 4))
     assert rows.x[0].tolist() == tok.encode("1234") + tok.encode("567") + [tok.eot_id]
     cases = [({"input": "1"}, 'no "output" field'),
@@ -157,7 +158,7 @@ def test_prepare_reads_both_layouts_and_names_the_line_of_a_bad_record(sort_data
                 val_fraction=0, quiet=True)
     m = prepare([bad], tok_dir, tmp_path / "s", format="blocks", block_len=4, val_fraction=0, skip_bad=True,
                 quiet=True)
-    assert m["blocks"]["n_records"] == 1 and m["skipped"]["bad_lines"] == 1
+    assert m.section["n_records"] == 1 and m.skipped["bad_lines"] == 1
 
 
 def test_the_digit_task_holds_each_input_once_and_its_val_split_is_held_out(sort_data, tmp_path):

@@ -96,8 +96,8 @@ def test_prepare_train_and_chat_with_a_minimind_layout_tokenizer(mm_dir, tmp_pat
     src = tmp_path / "tools.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in tool_records(24)), encoding="utf-8")
     m = prepare([src], mm_dir, tmp_path / "data", format="chat", val_fraction=0, workers=0, quiet=True)
-    assert m["chat"]["template"] == "qwen3" and m["tokenizer"]["eot_id"] == 0
-    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m["dtype"]).astype(np.int64)
+    assert m.section["template"] == "qwen3" and m.tokenizer.eot_id == 0
+    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m.dtype).astype(np.int64)
     mask = np.fromfile(tmp_path / "data" / "train-00000.mask", dtype=np.uint8)
     first = ids[:int(np.flatnonzero(ids == tok.eot_id)[0])]
     assert first.tolist() == tok.encode(chatml.QWEN3.render(
@@ -140,7 +140,7 @@ def test_a_tokenizer_without_the_tags_works_and_prepare_says_what_it_lacks(tmp_p
     src.write_text("".join(json.dumps(r) + "\n" for r in tool_records(3)), encoding="utf-8")
     with pytest.warns(UserWarning, match=r"tokenizer\.json: lacks <tool_call>, </tool_call>, .* as added tokens"):
         m = prepare([src], d, tmp_path / "data", format="chat", val_fraction=0, workers=0, quiet=True)
-    assert m["totals"]["n_docs"] == 3  # spelled in pieces, the mask still placed by bytes
+    assert m.totals["n_docs"] == 3  # spelled in pieces, the mask still placed by bytes
 
 
 def test_a_minimind_3_release_with_its_tokenizer_imports_and_fine_tunes(mm_dir, tmp_path):

@@ -15,9 +15,10 @@ from nanolm.data import chatml
 from nanolm.data.chatml import fit_conversation, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations
 from nanolm.progress import fmt_count
-from nanolm.data.loader import Loader, iter_eval_batches, pack_blocks
+from nanolm.data.kinds.chat import pack_blocks
+from nanolm.data.loader import Loader, iter_eval_batches
 from nanolm.data.prepare import prepare
-from nanolm.data.shards import PackedData
+from nanolm.data.shards import Manifest, PackedData
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
@@ -142,7 +143,7 @@ def tok(tokenizer_dir) -> Tokenizer:
     return Tokenizer.load(tokenizer_dir)
 
 
-def read_docs(out: Path, m: dict, split: str = "train") -> list[tuple[np.ndarray, np.ndarray]]:
+def read_docs(out: Path, m: Manifest, split: str = "train") -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, mask) of each conversation of a split, checking the file layout."""
     return [doc for shard in read_masked_docs(out, m, split) for doc in shard]
 
@@ -216,21 +217,21 @@ def test_manifest_records_chat_format_mask_and_counts(tmp_path, tokenizer_dir, c
     out = tmp_path / "out"
     m = prepare([src], tokenizer_dir, out, format="chat", max_tokens=512, val_fraction=0.25, workers=0)
     err = capsys.readouterr().err
-    assert m["options"] == {"format": "chat", "max_tokens": 512, "val_fraction": 0.25, "skip_bad": False,
-                            "shard_tokens": 100_000_000}
+    assert m.options == {"format": "chat", "max_tokens": 512, "val_fraction": 0.25, "skip_bad": False,
+                         "shard_tokens": 100_000_000}
     train, val = read_docs(out, m, "train"), read_docs(out, m, "val")
     assert (len(train), len(val)) == (9, 3)  # conversations 1, 5 and 9 are validation
     n_trainable = sum(int(mk.sum()) for _, mk in train + val)
-    assert m["chat"] == {"template": "qwen3", "mask": True, "max_tokens": 512, "n_trainable": n_trainable,
-                         "truncated": 0, "skipped_too_long": 0}
-    assert m["splits"]["train"]["n_trainable"] + m["splits"]["val"]["n_trainable"] == n_trainable
-    assert m["splits"]["val"]["shards"][0]["mask"] == "val-00000.mask"
+    assert m.kind == "chat" and m.section == {"template": "qwen3", "mask": True, "max_tokens": 512,
+                                              "n_trainable": n_trainable, "truncated": 0, "skipped_too_long": 0}
+    assert m.splits["train"]["n_trainable"] + m.splits["val"]["n_trainable"] == n_trainable
+    assert m.splits["val"]["shards"][0]["mask"] == "val-00000.mask"
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train-00000.bin", "train-00000.idx",
                                                      "train-00000.mask", "val-00000.bin", "val-00000.idx",
                                                      "val-00000.mask"]
-    assert f"prepared 12 conversations, {fmt_count(m['totals']['n_tokens'])} tokens" in err
+    assert f"prepared 12 conversations, {fmt_count(m.totals['n_tokens'])} tokens" in err
     assert f"trainable (assistant) tokens: {n_trainable} = " in err
-    assert PackedData(out).is_chat and not PackedData(out).masks[0].flags.writeable
+    assert PackedData(out).kind == "chat" and not PackedData(out).masks[0].flags.writeable
     # Unchanged inputs: nothing to do. A deleted mask file is noticed. Other max_tokens: work to do.
     assert prepare([src], tokenizer_dir, out, format="chat", max_tokens=512, val_fraction=0.25, workers=0) == m
     assert "nothing to do" in capsys.readouterr().err
@@ -238,10 +239,10 @@ def test_manifest_records_chat_format_mask_and_counts(tmp_path, tokenizer_dir, c
     prepare([src], tokenizer_dir, out, format="chat", max_tokens=512, val_fraction=0.25, workers=0, quiet=True)
     assert (out / "val-00000.mask").is_file()
     m2 = prepare([src], tokenizer_dir, out, format="chat", max_tokens=60, val_fraction=0.25, workers=0, quiet=True)
-    assert m2["options"]["max_tokens"] == 60 and m2["chat"]["truncated"] > 0
+    assert m2.options["max_tokens"] == 60 and m2.section["truncated"] > 0
     # Text data written over it drops the masks and reads as text.
     prepare([write_jsonl(tmp_path / "t.jsonl", [{"text": "hi"}] * 3)], tokenizer_dir, out, workers=0, quiet=True)
-    assert not list(out.glob("*.mask")) and not PackedData(out).is_chat
+    assert not list(out.glob("*.mask")) and PackedData(out).kind == "text"
 
 
 @pytest.mark.slow
@@ -334,7 +335,7 @@ def test_prepare_counts_truncated_and_skipped_conversations(tmp_path, tok, token
     out = tmp_path / "out"
     m = prepare([src], tokenizer_dir, out, format="chat", max_tokens=max_tokens, val_fraction=0, workers=0,
                 quiet=True)
-    assert (m["chat"]["truncated"], m["chat"]["skipped_too_long"]) == (2, 1)
+    assert (m.section["truncated"], m.section["skipped_too_long"]) == (2, 1)
     docs = read_docs(out, m)
     assert len(docs) == 3 and all(len(ids) - 1 <= max_tokens for ids, _ in docs)
     assert docs[0][0].tolist() == tok.encode(render_chat(convs[0])) + [0]
@@ -531,8 +532,8 @@ def test_chat_eval_batches_are_the_conversations_in_order(chat):
 def test_prepared_chat_data_trains_only_on_replies(tmp_path, tok, tokenizer_dir):
     src = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": c} for c in CONVS[:4] * 5])
     m = prepare([src], tokenizer_dir, tmp_path / "out", format="chat", val_fraction=0, workers=0, quiet=True)
-    data = PackedData(tmp_path / "out", tokenizer_fingerprint=m["tokenizer"]["fingerprint"])
-    assert data.is_chat and data.n_docs == 20
+    data = PackedData(tmp_path / "out", tokenizer_fingerprint=m.tokenizer.fingerprint)
+    assert data.kind == "chat" and data.n_docs == 20
     loader = Loader(data, batch_size=2, seq_len=191, seed=0)
     replies = {msg["content"] + END for c in CONVS[:4] for msg in c if msg["role"] == "assistant"}
     seen = set()

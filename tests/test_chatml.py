@@ -279,8 +279,8 @@ def test_data_and_a_checkpoint_made_with_an_old_tokenizer_keep_its_template(toke
     src = tmp_path / "chat.jsonl"
     src.write_text(json.dumps({"messages": TOOL_CONVS[0]}) + "\n", encoding="utf-8")
     m = prepare([src], tmp_path / "old", tmp_path / "data", format="chat", val_fraction=0, workers=0, quiet=True)
-    assert m["chat"]["template"] == "chatml"
-    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m["dtype"]).astype(np.int64)
+    assert m.section["template"] == "chatml"
+    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m.dtype).astype(np.int64)
     assert ids.tolist() == old.encode(CHATML.render(msgs(TOOL_CONVS[0]))) + [old.eot_id]
     # Tool data with it is a bad line that says what to do.
     src.write_text(json.dumps({"messages": TOOL_CONVS[1]}, ensure_ascii=False) + "\n", encoding="utf-8")

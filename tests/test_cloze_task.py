@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from nanolm.data.prepare import LONG_DOC_CHARS
+from nanolm.data.kinds.text import LONG_DOC_CHARS
 from nanolm.errors import UserError
-from nanolm.eval import cloze
 from nanolm.eval.cloze import (CHOICE_CHARS, CONTEXT_CHARS, DEFAULT_VAL_FRACTION, QUICKSTART_MAX_CHARS,
                                QUICKSTART_VAL_FRACTION, cloze_task, held_out_documents)
 
@@ -156,11 +155,12 @@ def test_held_out_rule(corpora):
 
 def test_the_rule_reads_the_defaults_of_prepare_and_the_quickstart():
     from nanolm.cli import build_parser
-    from nanolm.data.prepare import prepare
+    from nanolm.data.prepare import PrepareConfig
     from nanolm.quickstart import TEXT_CORPORA, quickstart
 
     args = build_parser().parse_args(["prepare", "x.jsonl", "--tokenizer", "t", "--out", "o"])
-    assert args.val_fraction == inspect.signature(prepare).parameters["val_fraction"].default == DEFAULT_VAL_FRACTION
+    # prepare()'s defaults are PrepareConfig's
+    assert args.val_fraction == PrepareConfig.__dataclass_fields__["val_fraction"].default == DEFAULT_VAL_FRACTION
     q = build_parser().parse_args(["quickstart"])
     assert q.max_chars == inspect.signature(quickstart).parameters["max_chars"].default == QUICKSTART_MAX_CHARS
     assert tuple(q.corpora) == TEXT_CORPORA == ("sanguo", "shakespeare", "sotu")
@@ -236,7 +236,8 @@ def test_real_corpora(tmp_path, monkeypatch):
     derived with prepare's own split functions (no tokenizer needed)."""
     from nanolm.corpora import fetch
     from nanolm.data.formats import ReadStats
-    from nanolm.data.prepare import _batches, _text_records, val_every
+    from nanolm.data.kinds.text import text_records
+    from nanolm.data.prepare import _batches, val_every
     from nanolm.quickstart import TEXT_CORPORA, _truncated_copies
 
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
@@ -248,7 +249,7 @@ def test_real_corpora(tmp_path, monkeypatch):
     def train_text(sources: list[Path], val_fraction: float) -> dict[str, str]:
         """Per source, the text prepare sends to train (the pieces it tags train)."""
         out: dict[str, list[str]] = {}
-        records = _text_records(False, ReadStats(), val_fraction, {"by_position": 0})
+        records = text_records(False, ReadStats(), val_fraction, {"by_position": 0})
 
         def tagged(path: Path):
             for r in records(path):

@@ -51,7 +51,7 @@ def sets(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
             workers=0, quiet=True)
     pairs = [{"chosen": [u(f"q{i}"), a("To be.")], "rejected": [u(f"q{i}"), a("no")]} for i in range(8)]
     out["prefs"] = root / "prefs"
-    prepare([write_jsonl(root / "prefs.jsonl", pairs)], tokenizer_dir, out["prefs"], format="dpo", val_fraction=0,
+    prepare([write_jsonl(root / "prefs.jsonl", pairs)], tokenizer_dir, out["prefs"], format="pairs", val_fraction=0,
             workers=0, quiet=True)
     out["other"] = root / "other"
     shutil.copytree(out["wiki"], out["other"])
@@ -235,7 +235,7 @@ def test_sets_must_share_a_tokenizer_and_preferences_stay_alone(sets):
         stream([{"path": sets["wiki"], "epochs": 1}, {"path": sets["other"]}])
     assert f"data.sets: {sets['wiki']} and {sets['other']} were prepared with different tokenizers" in str(e.value)
     assert "prepare every set with the same tokenizer" in str(e.value)
-    with pytest.raises(UserError, match=r"holds text data and .*prefs dpo data; preference \(dpo\) data cannot be "
+    with pytest.raises(UserError, match=r"holds text data and .*prefs pairs data; preference pairs cannot be "
                                         r"combined with text or chat data"):
         stream([{"path": sets["wiki"]}, {"path": sets["prefs"]}], "mixture")
     with pytest.raises(UserError, match="data.path is empty; pass --data"):
@@ -243,13 +243,13 @@ def test_sets_must_share_a_tokenizer_and_preferences_stay_alone(sets):
     # Preference sets make a curriculum of their own; a token there is one with a target, padding not counted.
     prefs = plain(sets["prefs"], 0)
     s = stream([{"path": sets["prefs"], "tokens": prefs.tokens_per_epoch}, {"path": sets["prefs"]}])
-    assert s.kind == "dpo" and s.sets[0].budget == prefs.epoch_windows == 8  # one epoch's tokens: one epoch
+    assert s.kind == "pairs" and s.sets[0].budget == prefs.epoch_windows == 8  # one epoch's tokens: one epoch
     assert s.next_batch().pairs and s.sets[0].unit_name == "pairs"
 
 
 def test_text_and_chat_mix_and_validation_means(sets):
     s = stream([{"path": sets["wiki"], "weight": 3}, {"path": sets["chat"]}], "mixture")
-    assert s.kind == "chat" and s.is_chat and not s.is_dpo  # the loop picks attention that handles segments
+    assert s.kind == "chat" and s.is_chat  # the loop picks attention that handles segments
     for _ in range(8):
         batch = s.next_batch()
         assert (batch.seg is not None) == (s.position()["set"] == "chat")

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-import nanolm.data.loader as loader_mod
+import nanolm.data.kinds.pairs as pairs_kind
 import nanolm.data.prepare as prep
 from nanolm.config import ModelConfig
 from nanolm.corpora import fetch
 from nanolm.data.chatml import fit_pair, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
-from nanolm.data.loader import Loader, iter_eval_batches
+from nanolm.data.loader import Loader, iter_eval_batches, unit_kind
 from nanolm.data.preferences import build_idiom_preferences
 from nanolm.data.prepare import prepare
-from nanolm.data.shards import PackedData
+from nanolm.data.shards import Manifest, PackedData
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
@@ -58,7 +58,7 @@ def test_both_formats_read_as_the_same_pairs(tmp_path):
     ])
     assert list(iter_preferences(p)) == PAIRS
     # Tokenizer training reads every message once: the chosen conversation, then the rejected reply.
-    texts = list(iter_texts([p], format="dpo"))
+    texts = list(iter_texts([p], format="pairs"))
     assert texts[:3] == ["你好，请介绍一下长江。", "长江是中国最长的河流，滚滚长江东逝水。", "不知道。"]
     assert len(texts) == sum(len(c) + 1 for c, _ in PAIRS)
 
@@ -133,7 +133,7 @@ def test_preference_data_must_be_jsonl(tmp_path, tokenizer_dir):
         list(iter_preferences(p))
     with pytest.raises(UserError, match=r"pairs\.txt: preference data must be \.jsonl \(one pair per line\); leave "
                                         r"this file out, or prepare it with --format text"):
-        prepare([p], tokenizer_dir, tmp_path / "o", format="dpo")
+        prepare([p], tokenizer_dir, tmp_path / "o", format="pairs")
 
 
 # --- prepare: final-reply masks, pairs kept together -----------------------------------------------------
@@ -153,7 +153,7 @@ def runs(mask: np.ndarray) -> list[tuple[int, int]]:
 def test_each_pair_is_two_documents_masked_on_the_final_reply_only(tmp_path, tok, tokenizer_dir):
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in PAIRS])
     out = tmp_path / "out"
-    m = prepare([src], tokenizer_dir, out, format="dpo", val_fraction=0, workers=0, quiet=True)
+    m = prepare([src], tokenizer_dir, out, format="pairs", val_fraction=0, workers=0, quiet=True)
     (docs,) = read_masked_docs(out, m)
     assert len(docs) == 2 * len(PAIRS)
     for i, (chosen, rejected) in enumerate(PAIRS):
@@ -163,13 +163,39 @@ def test_each_pair_is_two_documents_masked_on_the_final_reply_only(tmp_path, tok
             assert [tok.decode(ids[x:y]) for x, y in runs(mask)] == [conv[-1]["content"] + END]
             assert mask[-2:].tolist() == [0, 0]
     n_trainable = sum(int(mk.sum()) for _, mk in docs)
-    assert m["options"] == {"format": "dpo", "max_tokens": 1024, "val_fraction": 0, "skip_bad": False,
-                            "shard_tokens": 100_000_000}
-    assert m["dpo"] == {"template": "qwen3", "mask": "final reply", "max_tokens": 1024, "n_pairs": 4,
-                        "n_trainable": n_trainable, "truncated": 0, "skipped_too_long": 0}
-    assert m["splits"]["train"]["n_pairs"] == 4 and m["totals"]["n_docs"] == 8
+    assert m.options == {"format": "pairs", "max_tokens": 1024, "val_fraction": 0, "skip_bad": False,
+                         "shard_tokens": 100_000_000}
+    assert m.kind == "pairs" and m.section == {"template": "qwen3", "mask": "final reply", "max_tokens": 1024,
+                                               "n_pairs": 4, "n_trainable": n_trainable, "truncated": 0,
+                                               "skipped_too_long": 0}
+    assert m.splits["train"]["n_pairs"] == 4 and m.totals["n_docs"] == 8
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk["options"]["format"] == "pairs" and on_disk["pairs"] == m.section and "dpo" not in on_disk
+    assert PackedData(out).kind == "pairs"
+
+
+def test_data_prepared_as_dpo_loads_as_pairs(tmp_path, tokenizer_dir, capsys):
+    """`--format dpo` is the old name of pairs; a directory prepared before the rename (options.format and its
+    section "dpo") reads as pairs, and a re-run on it with either name finds it up to date."""
+    src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in PAIRS])
+    out = tmp_path / "out"
+    m = prepare([src], tokenizer_dir, out, format="dpo", val_fraction=0, workers=0, quiet=True)
+    assert m.kind == "pairs" and m.options["format"] == "pairs"
+    old = json.loads((out / "manifest.json").read_text())  # rewritten as nanolm wrote it before the rename
+    old["options"]["format"] = "dpo"
+    old["dpo"] = old.pop("pairs")
+    (out / "manifest.json").write_text(json.dumps(old, indent=2))
+    read = Manifest.read(out)
+    assert read.kind == "pairs" and read.options == m.options and read.section == m.section
+    assert read.splits == m.splits and read.to_dict()["pairs"] == old["dpo"]
     data = PackedData(out)
-    assert (data.kind, data.is_dpo, data.is_chat) == ("dpo", True, False)
+    assert data.kind == "pairs" and data.manifest.section["n_pairs"] == len(PAIRS)
+    batch = Loader(data, batch_size=2, seq_len=127).next_batch()
+    assert batch.pairs and batch.x.shape[0] == 4
+    capsys.readouterr()
+    for name in ("dpo", "pairs"):
+        again = prepare([src], tokenizer_dir, out, format=name, val_fraction=0, workers=0)
+        assert "nothing to do" in capsys.readouterr().err and again == read
 
 
 def test_val_split_and_shards_keep_pairs_together(tmp_path, tok, tokenizer_dir, capsys):
@@ -177,14 +203,14 @@ def test_val_split_and_shards_keep_pairs_together(tmp_path, tok, tokenizer_dir, 
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in pairs])
     out = tmp_path / "out"
     # shard_tokens=1: every shard closes at the first point it may, which is after a pair's rejected conversation.
-    m = prepare([src], tokenizer_dir, out, format="dpo", val_fraction=0.25, shard_tokens=1, workers=0)
+    m = prepare([src], tokenizer_dir, out, format="pairs", val_fraction=0.25, shard_tokens=1, workers=0)
     err = capsys.readouterr().err
     assert "prepared 12 preference pairs" in err and "trainable (final reply) tokens" in err
-    assert m["split_policy"]["rule"] == "pair i goes to val when val_every > 0 and i % val_every == 1"
+    assert m.split_policy["rule"] == "pair i goes to val when val_every > 0 and i % val_every == 1"
     for split, want in (("train", [0, 2, 3, 4, 6, 7, 8, 10, 11]), ("val", [1, 5, 9])):
         shards = read_masked_docs(out, m, split)
         assert [len(docs) for docs in shards] == [2] * len(want)  # one pair per shard, never split
-        assert m["splits"][split]["n_pairs"] == len(want)
+        assert m.splits[split]["n_pairs"] == len(want)
         for docs, i in zip(shards, want):
             assert [tok.decode(ids[:-1]) for ids, _ in docs] == [render_chat(conv) for conv in pairs[i]]
     data = PackedData(out, "val")
@@ -204,9 +230,9 @@ def test_prepare_truncates_both_conversations_alike_and_counts(tmp_path, tok, to
     max_tokens = len(tok.encode(render_chat([*kept_prompt, a("the end")]))) + 2
     assert len(tok.encode(render_chat(pairs[0][0]))) <= max_tokens
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in pairs])
-    m = prepare([src], tokenizer_dir, tmp_path / "out", format="dpo", max_tokens=max_tokens, val_fraction=0,
+    m = prepare([src], tokenizer_dir, tmp_path / "out", format="pairs", max_tokens=max_tokens, val_fraction=0,
                 workers=0, quiet=True)
-    assert (m["dpo"]["truncated"], m["dpo"]["skipped_too_long"], m["dpo"]["n_pairs"]) == (2, 1, 3)
+    assert (m.section["truncated"], m.section["skipped_too_long"], m.section["n_pairs"]) == (2, 1, 3)
     (docs,) = read_masked_docs(tmp_path / "out", m)
     assert len(docs) == 6 and all(len(ids) - 1 <= max_tokens for ids, _ in docs)
     # Pair 1: the rejected reply is long, so both drop all the history (the chosen one would have fit with
@@ -220,7 +246,7 @@ def test_prepare_truncates_both_conversations_alike_and_counts(tmp_path, tok, to
     with pytest.raises(UserError, match=r"no preference pairs in .*p\.jsonl \(0 bad line\(s\) skipped, 4 with a "
                                         r"conversation longer than max_tokens=5\); check the files, or raise "
                                         r"--max-tokens"):
-        prepare([src], tokenizer_dir, tmp_path / "o2", format="dpo", max_tokens=5, quiet=True)
+        prepare([src], tokenizer_dir, tmp_path / "o2", format="pairs", max_tokens=5, quiet=True)
 
 
 @pytest.mark.slow
@@ -230,7 +256,7 @@ def test_pair_worker_processes_write_the_same_bytes(tmp_path, tokenizer_dir, mon
     got = {}
     for workers in (0, 2):
         out = tmp_path / f"o{workers}"
-        prepare([src], tokenizer_dir, out, format="dpo", max_tokens=40, workers=workers, val_fraction=0.2,
+        prepare([src], tokenizer_dir, out, format="pairs", max_tokens=40, workers=workers, val_fraction=0.2,
                 shard_tokens=300, quiet=True)
         got[workers] = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "manifest.json"}
     assert len(got[0]) > 6 and got[0] == got[2]
@@ -271,7 +297,7 @@ def test_fit_pair_drops_the_same_turns_from_both():
 def make_dpo_data(root: Path, splits: dict[str, list[tuple[tuple, tuple]]]) -> Path:
     """A preference data directory from ((ids, mask), (ids, mask)) per pair; one shard per split."""
     return write_masked_data(root, {split: [c for pair in pairs for c in pair] for split, pairs in splits.items()},
-                             "dpo", {split: {"n_pairs": len(pairs)} for split, pairs in splits.items()})
+                             "pairs", {split: {"n_pairs": len(pairs)} for split, pairs in splits.items()})
 
 
 def synthetic_pairs(n: int, seed: int = 0) -> list[tuple[tuple, tuple]]:
@@ -303,7 +329,7 @@ def row_pairs(batch) -> list[int]:
     B, T = batch.x.shape
     assert batch.pairs and B % 2 == 0 and batch.pos is None and batch.seg is None
     assert batch.y.shape == (B, T) and batch.x.dtype == batch.y.dtype == torch.int64
-    assert T % loader_mod.PAD_MULTIPLE == 0 or T == SEQ
+    assert T % pairs_kind.PAD_MULTIPLE == 0 or T == SEQ
     out = []
     for i in range(B // 2):
         p = int(batch.x[2 * i][batch.x[2 * i] >= 1000][0]) % 1000
@@ -330,7 +356,7 @@ def test_rows_come_in_chosen_rejected_pairs_padded_to_the_longest(dpo):
         assert batch.x.shape[0] == 8
         pairs = row_pairs(batch)
         longest = max(len(PAIRS_SYN[p][side][0]) for p in pairs for side in range(2)) - 1
-        assert batch.x.shape[1] == min(SEQ, -(-longest // loader_mod.PAD_MULTIPLE) * loader_mod.PAD_MULTIPLE)
+        assert batch.x.shape[1] == min(SEQ, -(-longest // pairs_kind.PAD_MULTIPLE) * pairs_kind.PAD_MULTIPLE)
     moved = batch.to("cpu")
     assert moved.pairs and torch.equal(moved.x, batch.x) and torch.equal(moved.y, batch.y)
 
@@ -372,7 +398,7 @@ def test_padding_fraction_is_reported_and_true(dpo):
     assert real == n_real == loader.tokens_per_epoch
     assert loader.describe() == (f"40 preference pairs ({n_real:,} tokens to predict), 4 a batch as 8 rows padded "
                                  "to the "
-                                 f"longest (a multiple of {loader_mod.PAD_MULTIPLE}, at most seq_len {SEQ}): "
+                                 f"longest (a multiple of {pairs_kind.PAD_MULTIPLE}, at most seq_len {SEQ}): "
                                  f"{100 * (1 - real / total):.1f}% of positions are padding")
 
 
@@ -411,12 +437,12 @@ def test_damaged_preference_data_is_named(tmp_path):
     offsets = np.fromfile(root / "train-00000.idx", dtype=np.uint64)
     np.r_[offsets[:5], offsets[-1]].astype(np.uint64).tofile(root / "train-00000.idx")
     with pytest.raises(UserError, match=r"preference shard train-00000\.bin holds 5 conversations, not whole pairs"):
-        PackedData(root)
+        unit_kind(PackedData(root), SEQ)  # the pairs kind's check, as the loader opens the split
 
 
 def test_prepared_pairs_batch_into_their_final_replies(tmp_path, tok, tokenizer_dir):
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in PAIRS])
-    prepare([src], tokenizer_dir, tmp_path / "out", format="dpo", val_fraction=0, workers=0, quiet=True)
+    prepare([src], tokenizer_dir, tmp_path / "out", format="pairs", val_fraction=0, workers=0, quiet=True)
     batch = Loader(PackedData(tmp_path / "out"), batch_size=4, seq_len=127).next_batch()
     got = set()
     for r in range(0, 8, 2):
@@ -485,13 +511,13 @@ def test_idiom_preferences_from_the_real_corpus(tmp_path, monkeypatch, tokenizer
     # All three kinds of question are there, answered from the dictionary.
     assert {c[1]["content"][:3] for c, _ in pairs} >= {"出处：", "例句："}
     assert any(c[1]["content"].startswith(f"「{word(c[0]['content'])}」（") for c, _ in pairs)
-    m = prepare([out], tokenizer_dir, tmp_path / "data", format="dpo", workers=0, quiet=True)
-    assert m["dpo"]["n_pairs"] == 300 and m["splits"]["val"]["n_pairs"] == 3
+    m = prepare([out], tokenizer_dir, tmp_path / "data", format="pairs", workers=0, quiet=True)
+    assert m.section["n_pairs"] == 300 and m.splits["val"]["n_pairs"] == 3
 
 
 def test_dpo_on_prepared_pairs_padding_changes_nothing_and_the_margin_grows(tmp_path, tokenizer_dir):
     src = write_jsonl(tmp_path / "p.jsonl", [{"chosen": c, "rejected": r} for c, r in PAIRS])
-    prepare([src], tokenizer_dir, tmp_path / "out", format="dpo", val_fraction=0, workers=0, quiet=True)
+    prepare([src], tokenizer_dir, tmp_path / "out", format="pairs", val_fraction=0, workers=0, quiet=True)
     batch = next(iter_eval_batches(PackedData(tmp_path / "out"), batch_size=4, seq_len=127))
     torch.manual_seed(0)
     policy = Transformer(ModelConfig(vocab_size=400, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=128))

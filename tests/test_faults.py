@@ -81,6 +81,7 @@ import nanolm.checkpoint as ckpt
 import nanolm.io
 import nanolm.train.trainer as trainer
 import nanolm.train.metrics as metrics
+import nanolm.train.validation as validation
 
 
 def child(job):
@@ -122,14 +123,14 @@ def child(job):
         return real_clip(*a, **k)
     torch.nn.utils.clip_grad_norm_ = clip
 
-    real_eval = trainer.iter_eval_batches
+    real_eval = validation.iter_eval_batches
     def eval_batches(*a, **k):
         mark(f"eval after step {now['step']}")
         for i, b in enumerate(real_eval(*a, **k)):
             if i == 1 and hit("eval"):
                 die(f"mid-eval after step {now['step']} (one of two batches done)")
             yield b
-    trainer.iter_eval_batches = eval_batches
+    validation.iter_eval_batches = eval_batches
 
     real_save = ckpt.save_checkpoint
     def save_checkpoint(run_dir, step, *a, **k):
@@ -712,13 +713,13 @@ def test_full_disk_during_shard_and_manifest_writes_keeps_the_previous_data(tmp_
     assert snapshot(out) == good and hidden(out) == []
 
     monkeypatch.delattr(shards_module, "open")
-    real_json = prep.write_json_atomic
+    real_json = shards_module.write_json_atomic  # Manifest.write's
 
     def write_json_atomic(path, obj):
         if Path(path).name == "manifest.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_json(path, obj)
-    monkeypatch.setattr(prep, "write_json_atomic", write_json_atomic)
+    monkeypatch.setattr(shards_module, "write_json_atomic", write_json_atomic)
     with pytest.raises(UserError) as e:
         prepare([src], tokenizer_dir, out, workers=0, quiet=True, val_fraction=0.05)
     msg = str(e.value)
@@ -728,5 +729,5 @@ def test_full_disk_during_shard_and_manifest_writes_keeps_the_previous_data(tmp_
 
     monkeypatch.undo()
     m = prepare([src], tokenizer_dir, out, workers=0, quiet=True, val_fraction=0.05)
-    assert m["sources"][0]["sha256"] != json.loads(good["manifest.json"])["sources"][0]["sha256"]
-    assert np.fromfile(out / "train-00000.bin", dtype=np.uint16).size == m["splits"]["train"]["n_tokens"]
+    assert m.sources[0]["sha256"] != json.loads(good["manifest.json"])["sources"][0]["sha256"]
+    assert np.fromfile(out / "train-00000.bin", dtype=np.uint16).size == m.splits["train"]["n_tokens"]

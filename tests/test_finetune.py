@@ -174,7 +174,7 @@ def dpo_dir(tmp_path_factory, tokenizer_dir):
                                 "rejected": [user, {"role": "assistant", "content": wrong}]},
                                ensure_ascii=False) + "\n")
     out = d / "data"
-    prepare([src], tokenizer_dir, out, format="dpo", val_fraction=0.1, workers=0, quiet=True)
+    prepare([src], tokenizer_dir, out, format="pairs", val_fraction=0.1, workers=0, quiet=True)
     return out
 
 
@@ -204,7 +204,8 @@ def test_dpo_raises_the_chosen_rejected_margin(dpo_dir, tmp_path, base_run, use_
 def test_dpo_needs_preference_data(data_dir, dpo_dir, tmp_path, base_run):
     with pytest.raises(UserError, match="train.stage=dpo cannot train on text data; prepare preference pairs"):
         train(dpo_cfg(data_dir, tmp_path / "a", base_run), quiet=True)
-    with pytest.raises(UserError, match="train.stage=sft cannot train on dpo data"):
+    with pytest.raises(UserError, match="train.stage=sft cannot train on pairs data; preference data trains with "
+                                        "--stage dpo"):
         train(dpo_cfg(dpo_dir, tmp_path / "b", base_run, **{"train.stage": "sft"}), quiet=True)
 
 

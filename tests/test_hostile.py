@@ -334,10 +334,10 @@ def test_prepare_succeeds_or_leaves_the_output_as_it_was(kind, tmp_path, tokeniz
             assert snapshot(out) == (before or ({} if out.exists() else None)), got
             assert not [p for p in d.iterdir() if p.name.startswith(".")]  # the new directory is removed
             return
-        n = sum(split["n_docs"] for split in got["splits"].values())
+        n = sum(split["n_docs"] for split in got.splits.values())
         stats = ReadStats()
         assert n == len(read_all(kind, src, skip_bad=skip_bad, stats=stats)) > 0
-        assert got["skipped"]["bad_lines"] == stats.bad_lines
+        assert got.skipped["bad_lines"] == stats.bad_lines
         assert PackedData(out, "train").n_docs == n
         assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary directory left
         assert not [p for p in d.iterdir() if p.name.startswith(".")]  # nor one beside it
@@ -456,7 +456,7 @@ def _usable(cfg) -> None:
     seed_everything(cfg.train.seed)
     np.random.default_rng([cfg.train.seed, 0])  # the loader's generator
     m = cfg.model
-    if max(m.vocab_size, m.d_model, m.n_hidden, m.moe_n_hidden, m.n_layer, m.n_head, m.n_experts, m.top_k,
+    if max(m.vocab_size, m.d_model, m.head_dim, m.n_hidden, m.moe_n_hidden, m.n_layer, m.n_head, m.n_experts, m.top_k,
            m.max_seq_len, cfg.lora.rank) > 4096 or m.vocab_size * m.d_model > 10**6:
         return
     model = Transformer(m)

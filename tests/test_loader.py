@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanolm.data import loader as loader_module
+from nanolm.data.kinds import text as text_kind
 from nanolm.data import shards as shards_module
 from nanolm.data.loader import Loader, iter_eval_batches
 from nanolm.data.prepare import prepare
@@ -213,12 +213,12 @@ def test_loader_reads_prepare_output(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     m = prepare([tmp_path / "a.jsonl"], tmp_path / "tokenizer.json", tmp_path / "out", val_fraction=0.1,
                 workers=0, quiet=True)
-    data = PackedData(tmp_path / "out", tokenizer_fingerprint=m["tokenizer"]["fingerprint"])
-    assert data.dtype == np.uint16 and data.n_tokens == m["splits"]["train"]["n_tokens"]
+    data = PackedData(tmp_path / "out", tokenizer_fingerprint=m.tokenizer.fingerprint)
+    assert data.dtype == np.uint16 and data.n_tokens == m.splits["train"]["n_tokens"]
     stream = np.fromfile(tmp_path / "out" / "train-00000.bin", dtype=np.uint16).astype(np.int64)
     batch = Loader(data, batch_size=4, seq_len=16, seed=0).next_batch()
     x, y = batch.x, batch.y
-    assert not data.is_chat and data.masks is None
+    assert data.kind == "text" and data.masks is None
     for row_x, row_y in zip(x.numpy(), y.numpy()):
         hits = [s for s in range(0, len(stream) - 16, 16) if np.array_equal(stream[s:s + 16], row_x)]
         assert hits and np.array_equal(stream[hits[0] + 1:hits[0] + 17], row_y)
@@ -233,7 +233,7 @@ BLOCK = 64
 
 @pytest.fixture
 def big(tmp_path, monkeypatch) -> PackedData:
-    monkeypatch.setattr(loader_module, "SHUFFLE_BLOCK", BLOCK)
+    monkeypatch.setattr(text_kind, "SHUFFLE_BLOCK", BLOCK)
     return PackedData(make_data(tmp_path / "big", {"train": BIG}))
 
 
@@ -288,11 +288,11 @@ def test_two_level_shuffle_resumes_exactly_and_ranks_take_disjoint_windows(big):
 
 
 def test_up_to_shuffle_block_windows_the_epoch_is_one_permutation(data, monkeypatch):
-    monkeypatch.setattr(loader_module, "SHUFFLE_BLOCK", 12)  # exactly the 12 windows of `data`
+    monkeypatch.setattr(text_kind, "SHUFFLE_BLOCK", 12)  # exactly the 12 windows of `data`
     whole = take(Loader(data, batch_size=4, seq_len=T, seed=3), 3)
     window_start = np.array([0, 8, 16, 24, 32, 41, 49, 57, 65, 74, 82, 90])
     assert whole == window_start[np.random.default_rng([3, 0]).permutation(12)].tolist()
-    monkeypatch.setattr(loader_module, "SHUFFLE_BLOCK", 11)
+    monkeypatch.setattr(text_kind, "SHUFFLE_BLOCK", 11)
     blocked = take(Loader(data, batch_size=4, seq_len=T, seed=3), 3)
     assert blocked != whole and sorted(blocked) == sorted(whole)
 

@@ -14,10 +14,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import nanolm.data.formats as formats
+import nanolm.data.kinds.text as text_kind
 import nanolm.data.prepare as prep
 import nanolm.data.shards as shards_module
 from nanolm.data.prepare import prepare, val_every
-from nanolm.data.shards import token_dtype
+from nanolm.data.shards import Manifest, token_dtype
 from nanolm.errors import UserError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -58,11 +59,11 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
     return path
 
 
-def read_split(out: Path, manifest: dict, split: str) -> list[np.ndarray]:
+def read_split(out: Path, manifest: Manifest, split: str) -> list[np.ndarray]:
     """Each document's token ids (EOT included) of a split, in order, checking the .idx layout."""
     docs = []
-    for s in manifest["splits"][split]["shards"]:
-        tokens = np.fromfile(out / s["bin"], dtype=manifest["dtype"])
+    for s in manifest.splits[split]["shards"]:
+        tokens = np.fromfile(out / s["bin"], dtype=manifest.dtype)
         offsets = np.fromfile(out / s["idx"], dtype=np.uint64)
         assert len(tokens) == s["n_tokens"] and len(offsets) == s["n_docs"] + 1
         assert offsets[0] == 0 and offsets[-1] == len(tokens)
@@ -70,11 +71,11 @@ def read_split(out: Path, manifest: dict, split: str) -> list[np.ndarray]:
     return docs
 
 
-def decode_all(tok_path: Path, out: Path, manifest: dict) -> list[str]:
+def decode_all(tok_path: Path, out: Path, manifest: Manifest) -> list[str]:
     """Train and val documents merged back into input order (val is every k-th document from 1)."""
     tok = HFTokenizer.from_file(str(tok_path))
     train, val = read_split(out, manifest, "train"), read_split(out, manifest, "val")
-    k = manifest["split_policy"]["val_every"]
+    k = manifest.split_policy["val_every"]
     merged = []
     for i in range(len(train) + len(val)):
         merged.append(val.pop(0) if k and i % k == 1 else train.pop(0))
@@ -99,7 +100,7 @@ def test_shards_decode_back_to_the_documents_in_order(tmp_path, tok_path):
     expected = DOCS[:6] + ["A whole text file\nis one document.\n"] + DOCS[6:]
     assert decode_all(tok_path, out, m) == expected
     # k = 4: documents 1, 5 and 9 are validation.
-    assert (m["splits"]["train"]["n_docs"], m["splits"]["val"]["n_docs"]) == (8, 3)
+    assert (m.splits["train"]["n_docs"], m.splits["val"]["n_docs"]) == (8, 3)
     val_texts = [HFTokenizer.from_file(str(tok_path)).decode(d[:-1].tolist(), skip_special_tokens=False)
                  for d in read_split(out, m, "val")]
     assert val_texts == [expected[1], expected[5], expected[9]]
@@ -116,16 +117,16 @@ def test_val_policy():
 
 def test_tiny_corpus_gets_a_val_document_and_train_is_never_empty(tmp_path, tok_path):
     m = prepare([write_jsonl(tmp_path / "a.jsonl", ["one", "two"])], tok_path, tmp_path / "o2", quiet=True)
-    assert (m["splits"]["train"]["n_docs"], m["splits"]["val"]["n_docs"]) == (1, 1)
+    assert (m.splits["train"]["n_docs"], m.splits["val"]["n_docs"]) == (1, 1)
     m = prepare([write_jsonl(tmp_path / "b.jsonl", ["only"])], tok_path, tmp_path / "o1", quiet=True)
-    assert (m["splits"]["train"]["n_docs"], m["splits"]["val"]["n_docs"]) == (1, 0)
+    assert (m.splits["train"]["n_docs"], m.splits["val"]["n_docs"]) == (1, 0)
 
 
 def test_val_fraction_zero_means_no_val_split(tmp_path, tok_path):
     out = tmp_path / "out"
     m = prepare([write_jsonl(tmp_path / "a.jsonl", DOCS)], tok_path, out, val_fraction=0, workers=0, quiet=True)
-    assert m["splits"]["val"] == {"shards": [], "n_tokens": 0, "n_docs": 0}
-    assert m["splits"]["train"]["n_docs"] == len(DOCS)
+    assert m.splits["val"] == {"shards": [], "n_tokens": 0, "n_docs": 0}
+    assert m.splits["train"]["n_docs"] == len(DOCS)
     assert not list(out.glob("val-*"))
 
 
@@ -134,30 +135,31 @@ def test_manifest_content(tmp_path, tok_path):
     src = write_jsonl(tmp_path / "a.jsonl", DOCS)
     out = tmp_path / "out"
     m = prepare([src], tok_path, out, val_fraction=0.5, workers=0, quiet=True, shard_tokens=1000)
-    assert json.loads((out / "manifest.json").read_text()) == m
-    assert m["format"] == "nanolm-tokens" and m["version"] == shards_module.FORMAT_VERSION
+    assert json.loads((out / "manifest.json").read_text()) == m.to_dict() and Manifest.read(out) == m
+    assert m.to_dict()["format"] == "nanolm-tokens" and m.version == shards_module.FORMAT_VERSION
+    assert m.kind == "text" and m.section is None
     tok = Tokenizer.load(tok_path)
-    assert m["tokenizer"] == {"path": str(tok_path.resolve()), "fingerprint": tok.fingerprint,
+    assert m.tokenizer.to_dict() == {"path": str(tok_path.resolve()), "fingerprint": tok.fingerprint,
                               "vocab_size": tok.vocab_size, "eot_id": 0}
-    assert m["dtype"] == "uint16"
+    assert m.dtype == "uint16"
     st = src.stat()
-    assert m["sources"] == [{"path": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+    assert m.sources == [{"path": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                              "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}]
-    assert m["options"] == {"val_fraction": 0.5, "skip_bad": False, "shard_tokens": 1000,
-                            "long_doc_chars": prep.LONG_DOC_CHARS}
-    assert m["split_policy"]["val_every"] == 2
-    assert m["split_policy"]["by_position"] == 0 and m["split_policy"]["summary"] == "by document: 1 in 2 " \
+    assert m.options == {"val_fraction": 0.5, "skip_bad": False, "shard_tokens": 1000,
+                            "long_doc_chars": text_kind.LONG_DOC_CHARS}
+    assert m.split_policy["val_every"] == 2
+    assert m.split_policy["by_position"] == 0 and m.split_policy["summary"] == "by document: 1 in 2 " \
         "(document i when i % 2 == 1)"
-    assert m["skipped"] == {"bad_lines": 0, "examples": [], "empty_docs": 0}
+    assert m.skipped == {"bad_lines": 0, "examples": [], "empty_docs": 0}
     n = sum(len(HFTokenizer.from_file(str(tok_path)).encode(d, add_special_tokens=False).ids) + 1 for d in DOCS)
-    assert m["totals"] == {"n_tokens": n, "n_docs": len(DOCS), "bytes": st.st_size}
-    assert m["splits"]["train"]["n_tokens"] + m["splits"]["val"]["n_tokens"] == n
+    assert m.totals == {"n_tokens": n, "n_docs": len(DOCS), "bytes": st.st_size}
+    assert m.splits["train"]["n_tokens"] + m.splits["val"]["n_tokens"] == n
     crc = {k: f"{zlib.crc32((out / f'train-00000.{k}').read_bytes()):08x}" for k in ("bin", "idx")}
-    assert m["splits"]["train"]["shards"][0] == {"bin": "train-00000.bin", "idx": "train-00000.idx",
-                                                 "n_tokens": m["splits"]["train"]["n_tokens"], "n_docs": 5,
+    assert m.splits["train"]["shards"][0] == {"bin": "train-00000.bin", "idx": "train-00000.idx",
+                                                 "n_tokens": m.splits["train"]["n_tokens"], "n_docs": 5,
                                                  "crc32": crc}  # each file's bytes, as written
-    assert set(m["throughput"]) == {"seconds", "workers", "mb_per_s", "tokens_per_s"}
-    assert m["throughput"]["workers"] == 0
+    assert set(m.throughput) == {"seconds", "workers", "mb_per_s", "tokens_per_s"}
+    assert m.throughput["workers"] == 0
 
 
 def test_dtype_choice(tmp_path):
@@ -168,7 +170,7 @@ def test_dtype_choice(tmp_path):
     text = "big <w65500> id"
     out = tmp_path / "out"
     m = prepare([write_jsonl(tmp_path / "a.jsonl", [text])], tmp_path / "tok", out, workers=0, quiet=True)
-    assert m["dtype"] == "uint32"
+    assert m.dtype == "uint32"
     ids = np.fromfile(out / "train-00000.bin", dtype=np.uint32)
     assert ids.max() > 65535 and (out / "train-00000.bin").stat().st_size == 4 * len(ids)
     assert tok.decode(ids[:-1].tolist()) == text
@@ -179,7 +181,7 @@ def test_shards_roll_over_at_document_ends(tmp_path, tok_path):
     docs = [f"document number {i} " * (i % 5 + 1) for i in range(40)]
     m = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tok_path, out, val_fraction=0, shard_tokens=50,
                 workers=0, quiet=True)
-    shards = m["splits"]["train"]["shards"]
+    shards = m.splits["train"]["shards"]
     assert len(shards) > 3
     for s in shards[:-1]:
         assert s["n_tokens"] >= 50  # closed at the first document end at or past shard_tokens
@@ -213,7 +215,7 @@ def test_one_long_txt_gives_its_last_val_fraction_by_position(tmp_path, tok_path
     text = "".join(f"line {i}: {DOCS[i % len(DOCS)].strip()}\n" for i in range(120)).replace("\r\n", "\n")
     (tmp_path / "novel.txt").write_text(text, encoding="utf-8")
     monkeypatch.setattr(formats, "TXT_PIECE_CHARS", 300)
-    monkeypatch.setattr(prep, "LONG_DOC_CHARS", 1000)
+    monkeypatch.setattr(text_kind, "LONG_DOC_CHARS", 1000)
     assert len(text) > 1000 and len(list(formats.iter_pieces(tmp_path / "novel.txt"))) > 10
     out = tmp_path / "out"
     m = prepare([tmp_path / "novel.txt"], tok_path, out, val_fraction=0.1, workers=0)
@@ -221,20 +223,20 @@ def test_one_long_txt_gives_its_last_val_fraction_by_position(tmp_path, tok_path
     train, val = read_split(out, m, "train"), read_split(out, m, "val")
     assert [_decode(tok_path, d) for d in train] == [text[:cut]]
     assert [_decode(tok_path, d) for d in val] == [text[cut:]]
-    assert m["split_policy"]["by_position"] == 1
+    assert m.split_policy["by_position"] == 1
     summary = "by position: the last 10% of each of 1 long document(s) (>= 1,000 characters)"
-    assert m["split_policy"]["summary"] == summary
+    assert m.split_policy["summary"] == summary
     assert f"validation split: {summary}" in capsys.readouterr().err
     # The same file with val_fraction 0 stays whole; under the threshold it is one document, so no val split.
     m0 = prepare([tmp_path / "novel.txt"], tok_path, tmp_path / "o0", val_fraction=0, workers=0, quiet=True)
-    assert m0["splits"]["val"]["n_docs"] == 0 and m0["split_policy"]["by_position"] == 0
-    monkeypatch.setattr(prep, "LONG_DOC_CHARS", len(text) + 1)
+    assert m0.splits["val"]["n_docs"] == 0 and m0.split_policy["by_position"] == 0
+    monkeypatch.setattr(text_kind, "LONG_DOC_CHARS", len(text) + 1)
     m1 = prepare([tmp_path / "novel.txt"], tok_path, tmp_path / "o1", val_fraction=0.1, workers=0, quiet=True)
-    assert (m1["splits"]["train"]["n_docs"], m1["splits"]["val"]["n_docs"]) == (1, 0)
+    assert (m1.splits["train"]["n_docs"], m1.splits["val"]["n_docs"]) == (1, 0)
 
 
 def test_short_documents_keep_the_every_kth_rule_beside_a_long_one(tmp_path, tok_path, monkeypatch):
-    monkeypatch.setattr(prep, "LONG_DOC_CHARS", 500)
+    monkeypatch.setattr(text_kind, "LONG_DOC_CHARS", 500)
     long_doc = " ".join(f"word{i}" for i in range(150))  # 1,039 characters: one jsonl line, one piece
     docs = DOCS[:3] + [long_doc] + DOCS[3:9]
     out = tmp_path / "out"
@@ -245,8 +247,8 @@ def test_short_documents_keep_the_every_kth_rule_beside_a_long_one(tmp_path, tok
     val = [_decode(tok_path, d) for d in read_split(out, m, "val")]
     assert train == [docs[0], docs[2], long_doc[:cut], docs[4], docs[6], docs[7], docs[8]]
     assert val == [docs[1], long_doc[cut:], docs[5], docs[9]]
-    assert m["split_policy"]["by_position"] == 1
-    assert m["split_policy"]["summary"] == ("by document: 1 in 4 (document i when i % 4 == 1); by position: the last "
+    assert m.split_policy["by_position"] == 1
+    assert m.split_policy["summary"] == ("by document: 1 in 4 (document i when i % 4 == 1); by position: the last "
                                             "25% of each of 1 long document(s) (>= 500 characters)")
 
 
@@ -262,12 +264,12 @@ def test_rerun_on_unchanged_inputs_is_a_no_op(tmp_path, tok_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     # Other options, or the same size and mtime with other content, mean work to do.
     m3 = prepare([src], tok_path, out, workers=0, quiet=True, val_fraction=0.5)
-    assert m3["options"]["val_fraction"] == 0.5 and m3["created"] >= m1["created"]
+    assert m3.options["val_fraction"] == 0.5 and m3.created >= m1.created
     st = src.stat()
     src.write_text(src.read_text().replace("quick", "QUICK"), encoding="utf-8")
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
     m4 = prepare([src], tok_path, out, workers=0, quiet=True, val_fraction=0.5)
-    assert m4["sources"][0]["sha256"] != m3["sources"][0]["sha256"]
+    assert m4.sources[0]["sha256"] != m3.sources[0]["sha256"]
     assert decode_all(tok_path, out, m4)[0].startswith("The QUICK")
     # A shard deleted by hand is noticed.
     (out / "val-00000.bin").unlink()
@@ -321,7 +323,7 @@ def test_bad_line_fails_without_output_or_is_skipped_and_recorded(tmp_path, tok_
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     m = prepare([src], tok_path, out, workers=0, skip_bad=True, val_fraction=0)
     assert decode_all(tok_path, out, m) == ["good one", "good two"]
-    assert m["skipped"] == {"bad_lines": 2, "empty_docs": 0, "examples": [
+    assert m.skipped == {"bad_lines": 2, "empty_docs": 0, "examples": [
         f'{src}:2: "text" must be a string, got a number', f'{src}:4: no "text" field (keys: txt)']}
     assert f"skipped 2 bad line(s) (--skip-bad), first: {src}:2:" in capsys.readouterr().err
 
@@ -351,7 +353,7 @@ def test_worker_processes_write_the_same_bytes(tmp_path, tok_path, monkeypatch):
     for workers in (0, 1, 2):
         out = tmp_path / f"out{workers}"
         m = prepare([src], tok_path, out, workers=workers, quiet=True, shard_tokens=500)
-        assert m["throughput"]["workers"] == workers
+        assert m.throughput["workers"] == workers
         results[workers] = {k: v for k, v in snapshot(out).items() if k != "manifest.json"}
     assert len(results[0]) > 4
     assert results[0] == results[1] == results[2]

@@ -90,9 +90,9 @@ def test_the_set_prepares_with_the_mask_on_calls_and_replies(tmp_path, tokenizer
     src = build(tmp_path / "tools.jsonl", 30, seed=0)
     m = prepare([src], tokenizer_dir, tmp_path / "data", format="chat", max_tokens=2048, val_fraction=0,
                 workers=0, quiet=True)
-    assert m["totals"]["n_docs"] == 30 and m["chat"]["truncated"] == 0
+    assert m.totals["n_docs"] == 30 and m.section["truncated"] == 0
     tok = Tokenizer.load(tokenizer_dir)
-    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m["dtype"])
+    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m.dtype)
     mask = np.fromfile(tmp_path / "data" / "train-00000.mask", dtype=np.uint8)
     targets = tok.decode(ids[(mask & chatml.TARGET) > 0].tolist())
     assert targets.count("<tool_call>") == sum(len(c.messages) == 4 for c, _ in iter_chat_records(src))

@@ -550,7 +550,7 @@ def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = 
 
     format="chat" reads conversation files and yields each message's text
     (its reasoning, content and tool calls) and the tools offered;
-    format="dpo" reads preference pairs and yields the chosen conversation's,
+    format="pairs" reads preference pairs and yields the chosen conversation's,
     then the rejected reply's; format="blocks" each block record's input and
     output (or its text).
     """
@@ -565,7 +565,7 @@ def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = 
                 yield a
                 if b is not None:
                     yield b
-        elif format == "dpo":
+        elif format == "pairs":
             for (chosen, rejected), _ in iter_preference_records(f, skip_bad=skip_bad, stats=stats):
                 yield from chosen.tools
                 for m in (*chosen.messages, rejected.messages[-1]):

@@ -1,8 +1,8 @@
-"""What every kind of prepared data shares, below each kind's writer: the split rule, what a source file was
-(path, size, time, content hash), whether an output directory may be replaced, and the manifest's common part.
+"""What every kind of prepared data shares, below the kinds and the driver: the split rule, what a source file
+was (path, size, time, content hash) and whether an output directory may be replaced.
 
-`nanolm prepare` (data/prepare.py) and the small in-process writers of RL prompts (data/prompts.py) and of
-input/output blocks (data/blocks.py) all take them from here, so that none imports another's internals.
+`nanolm prepare` (data/prepare.py) and the data kinds (data/kinds/) take them from here; the manifest's
+fields are `Manifest`'s (data/shards.py).
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from nanolm.data.shards import FORMAT_VERSION, MANIFEST, SHARD_FILE
+from nanolm.data.shards import MANIFEST, SHARD_FILE
 from nanolm.errors import UserError
 
 # Where nanolm 0.1 wrote inside out_dir before its data was written whole beside it; a leftover of one goes with
@@ -57,19 +54,3 @@ def check_replaceable(out_dir: Path) -> None:
         if not (p.name == MANIFEST or SHARD_FILE.match(p.name) or OLD_TEMP.match(p.name)):
             raise UserError(f"{out_dir}: holds {p.name}, which nanolm prepare did not write, and prepared data "
                             f"replaces the whole directory; move it out of {out_dir}, or choose another --out")
-
-
-def manifest_head(tok: Any, dtype: np.dtype, splits: dict[str, Any], n_docs: int, sources: list[dict[str, Any]],
-                  options: dict[str, Any], split_policy: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's fields every kind writes: format, version, time, tokenizer, dtype, the splits' shards,
-    totals, the sources (each `source_stat` with its sha256), options and split policy; a kind adds its own."""
-    return {
-        "format": "nanolm-tokens", "version": FORMAT_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tokenizer": {"path": str(tok.path), "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                      "eot_id": tok.eot_id},
-        "dtype": dtype.name, "splits": splits,
-        "totals": {"n_tokens": sum(s["n_tokens"] for s in splits.values()), "n_docs": n_docs,
-                   "bytes": sum(s["size"] for s in sources)},
-        "sources": sources, "options": options, "split_policy": split_policy,
-    }

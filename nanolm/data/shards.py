@@ -17,13 +17,17 @@ A prepared data directory (what `nanolm prepare` writes and training reads) hold
   one JSON line per document of the split, in order: the prompt's messages,
   tools and the record as the user gave it (reference answers for rewards);
   the shards hold each prompt's conversation rendered without a generation
-  prompt (see nanolm/data/prompts.py).
+  prompt (see nanolm/data/kinds/prompts.py).
 - `manifest.json`: the format version, the tokenizer's fingerprint and vocab
   size, the dtype, and per split its shards with their token and document
   counts and the CRC-32 of each of their files (`crc32`: {"bin", "idx",
   "mask"}, computed as they are written); `nanolm prepare` adds what was made from what (sources, options,
-  skipped lines, throughput). It is written last: a directory without it is
-  not prepared data.
+  skipped lines, throughput) and the data kind's own section, under the kind's
+  name (nanolm/data/kinds/). It is written last: a directory without it is
+  not prepared data. `Manifest` is its one reader (`Manifest.read`, which
+  checks every field it gives) and its one writer (`Manifest.write`); the
+  kind is `options.format` ("text" when absent), and the old name of a renamed
+  kind (`RENAMED_KINDS`: preference pairs were "dpo") reads as today's.
 
 `SplitWriter` writes one split's shards; `PackedData` maps one split's shards
 read-only, after checking the manifest and the files' sizes against it, and
@@ -51,7 +55,7 @@ import re
 import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -60,7 +64,7 @@ import torch
 
 from nanolm.data.chatml import TARGET
 from nanolm.errors import UserError
-from nanolm.io import check_crc32, crc32_checked
+from nanolm.io import check_crc32, crc32_checked, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -70,6 +74,10 @@ SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|idx|mask)$|^(train|val)\.reco
 # Shard files PackedData keeps open for reading windows (the least recently read closes first).
 MAX_OPEN_SHARDS = 64
 IGNORE_INDEX = -1  # a Batch target equal to this contributes no loss (a masked or padding position)
+# The kind of data whose manifest gives no options.format: pretraining text, as nanolm wrote it first.
+DEFAULT_KIND = "text"
+# Kinds renamed since data was first written: the old name (a manifest's options.format and section) -> today's.
+RENAMED_KINDS = {"dpo": "pairs"}
 
 
 def shard_name(split: str, index: int) -> str:
@@ -240,10 +248,10 @@ def write_splits(writers: dict[str, SplitWriter], is_val: np.ndarray, tokens: np
             writers[split].append(tokens[keep], lens[sel], lasts[sel], None if mask is None else mask[keep])
 
 
-def shards_intact(out_dir: Path, manifest: dict[str, Any]) -> bool:
+def shards_intact(out_dir: Path, manifest: Manifest) -> bool:
     """Whether every shard file the manifest lists is in out_dir at the size the manifest gives it."""
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    for split in manifest["splits"].values():
+    itemsize = np.dtype(manifest.dtype).itemsize
+    for split in manifest.splits.values():
         for s in split["shards"]:
             b, i = out_dir / s["bin"], out_dir / s["idx"]
             if not (b.is_file() and i.is_file()):
@@ -295,6 +303,96 @@ def _close_fds(fds: dict[int, int]) -> None:
     fds.clear()
 
 
+@dataclass(frozen=True)
+class TokenizerRef:
+    """The tokenizer a manifest's data was made with (its "tokenizer" field); path and eot_id are absent from
+    data made by hand in tests."""
+
+    fingerprint: str
+    vocab_size: int
+    path: str | None = None
+    eot_id: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
+                "eot_id": self.eot_id}
+
+
+@dataclass
+class Manifest:
+    """A prepared data directory's `manifest.json` (module doc), field by field as it is on disk.
+
+    kind: the data kind (options.format, DEFAULT_KIND when absent, an old name read as today's); section: the
+    kind's own section, stored under the kind's name; throughput: None for the kinds written in-process.
+    splits: per split {"shards": [{"bin", "idx", "mask"?, "n_tokens", "n_docs", "n_trainable"?, "crc32"}],
+    "n_tokens", "n_docs", ...} as `SplitWriter.finish` gives it, and what the kind adds.
+    """
+
+    kind: str
+    tokenizer: TokenizerRef
+    dtype: str
+    splits: dict[str, dict[str, Any]]
+    options: dict[str, Any] = field(default_factory=dict)
+    totals: dict[str, Any] = field(default_factory=dict)
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    split_policy: dict[str, Any] = field(default_factory=dict)
+    skipped: dict[str, Any] = field(default_factory=dict)
+    throughput: dict[str, Any] | None = None
+    section: dict[str, Any] | None = None
+    created: str = ""
+    version: int = FORMAT_VERSION
+
+    @classmethod
+    def read(cls, data_dir: Path) -> Manifest:
+        """The manifest of data_dir, every field checked: a UserError naming the file and the field otherwise."""
+        data_dir = Path(data_dir)
+        path = data_dir / MANIFEST
+        if not data_dir.is_dir():
+            raise UserError(f"{data_dir}: no such data directory; run `nanolm prepare` to make it")
+        if not path.is_file():
+            raise UserError(f"{path}: not found, so {data_dir} holds no prepared data; run `nanolm prepare` to make it")
+        try:
+            m = json.loads(path.read_text(encoding="utf-8"))
+            version = m.get("version")
+        except (ValueError, AttributeError, RecursionError):
+            raise UserError(f"{path}: not a nanolm manifest; run `nanolm prepare` again") from None
+        except OSError as e:
+            raise UserError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from None
+        if version != FORMAT_VERSION:
+            raise UserError(f"{path}: data format version {version!r}, this nanolm reads version "
+                            f"{FORMAT_VERSION}; run `nanolm prepare` again")
+        _check_manifest(m, path)
+        options = m.get("options", {})
+        stored = options.get("format", DEFAULT_KIND)
+        kind = RENAMED_KINDS.get(stored, stored)
+        if "format" in options:
+            options = {k: kind if k == "format" else v for k, v in options.items()}
+        tok = m["tokenizer"]
+        return cls(kind=kind, tokenizer=TokenizerRef(tok["fingerprint"], tok["vocab_size"], tok.get("path"),
+                                                     tok.get("eot_id")),
+                   dtype=m["dtype"], splits=m["splits"], options=options, totals=m.get("totals", {}),
+                   sources=m.get("sources", []), split_policy=m.get("split_policy", {}),
+                   skipped=m.get("skipped", {}), throughput=m.get("throughput"), section=m.get(stored),
+                   created=m.get("created", ""), version=version)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object on disk."""
+        out: dict[str, Any] = {
+            "format": "nanolm-tokens", "version": self.version, "created": self.created,
+            "tokenizer": self.tokenizer.to_dict(), "dtype": self.dtype, "splits": self.splits, "totals": self.totals,
+            "sources": self.sources, "options": self.options, "split_policy": self.split_policy,
+            "skipped": self.skipped}
+        if self.throughput is not None:
+            out["throughput"] = self.throughput
+        if self.section is not None:
+            out[self.kind] = self.section
+        return out
+
+    def write(self, data_dir: Path) -> None:
+        """Write data_dir/manifest.json (atomically)."""
+        write_json_atomic(Path(data_dir) / MANIFEST, self.to_dict())
+
+
 def _check_manifest(m: dict[str, Any], path: Path) -> None:
     """UserError naming the first field of a manifest that is missing or of the wrong type (a damaged file)."""
     def need(ok: bool, field: str, want: str) -> None:
@@ -305,12 +403,24 @@ def _check_manifest(m: dict[str, Any], path: Path) -> None:
     def count(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    def optional(key: str, typ: type, want: str) -> None:
+        need(m.get(key) is None or isinstance(m[key], typ), key, want)
+
     tok, splits = m.get("tokenizer"), m.get("splits")
     need(isinstance(tok, dict) and count(tok.get("vocab_size")) and tok["vocab_size"] > 0, "tokenizer.vocab_size",
          "a positive integer")
     need(isinstance(tok.get("fingerprint"), str), "tokenizer.fingerprint", "a string")
+    need(tok.get("path") is None or isinstance(tok["path"], str), "tokenizer.path", "a string")
+    need(tok.get("eot_id") is None or count(tok["eot_id"]), "tokenizer.eot_id", "an integer >= 0")
     need(m.get("dtype") in ("uint16", "uint32"), "dtype", "uint16 or uint32")
     need(isinstance(m.get("options", {}), dict), "options", "an object")
+    kind = m.get("options", {}).get("format", DEFAULT_KIND)
+    need(isinstance(kind, str) and kind != "", "options.format", "a data kind's name")
+    need(m.get(kind) is None or isinstance(m[kind], dict), kind, "an object")
+    for key in ("totals", "split_policy", "skipped", "throughput"):
+        optional(key, dict, "an object")
+    optional("sources", list, "a list")
+    optional("created", str, "a string")
     need(isinstance(splits, dict) and set(splits) <= set(SPLITS), "splits", "an object of train and val")
     for name, e in splits.items():
         need(isinstance(e, dict) and count(e.get("n_docs")), f"splits.{name}.n_docs", "an integer >= 0")
@@ -320,7 +430,7 @@ def _check_manifest(m: dict[str, Any], path: Path) -> None:
             need(isinstance(s, dict), where, "an object")
             for key in ("n_tokens", "n_docs"):
                 need(count(s.get(key)), f"{where}.{key}", "an integer >= 0")
-            for key in ("bin", "idx", "mask"):  # file names beside the manifest; mask for chat and dpo data
+            for key in ("bin", "idx", "mask"):  # file names beside the manifest; mask for masked kinds
                 v = s.get(key)
                 need((key == "mask" and v is None) or (isinstance(v, str) and v == Path(v).name and v[:1] != "."),
                      f"{where}.{key}", "a file name")
@@ -348,68 +458,57 @@ class PackedData:
 
     shards[i] is a 1-D memmap of token ids (`gather` reads text windows from the files instead, see the
     module doc); offsets[i] the uint64 document starts;
-    masks[i] (chat and preference data, else None) the uint8 loss mask of shards[i].
-    kind: "text", "chat", "dpo" (preference pairs), "prompts" or "blocks", from the manifest's options.format.
+    masks[i] (data whose shards carry a loss mask: chat and preference pairs; else None) the uint8 loss mask of
+    shards[i]. manifest: the directory's `Manifest`; kind: its data kind's name (nanolm/data/kinds/, whose class
+    reads the split's documents as the units the loader streams, and checks what only it knows).
     """
 
     def __init__(self, data_dir: Path, split: str = "train", *, tokenizer_fingerprint: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.split = split
         manifest_path = self.data_dir / MANIFEST
-        if not self.data_dir.is_dir():
-            raise UserError(f"{self.data_dir}: no such data directory; run `nanolm prepare` to make it")
-        if not manifest_path.is_file():
-            raise UserError(f"{manifest_path}: not found, so {self.data_dir} holds no prepared data; "
-                            "run `nanolm prepare` to make it")
-        try:
-            m = json.loads(manifest_path.read_text(encoding="utf-8"))
-            version = m.get("version")
-        except (ValueError, AttributeError, RecursionError):
-            raise UserError(f"{manifest_path}: not a nanolm manifest; run `nanolm prepare` again") from None
-        if version != FORMAT_VERSION:
-            raise UserError(f"{manifest_path}: data format version {version!r}, this nanolm reads version "
-                            f"{FORMAT_VERSION}; run `nanolm prepare` again")
-        _check_manifest(m, manifest_path)
-        self.manifest: dict[str, Any] = m
-        self.vocab_size: int = int(m["tokenizer"]["vocab_size"])
-        self.dtype = np.dtype(m["dtype"])
-        self.kind: str = m.get("options", {}).get("format", "text")
-        if self.kind not in ("text", "chat", "dpo", "prompts", "blocks"):
-            raise UserError(f"{manifest_path}: unknown data format {self.kind!r} (this nanolm reads text, chat, "
-                            "dpo, prompts and blocks); run `nanolm prepare` again")
-        self.is_chat: bool = self.kind == "chat"
-        self.is_dpo: bool = self.kind == "dpo"
-        fingerprint = m["tokenizer"]["fingerprint"]
+        m = self.manifest = Manifest.read(self.data_dir)
+        self.vocab_size: int = m.tokenizer.vocab_size
+        self.dtype = np.dtype(m.dtype)
+        self.kind: str = m.kind
+        fingerprint = m.tokenizer.fingerprint
         if tokenizer_fingerprint is not None and tokenizer_fingerprint != fingerprint:
             raise UserError(f"{manifest_path}: data was tokenized with tokenizer {fingerprint[:16]} "
-                            f"({m['tokenizer'].get('path')}) but the tokenizer in use is {tokenizer_fingerprint[:16]}; "
+                            f"({m.tokenizer.path}) but the tokenizer in use is {tokenizer_fingerprint[:16]}; "
                             "use that tokenizer, or run `nanolm prepare` again with this one")
-        entry = m["splits"].get(split)
+        entry = m.splits.get(split)
         if not entry or not entry["shards"]:
-            have = [s for s, e in m["splits"].items() if e["shards"]]
+            have = [s for s, e in m.splits.items() if e["shards"]]
             raise UserError(f"{manifest_path}: no {split!r} split (the data has: {', '.join(have) or 'none'}); "
                             "run `nanolm prepare` with more documents or --val-fraction > 0 for a val split")
         self.shards: list[np.memmap] = []
         self.offsets: list[np.memmap] = []
-        self.masks: list[np.memmap] | None = None if self.kind in ("text", "prompts", "blocks") else []
+        # A split's shards all carry a loss mask or none does (the kind says whether it needs one).
+        masked = any(s.get("mask") is not None for s in entry["shards"])
+        self.masks: list[np.memmap] | None = [] if masked else None
         checks: list[tuple[Path, str]] = []  # (file, its recorded CRC-32)
         for s in entry["shards"]:
             n = int(s["n_tokens"])
             self.shards.append(self._map(s["bin"], self.dtype, n))
             self.offsets.append(self._map(s["idx"], np.dtype(np.uint64), int(s["n_docs"]) + 1))
             if self.masks is not None:
-                if "mask" not in s:
-                    raise UserError(f"{manifest_path}: {self.kind} shard {s['bin']} lists no loss mask file; "
-                                    f"the data is damaged, run `nanolm prepare --format {self.kind}` again")
+                if s.get("mask") is None:
+                    raise UserError(self.no_mask(s["bin"]))
                 self.masks.append(self._map(s["mask"], np.dtype(np.uint8), n))
             checks += [(self.data_dir / s[key], want) for key, want in s.get("crc32", {}).items() if key in s]
-            if self.is_dpo and int(s["n_docs"]) % 2:
-                raise UserError(f"{manifest_path}: preference shard {s['bin']} holds {s['n_docs']} conversations, "
-                                "not whole pairs; the data is damaged, run `nanolm prepare --format dpo` again")
         _verify(checks, manifest_path)  # the sizes are right: now the bytes
         self.n_tokens: int = sum(len(s) for s in self.shards)
         self.n_docs: int = int(entry["n_docs"])  # for preference data: conversations, two per pair
         self._files = _ShardFiles([self.data_dir / s["bin"] for s in entry["shards"]])
+
+    def shard_entries(self) -> list[dict[str, Any]]:
+        """The manifest's entries of this split's shards."""
+        return self.manifest.splits[self.split]["shards"]
+
+    def no_mask(self, shard: str) -> str:
+        """The message for a shard of data that needs a loss mask but lists no mask file."""
+        return (f"{self.data_dir / MANIFEST}: {self.kind} shard {shard} lists no loss mask file; the data is "
+                f"damaged, run `nanolm prepare --format {self.kind}` again")
 
     def _map(self, name: str, dtype: np.dtype, count: int) -> np.memmap:
         path = self.data_dir / name
@@ -458,7 +557,7 @@ class PackedData:
         if ids.size and ids.max() >= self.vocab_size:
             row = np.argwhere(ids >= self.vocab_size)[0]
             s = shard if isinstance(shard, int) else int(shard[row[0]])
-            name = self.manifest["splits"][self.split]["shards"][s]["bin"]
+            name = self.shard_entries()[s]["bin"]
             raise UserError(f"{self.data_dir / name}: holds token id {int(ids[tuple(row)])}, outside the vocabulary "
                             f"of {self.vocab_size} tokens ({MANIFEST}); the data is damaged, run `nanolm prepare` "
                             "again")
@@ -475,7 +574,7 @@ class PackedData:
             o = np.asarray(o, dtype=np.int64)
             sizes = np.diff(o)  # each document holds at least its EOT
             if len(o) == 0 or o[0] != 0 or o[-1] != len(self.shards[i]) or (sizes < 1).any():
-                name = self.manifest["splits"][self.split]["shards"][i]["idx"]
+                name = self.shard_entries()[i]["idx"]
                 raise UserError(f"{self.data_dir / name}: document offsets do not run from 0 up to the shard's "
                                 f"{len(self.shards[i])} tokens; the data is damaged, run `nanolm prepare` again")
             shards.append(np.full(len(sizes), i, dtype=np.int64))

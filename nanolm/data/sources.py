@@ -65,7 +65,8 @@ from typing import Any
 
 from nanolm.config import Config, DataConfig, DataSetConfig, default_set_name
 from nanolm.data.loader import Loader
-from nanolm.data.shards import Batch, PackedData
+from nanolm.data.kinds import BlocksKind, ChatKind, PairsKind
+from nanolm.data.shards import Batch, Manifest, PackedData
 from nanolm.errors import UserError
 
 
@@ -123,17 +124,17 @@ class DataStream:
         parts = [PackedData(Path(s.path), "train") for s in specs]
         first = parts[0]
         for s, p in zip(specs[1:], parts[1:]):
-            fp, fp0 = p.manifest["tokenizer"]["fingerprint"], first.manifest["tokenizer"]["fingerprint"]
+            fp, fp0 = p.manifest.tokenizer.fingerprint, first.manifest.tokenizer.fingerprint
             if fp != fp0:
                 raise UserError(f"data.sets: {specs[0].path} and {s.path} were prepared with different tokenizers "
                                 f"({fp0[:12]} and {fp[:12]}); prepare every set with the same tokenizer")
-            if "blocks" in (p.kind, first.kind):
+            if BlocksKind.name in (p.kind, first.kind):
                 raise UserError(f"data.sets: {specs[0].path} holds {first.kind} data and {s.path} {p.kind} data; "
                                 "block data trains alone: give it as the one data set of its run")
-            if (p.kind == "dpo") != (first.kind == "dpo"):
+            if (p.kind == PairsKind.name) != (first.kind == PairsKind.name):
                 raise UserError(f"data.sets: {specs[0].path} holds {first.kind} data and {s.path} {p.kind} data; "
-                                "preference (dpo) data cannot be combined with text or chat data: train it in "
-                                "a run of its own")
+                                "preference pairs cannot be combined with text or chat data: train them in a run "
+                                "of their own")
         total_weight = sum(Fraction(repr(s.weight)) for s in specs)
         self.sets: list[SetStream] = []
         for i, (s, p) in enumerate(zip(specs, parts)):
@@ -144,11 +145,10 @@ class DataStream:
             self.sets.append(SetStream(s.name, s.path, p, loader, budget, text, weight))
         kinds = {p.kind for p in parts}
         # A text/chat mix trains as chat data: its batches may carry segments (masked attention).
-        self.kind: str = kinds.pop() if len(kinds) == 1 else "chat"
-        self.is_chat = self.kind == "chat"
-        self.is_dpo = self.kind == "dpo"
+        self.kind: str = kinds.pop() if len(kinds) == 1 else ChatKind.name
+        self.is_chat = self.kind == ChatKind.name
         self.vocab_size: int = first.vocab_size
-        self.manifest: dict[str, Any] = first.manifest  # tokenizer info, shared by all sets
+        self.manifest: Manifest = first.manifest  # tokenizer info, shared by all sets
         self.n_tokens: int = sum(p.n_tokens for p in parts)
         self.units = [0] * len(self.sets)  # units taken from each set so far, over all ranks
         self.active = 0  # curriculum: the set the next batch comes from

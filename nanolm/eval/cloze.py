@@ -24,7 +24,7 @@ character in its text).
 
 Held out: text that no training path of nanolm reads as training data.
 `nanolm prepare` splits validation by document or by position
-(nanolm/data/prepare.py): a document of at least LONG_DOC_CHARS characters
+(nanolm/data/kinds/text.py): a document of at least LONG_DOC_CHARS characters
 gives its last val_fraction of characters to val; the shorter ones are
 numbered across all sources in order, document i going to val when i % k == 1,
 k = `val_every(val_fraction)`. Three layouts train on the built-in text
@@ -75,7 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from nanolm.data.prepare import LONG_DOC_CHARS, val_every
+from nanolm.data.kinds.text import LONG_DOC_CHARS
+from nanolm.data.provenance import val_every
 from nanolm.errors import UserError
 from nanolm.eval.tasks import MCItem, Task
 from nanolm.corpora import TEXT_CORPORA

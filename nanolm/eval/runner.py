@@ -2,7 +2,8 @@
 
 A task spec is a built-in task name (`idioms`) or a task file (see
 `tasks.py`; the built-in names are `idioms`, `cloze`, `calc` and `arith`,
-see `builtin.py`), optionally followed by `:key=value,...` options:
+see `builtin.py`; `toolcall:FILE`, tool use scored on calls and answers, see
+`toolcall.py`), optionally followed by `:key=value,...` options:
 
 - `n=N`: score the first N items only;
 - `shots=K`: K solved examples before each question, the first K items of
@@ -21,6 +22,8 @@ see `builtin.py`), optionally followed by `:key=value,...` options:
 eval_tasks call it); `run_eval` loads a checkpoint, scores, prints the
 summary table (task, n, accuracy, chance-centred, stderr) and writes the
 results as JSON beside the run (`<run>/eval/<checkpoint>.json`).
+`run_endpoint_eval` scores `toolcall` tasks through any OpenAI-compatible
+endpoint instead of a checkpoint (`nanolm eval --endpoint URL --model NAME`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from nanolm.errors import UserError
 from nanolm.eval.builtin import BUILTIN_TASKS, builtin_task
 from nanolm.eval.tasks import Task, as_letters, read_task_file
+from nanolm.eval.toolcall import MAX_NEW_TOKENS, PREFIX, LocalBackend, read_toolcall_file, score_toolcall
 
 _OPTIONS = re.compile(r"^[a-z_]+=[^,]*(,[a-z_]+=[^,]*)*$")
 _KEYS = ("n", "shots", "dev", "chat", "style", "name")
@@ -104,6 +108,13 @@ class LoadedTask:
 def load_task(spec: str | TaskSpec) -> LoadedTask:
     """The task a spec names, its shots drawn from its dev split."""
     s = parse_task_spec(spec) if isinstance(spec, str) else spec
+    if s.source.startswith(PREFIX):  # tool use: a file of items with tools, expected calls and answers
+        path = s.source[len(PREFIX):]
+        task = Task(s.name or f"toolcall:{Path(path).stem}", "toolcall", read_toolcall_file(path), path, "toolcall")
+        task.items = task.items[: s.n] if s.n else task.items
+        if s.shots or s.style != "cloze":
+            raise UserError(f"--task {s.source}: tool-use items take no shots= or style=")
+        return LoadedTask(task, [], True)
     if s.source in BUILTIN_TASKS and not Path(s.source).exists():
         task = builtin_task(s.source, s.n)
         if s.shots:
@@ -156,6 +167,10 @@ def evaluate_tasks(model: torch.nn.Module, tok: Any, tasks: Sequence[LoadedTask]
                 if lt.task.kind == "calc":  # always through the chat template, with the built-in tools
                     from nanolm.eval.calc import score_calc
                     res, chat = score_calc(engine, tok, lt.task.items, rows=rows), True
+                elif lt.task.kind == "toolcall":  # through the chat template with each item's tools
+                    max_new = sampling.max_new_tokens if sampling is not None else MAX_NEW_TOKENS
+                    res, chat = score_toolcall(LocalBackend(engine, tok, rows=rows, max_new_tokens=max_new),
+                                               lt.task.items), True
                 else:
                     params = sampling or SamplingParams(max_new_tokens=256, temperature=0.0)
                     res = score_gen(engine, tok, lt.task.items, params, shots=lt.shots, chat=chat, rows=rows)
@@ -259,6 +274,29 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
                                   "max_new_tokens": max_new_tokens, "source": ", ".join(data) if data else
                                   "idioms (held-out questions)"}
     path = Path(out) if out else run_dir_of(ckpt_dir) / "eval" / f"{ckpt_dir.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, report)
+    report["path"] = str(path)
+    return report
+
+
+def run_endpoint_eval(url: str, model: str, specs: Sequence[str], *, api_key: str | None = None,
+                      max_new_tokens: int = MAX_NEW_TOKENS, out: str | Path | None = None) -> dict[str, Any]:
+    """Score `toolcall:FILE` tasks through an OpenAI-compatible endpoint (`model` as it names the model); writes
+    the JSON (to `out`, default eval/<model>.json) and returns {"endpoint", "model", "tasks": [...], "path"}."""
+    from nanolm.eval.toolcall import EndpointBackend
+    from nanolm.io import write_json_atomic
+    loaded = [load_task(s) for s in specs]
+    other = [lt.task.name for lt in loaded if lt.task.kind != "toolcall"]
+    if other:
+        raise UserError(f"--endpoint scores tool-use tasks (--task toolcall:FILE) only, not {', '.join(other)}; "
+                        "score those on a checkpoint")
+    backend = EndpointBackend(url, model, api_key=api_key, max_new_tokens=max_new_tokens)
+    results = [{"task": lt.task.name, "path": lt.task.path, "layout": lt.task.layout, "shots": 0, "chat": True,
+                **score_toolcall(backend, lt.task.items)} for lt in loaded]
+    report: dict[str, Any] = {"endpoint": url, "model": model, "tasks": results}
+    safe = re.sub(r"[^\w.-]+", "_", model) or "endpoint"
+    path = Path(out) if out else Path("eval") / f"{safe}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, report)
     report["path"] = str(path)

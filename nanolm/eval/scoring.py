@@ -210,7 +210,7 @@ def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[i
     """The reply to each prompt (token ids), decoded by the engine's batched rows, `rows` at a time (a row that
     ends makes room for the next prompt), each cut before the first of `stops`. With a seed, prompt i draws
     with seed + i, so a reply does not depend on which prompts ran beside it. guide: a row guide
-    (`infer/guide.py`) each row gets a fork of, or None."""
+    (`infer/guide.py`) each row gets a fork of, a list of one per prompt, or None."""
     from dataclasses import replace
 
     batch = engine.batch()
@@ -223,7 +223,8 @@ def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[i
         added = []
         for i in itertools.islice(pending, max(rows - live, 0)):
             p = params if params.seed is None else replace(params, seed=params.seed + i)
-            (row,) = batch.add(list(prompts[i])[-limit:], p, stop_ids, guide=guide)
+            (row,) = batch.add(list(prompts[i])[-limit:], p, stop_ids,
+                               guide=guide[i] if isinstance(guide, list) else guide)
             index[row] = i
             added.append(row)
         return added

@@ -74,7 +74,7 @@ def complete(engine: Engine, tokenizer: Tokenizer, prompt: str, params: Sampling
 
 @torch.no_grad()
 def write_block(model: torch.nn.Module, tokenizer: Tokenizer, text: str, block_len: int) -> str:
-    """The output block a model trained with --stage blocks (nanolm/data/blocks.py) writes for the input `text`,
+    """The output block a model trained with --stage blocks (nanolm/data/kinds/blocks.py) writes for the input `text`,
     up to its first end-of-text, greedily: a non-causal model in one pass over the input block; a causal one
     token by token after it (at most block_len forwards, no cache: blocks are short)."""
     check_vocab(tokenizer, model.config.vocab_size)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanolm.data.blocks import block_views
+from nanolm.data.kinds.blocks import block_views
 from nanolm.data.shards import IGNORE_INDEX, Batch
 from nanolm.model.moe import collect_aux_loss, moe_layers
 from nanolm.train.losses import distill_loss, dpo_loss, sequence_logps, step_share
@@ -158,7 +158,7 @@ class LMObjective(Objective):
 
 
 class BlocksObjective(LMObjective):
-    """Input and output blocks (nanolm/data/blocks.py): the output block's cross-entropy summed over its targets
+    """Input and output blocks (nanolm/data/kinds/blocks.py): the output block's cross-entropy summed over its targets
     (+ the MoE balance loss), for a causal model (the output token by token after the input) or a non-causal one
     (every output position from the whole input block at once)."""
 

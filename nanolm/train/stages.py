@@ -160,8 +160,7 @@ class DPO(Stage):
     """Direct preference optimisation on preference pairs, against a frozen reference."""
 
     name = "dpo"
-    # "dpo": preference pairs prepared before the data kind was called "pairs" (nanolm/data/kinds/pairs.py).
-    kinds = ("pairs", "dpo")
+    kinds = ("pairs",)
     fine_tunes = True
     prepare_hint = "prepare preference pairs with `nanolm prepare --format pairs`"
     data_hint = "preference data trains with --stage dpo"
@@ -229,7 +228,7 @@ class GRPO(Stage):
             raise UserError("train.parallel=fsdp does not run --stage grpo (the rollout engine decodes from a full "
                             "copy of the weights); use --train.parallel ddp")
         if trainer.tok_dir is None:
-            raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({trainer.data.manifest['tokenizer'].get('path')})"
+            raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({trainer.data.manifest.tokenizer.path})"
                             " is not at hand, and sampling needs it; prepare the prompts again with a tokenizer "
                             "directory that stays in place")
         rewards = Rewards.from_spec(g.rewards, thinking=g.thinking, length_min=g.length_min,

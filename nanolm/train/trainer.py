@@ -131,8 +131,7 @@ class _StopFlag:
 
 
 def _tokenizer_dir(data: DataStream) -> Path | None:
-    tok = data.manifest.get("tokenizer", {})
-    path = Path(tok.get("path", ""))
+    path = Path(data.manifest.tokenizer.path or "")
     if path.is_file():
         path = path.parent
     return path if (path / "tokenizer.json").is_file() else None
@@ -294,7 +293,7 @@ class Trainer:
 
     def check_tokenizer(self, src: Path, what: str, fix: str) -> None:
         """Checkpoint `src`'s weights are tied to the ids of its tokenizer: refuse one other than the data's."""
-        theirs, ours = ckpt.tokenizer_fingerprint(src), self.data.manifest["tokenizer"]["fingerprint"]
+        theirs, ours = ckpt.tokenizer_fingerprint(src), self.data.manifest.tokenizer.fingerprint
         if theirs not in (None, ours):
             raise UserError(f"{src}: {what} was trained with another tokenizer ({theirs[:12]}) than the data's "
                             f"({ours[:12]}), so its token ids mean other text; {fix}")
@@ -372,7 +371,7 @@ class Trainer:
         if (line := self.stage.describe(cfg)) is not None:
             self.say(line)
         for s in data.sets:  # which rule made each set's val split (the manifest's split_policy)
-            rule = s.data.manifest.get("split_policy", {}).get("summary")
+            rule = s.data.manifest.split_policy.get("summary")
             if rule:
                 self.say(f"val split{f' of {s.name}' if several else ''}: {rule}")
         for tracker in self.metrics.trackers:

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from nanolm.data.chatml import Message
 from nanolm.infer.engine import Token
 from nanolm.infer.reply import Call, Content, Reasoning, ReplyParser, TokenKinds
 from nanolm.tokenizer import Tokenizer
@@ -107,10 +108,15 @@ class Choice:
 
     def message(self) -> dict[str, Any]:
         """The reply as the message of a chat completion (after `read`)."""
-        msg = self.parser.message()
-        out: dict[str, Any] = {"role": "assistant", "content": msg.content or (None if msg.tool_calls else "")}
-        if self.plan.thinking or msg.reasoning:
-            out["reasoning_content"] = msg.reasoning
-        if msg.tool_calls:
-            out["tool_calls"] = [{"id": cid, **c.to_dict()} for cid, c in zip(self.ids, msg.tool_calls)]
-        return out
+        return assistant_message(self.parser.message(), self.ids, self.plan.thinking)
+
+
+def assistant_message(msg: Message, ids: list[str], thinking: bool) -> dict[str, Any]:
+    """A parsed reply as the message of a chat completion: `content` (null when it only calls tools),
+    `reasoning_content` (when thinking was on or it reasoned), `tool_calls` with their ids."""
+    out: dict[str, Any] = {"role": "assistant", "content": msg.content or (None if msg.tool_calls else "")}
+    if thinking or msg.reasoning:
+        out["reasoning_content"] = msg.reasoning
+    if msg.tool_calls:
+        out["tool_calls"] = [{"id": cid, **c.to_dict()} for cid, c in zip(ids, msg.tool_calls)]
+    return out

@@ -1,0 +1,163 @@
+"""A data kind is one registered class: a new one, defined here, is prepared by `prepare` (and `nanolm prepare
+--format`), written with its own manifest section, and read back by PackedData and the loader; prepare.py names
+no kind."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+import nanolm
+from nanolm.cli import main
+from nanolm.data import kinds
+from nanolm.data.formats import iter_pieces
+from nanolm.data.kinds import base as kinds_base
+from nanolm.data.kinds.base import Chunk, DataKind, Record
+from nanolm.data.kinds.text import Windows, encode_pieces
+from nanolm.data.loader import Loader, iter_eval_batches, unit_kind
+from nanolm.data.prepare import PrepareConfig, prepare
+from nanolm.data.shards import Manifest, PackedData, SplitWriter, write_splits
+from nanolm.errors import UserError
+
+ROOT = Path(nanolm.__file__).parent
+
+
+class UpperKind(DataKind):
+    """A toy kind: {"text": ...} lines, each document's text upper-cased, read by the loader as text windows."""
+
+    name = "upper"
+    about = "upper-cased documents (a test's toy kind)"
+    help = '{"text": ...} lines, upper-cased'
+
+    @classmethod
+    def units(cls, data: PackedData, seq_len: int) -> Windows:
+        return Windows(data, seq_len)
+
+    def options(self) -> dict[str, Any]:
+        return {"format": self.name, "val_fraction": self.cfg.val_fraction, "skip_bad": self.cfg.skip_bad,
+                "shard_tokens": self.cfg.shard_tokens}
+
+    def records(self, path: Path) -> Iterator[Record]:
+        for piece in iter_pieces(path, skip_bad=self.cfg.skip_bad, stats=self.stats):
+            yield piece.text.upper(), piece.last, len(piece.text), piece.nbytes, None
+
+    def job(self, chunk: Chunk) -> tuple[Callable[..., Any], tuple]:
+        return encode_pieces, (chunk.items, chunk.lasts)  # a module function: it runs in the worker processes
+
+    def consume(self, writers: dict[str, SplitWriter], chunk: Chunk, tokens: np.ndarray, lens: np.ndarray) -> None:
+        write_splits(writers, np.array(chunk.is_val, dtype=bool), tokens, lens, np.array(chunk.lasts, dtype=bool))
+
+    def section(self, splits: dict[str, dict[str, Any]], n_docs: int) -> dict[str, Any] | None:
+        return {"n_upper": n_docs}
+
+
+@pytest.fixture
+def upper(monkeypatch):
+    monkeypatch.setattr(kinds_base, "_KINDS", dict(kinds_base._KINDS))  # registered for this test only
+    kinds.register(UpperKind)
+    return UpperKind
+
+
+DOCS = ["the quick brown fox", "jumps over", "the lazy dog", "and runs away", "far, far away"] * 4
+
+
+def write_docs(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS), encoding="utf-8")
+    return path
+
+
+def test_a_registered_kind_is_prepared_and_read_back_by_the_loader(upper, tokenizer_dir, tmp_path, capsys):
+    src, out = write_docs(tmp_path / "docs.jsonl"), tmp_path / "out"
+    m = prepare([src], tokenizer_dir, out, format="upper", val_fraction=0.2, workers=0)
+    assert "prepared 20 documents" in capsys.readouterr().err
+    assert (m.kind, m.options["format"], m.section) == ("upper", "upper", {"n_upper": 20})
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk["options"]["format"] == "upper" and on_disk["upper"] == {"n_upper": 20}
+    assert Manifest.read(out) == m
+    # The documents, upper-cased, in the shards: k = 5, so documents 1, 6, 11 and 16 are validation.
+    tok = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    data = PackedData(out, "train")
+    assert data.kind == "upper" and data.masks is None
+    shard, start, length = data.documents()
+    texts = [tok.decode(data.doc_ids(int(s), int(a), int(n)).tolist()) for s, a, n in zip(shard, start, length)]
+    assert texts == [t.upper() for i, t in enumerate(DOCS) if i % 5 != 1]
+    # The loader reads it through the kind's units: windows of text.
+    assert isinstance(unit_kind(data, 8), Windows)
+    batch = Loader(data, batch_size=2, seq_len=8, seed=0).next_batch()
+    assert batch.x.shape == (2, 8) and batch.pos is None
+    assert all(tok.decode(row.tolist()) == tok.decode(row.tolist()).upper() for row in batch.x)
+    assert sum(b.x.shape[0] for b in iter_eval_batches(PackedData(out, "val"), 2, 8)) > 0
+    # Up to date: the same options again do nothing; the worker pool writes the same bytes.
+    assert prepare([src], tokenizer_dir, out, format="upper", val_fraction=0.2, workers=0) == m
+    assert "nothing to do" in capsys.readouterr().err
+    pooled = tmp_path / "pooled"
+    prepare([src], tokenizer_dir, pooled, format="upper", val_fraction=0.2, workers=1, quiet=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "manifest.json"} == \
+        {p.name: p.read_bytes() for p in pooled.iterdir() if p.name != "manifest.json"}
+
+
+def test_the_command_line_offers_a_registered_kind(upper, tokenizer_dir, tmp_path, capsys):
+    src, out = write_docs(tmp_path / "docs.jsonl"), tmp_path / "out"
+    assert main(["prepare", str(src), "--tokenizer", str(tokenizer_dir), "--out", str(out), "--format", "upper",
+                 "--workers", "0", "--quiet"]) == 0
+    assert PackedData(out).kind == "upper"
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    assert "blocks,upper" in capsys.readouterr().out.replace("\n", "")  # --format {text,...,blocks,upper,dpo}
+
+
+def test_data_of_an_unregistered_kind_is_named_where_it_is_read(upper, tokenizer_dir, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    prepare([write_docs(tmp_path / "docs.jsonl")], tokenizer_dir, out, format="upper", workers=0, quiet=True)
+    monkeypatch.setattr(kinds_base, "_KINDS", {k: v for k, v in kinds_base._KINDS.items() if k != "upper"})
+    with pytest.raises(UserError, match=rf"{re.escape(str(out / 'manifest.json'))}: unknown data kind 'upper' \(this "
+                                        r"nanolm reads text, chat, pairs, prompts, blocks\); run `nanolm prepare`"):
+        Loader(PackedData(out), batch_size=1, seq_len=8)
+    with pytest.raises(UserError, match=r"format='upper': must be one of text, chat, pairs, prompts, blocks \(text: "
+                                        r"documents for pretraining; chat: conversations for fine-tuning; pairs: "):
+        PrepareConfig([tmp_path / "docs.jsonl"], tokenizer_dir, out, format="upper")
+
+
+def test_the_built_in_kinds_and_the_old_name_of_pairs():
+    assert kinds.names() == ["text", "chat", "pairs", "prompts", "blocks"]
+    assert kinds.get("dpo") is kinds.get("pairs") is kinds.PairsKind
+    cfg = PrepareConfig(["a.jsonl"], "tok", "out", format="dpo")
+    assert cfg.format == "pairs" and cfg.sources == [Path("a.jsonl")]
+    with pytest.raises(ValueError, match="needs a name of its own"):
+        kinds.register(type("Dpo", (UpperKind,), {"name": "dpo"}))
+
+
+def test_prepare_names_no_data_kind():
+    """The driver asks the kind for everything: no kind's name (nor the old "dpo") is written in prepare.py."""
+    source = (ROOT / "data" / "prepare.py").read_text(encoding="utf-8")
+    assert kinds.choices() == ["text", "chat", "pairs", "prompts", "blocks", "dpo"]
+    found = re.findall(r"""["'](text|chat|dpo|pairs|prompts|blocks)["']""", source)
+    assert found == [], f"prepare.py names the kinds {sorted(set(found))}"
+
+
+def test_prompts_and_blocks_go_through_the_same_driver(tokenizer_dir, tmp_path, capsys):
+    """The in-process kinds share the driver's up-to-date check (the prompts' records files included)."""
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"what is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                           for i in range(8)), encoding="utf-8")
+    out = tmp_path / "prompts"
+    m = prepare([src], tokenizer_dir, out, format="prompts", val_fraction=0.25, workers=0)
+    assert m.kind == "prompts" and m.throughput is None and (m.section["train"], m.section["val"]) == (6, 2)
+    assert "prepared 8 prompts (train 6, val 2)" in capsys.readouterr().err
+    assert prepare([src], tokenizer_dir, out, format="prompts", val_fraction=0.25, workers=0) == m
+    assert "nothing to do" in capsys.readouterr().err
+    (out / "val.records.jsonl").unlink()
+    prepare([src], tokenizer_dir, out, format="prompts", val_fraction=0.25, workers=0)
+    assert "nothing to do" not in capsys.readouterr().err and (out / "val.records.jsonl").is_file()
+    blocks = tmp_path / "blocks.jsonl"
+    blocks.write_text("".join(json.dumps({"input": str(i), "output": str(i)[::-1]}) + "\n" for i in range(10, 20)),
+                      encoding="utf-8")
+    b = prepare([blocks], tokenizer_dir, tmp_path / "b", format="blocks", val_fraction=0, workers=0, quiet=True)
+    assert b.kind == "blocks" and b.section["n_records"] == 10 and b.splits["train"]["n_records"] == 10
+    assert prepare([blocks], tokenizer_dir, tmp_path / "b", format="blocks", val_fraction=0, quiet=True) == b
