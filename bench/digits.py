@@ -111,7 +111,7 @@ def pretrain(work: Path, name: str, tok_dir: Path, text_files: list[Path], steps
     """Prepare (once per tokenizer) and pretrain `tiny` for `steps`; bits per byte on val and the held-out texts."""
     from nanolm.config.load import load_config
     from nanolm.data.prepare import prepare
-    from nanolm.evaluate import evaluate
+    from nanolm.eval.loss import evaluate
     from nanolm.tokenizer import Tokenizer
     from nanolm.train.trainer import train
 

@@ -100,7 +100,7 @@ def variant_args(name: str) -> list[str]:
 
 def run_one(data: Path, work: Path, name: str, i: int, budget: list[str], threads: int | None,
             tag: str = "") -> dict:
-    from nanolm.evaluate import evaluate
+    from nanolm.eval.loss import evaluate
     out = work / "runs" / f"{name.replace('/', '_').replace(';', '+')}-{i}{tag}"
     if out.exists():
         import shutil

@@ -284,7 +284,7 @@ def _cmd_plot(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
-    from nanolm.evaluate import evaluate, format_result
+    from nanolm.eval.loss import evaluate, format_result
     if args.endpoint:  # a served model: tool-use tasks only, through its chat completions
         from nanolm.eval.runner import format_table, run_endpoint_eval
         if args.checkpoint or args.data or args.degeneration:

@@ -19,7 +19,7 @@ reasoning, `<tool_call>`, `</tool_call>`, `<tool_response>`,
 `</tool_response>`, `<think>`, `</think>` = 3 ... 8, added tokens that are not
 special (decoding keeps them, llama.cpp prints them), as MiniMind-3 and Qwen3
 have them. `encode` maps all of these strings to their ids wherever they occur
-in the text, so a chat rendered by nanolm/data/chatml.py encodes to the right
+in the text, so a chat rendered by nanolm/chat/ encodes to the right
 control ids; the flip side is that user text containing them becomes control
 tokens too (chat data holding them is refused).
 
@@ -33,7 +33,7 @@ there is no bos (nothing is prepended in training) and no unk.
 Any other HuggingFace tokenizer directory loads too (`Tokenizer.load`), such as
 MiniMind's own: nanolm finds its control tokens by name, at whatever ids they
 have, and refuses one that lacks any of them, naming it. Its chat template
-says which chat layout it renders (`chatml.format_of`), and `save` writes its
+says which chat layout it renders (`chat.format_of`), and `save` writes its
 files back as they were, so a tokenizer or checkpoint keeps the template it
 was made with.
 """
@@ -52,6 +52,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from nanolm.chat import CHAT_TEMPLATE, format_of
 from nanolm.errors import UserError
 from nanolm.io import write_text_atomic
 from nanolm.progress import fmt_count, fmt_duration
@@ -102,9 +103,6 @@ def _canonical_json(obj: Any) -> str:
 
 def _tokenizer_config() -> dict[str, Any]:
     """tokenizer_config.json for transformers' PreTrainedTokenizerFast."""
-    # ChatML builds on this module's special tokens, so its template is imported here, when written.
-    from nanolm.data.chatml import CHAT_TEMPLATE
-
     added = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": tok in SPECIAL_TOKENS}
@@ -175,8 +173,6 @@ class Tokenizer:
 
     def __init__(self, tok: HFTokenizer, data: dict[str, Any], path: Path, config: dict[str, Any],
                  ids: dict[str, int]) -> None:
-        from nanolm.data.chatml import format_of  # chatml builds on this module's token strings
-
         self._tok = tok
         self._data = data  # the parsed tokenizer.json, so `save` writes back exactly what was loaded
         self.config = config
@@ -283,7 +279,7 @@ class Tokenizer:
 
     def spelled_lengths(self) -> np.ndarray:
         """int64 [vocab_size]: the UTF-8 bytes each id stands for in `decode`, control tokens included (their
-        text): the byte offsets of a rendered chat's tokens are its cumulative sum (`chatml.encode_chat`)."""
+        text): the byte offsets of a rendered chat's tokens are its cumulative sum (`chat.encode_chat`)."""
         return np.array([len(b) for b in self.token_bytes()], dtype=np.int64)
 
     def token_byte_lengths(self) -> np.ndarray:

@@ -99,7 +99,7 @@ def read_masked_docs(out: Path, m, split: str = "train") -> list:
 
 def old_chatml_tokenizer(tokenizer_dir: Path, dest: Path):
     """A copy of a tokenizer as nanolm wrote them before tools and reasoning: the plain ChatML template."""
-    from nanolm.data.chatml import CHATML
+    from nanolm.chat import CHATML
     from nanolm.tokenizer import Tokenizer
     tok = Tokenizer.load(tokenizer_dir)
     tok.config = {**tok.config, "chat_template": CHATML.template}

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conftest import EN, ZH
-from nanolm.data import chatml
+from nanolm import chat
 from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
@@ -48,7 +48,7 @@ def minimind_layout_tokenizer(out: Path, vocab_size: int = 420, added: list[str]
     config = {"add_bos_token": False, "add_eos_token": False, "bos_token": "<|im_start|>",
               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
               "model_max_length": 32768, "tokenizer_class": "PreTrainedTokenizerFast",
-              "chat_template": chatml.QWEN3.template}
+              "chat_template": chat.QWEN3.template}
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     return out
 
@@ -78,7 +78,7 @@ def test_minimind_layout_tokenizer_loads_with_its_own_ids_and_template(mm_dir):
     assert (tok.eot_id, tok.im_start_id, tok.im_end_id) == (0, 1, 2)
     assert tok.tag_ids == {"<tool_call>": 21, "</tool_call>": 22, "<tool_response>": 23, "</tool_response>": 24,
                            "<think>": 25, "</think>": 26}
-    assert tok.chat_format is chatml.QWEN3 and tok.missing_tags() == []
+    assert tok.chat_format is chat.QWEN3 and tok.missing_tags() == []
     assert tok.encode("<think>\nhm\n</think>")[0] == 25
     tok.save(mm_dir.parent / "copy")  # its files written back as they were
     assert json.loads((mm_dir.parent / "copy" / "tokenizer_config.json").read_text())["bos_token"] == "<|im_start|>"
@@ -100,10 +100,10 @@ def test_prepare_train_and_chat_with_a_minimind_layout_tokenizer(mm_dir, tmp_pat
     ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m.dtype).astype(np.int64)
     mask = np.fromfile(tmp_path / "data" / "train-00000.mask", dtype=np.uint8)
     first = ids[:int(np.flatnonzero(ids == tok.eot_id)[0])]
-    assert first.tolist() == tok.encode(chatml.QWEN3.render(
-        [chatml.message_from_dict("m", x) for x in tool_records(1)[0]["conversations"]],
-        chatml.tools_from_value("t", [CALC])))
-    targets = tok.decode(first[(mask[:len(first)] & chatml.TARGET) > 0])
+    assert first.tolist() == tok.encode(chat.QWEN3.render(
+        [chat.message_from_dict("m", x) for x in tool_records(1)[0]["conversations"]],
+        chat.tools_from_value("t", [CALC])))
+    targets = tok.decode(first[(mask[:len(first)] & chat.TARGET) > 0])
     assert targets == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
                        "<|im_end|>2 times 3 is 6.<|im_end|>")
 

@@ -14,8 +14,8 @@ import pytest
 from chat_helpers import old_chatml_tokenizer
 import torch
 
+from nanolm.chat import CHATML, Message, ToolCall
 from nanolm.config import ModelConfig, SamplingParams
-from nanolm.data.chatml import CHATML, Message, ToolCall
 from nanolm.errors import UserError
 from nanolm.infer.chat import ChatSession, run_chat
 from nanolm.infer.engine import Engine

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import nanolm.data.prepare as prep
-from nanolm.data import chatml
-from nanolm.data.chatml import fit_conversation, render_chat
+from nanolm.chat import QWEN3, Message, encode_chat, fit_conversation, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations
 from nanolm.progress import fmt_count
 from nanolm.data.kinds.chat import pack_blocks
@@ -195,21 +194,21 @@ def test_encode_chat_exact_values():
     lengths = np.zeros(30, dtype=np.int64)
     lengths[[1, 2, 7, 8]] = [12, 10, 7, 8]
     lengths[[3, 20, 21, 22, 23, 24, 25, 26]] = [1, 4, 2, 9, 2, 2, 3, 2]
-    msgs = [chatml.Message("user", "hi"), chatml.Message("assistant", "yo")]
-    spans = chatml.QWEN3.spans(msgs)
+    msgs = [Message("user", "hi"), Message("assistant", "yo")]
+    spans = QWEN3.spans(msgs)
     ids = [1, 20, 3, 21, 2, 3, 1, 22, 3, 7, 24, 8, 24, 23, 2, 3]
     assert "".join(s.text for s in spans) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n" \
                                             "\n</think>\n\nyo<|im_end|>\n"
-    got_ids, mask = chatml.encode_chat(spans, ids, lengths, "tok.json")
+    got_ids, mask = encode_chat(spans, ids, lengths, "tok.json")
     assert got_ids.tolist() == ids
     assert mask.tolist() == [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0]  # EXCHANGE on the user turn
     # A token that runs from the scaffolding into the reply is part of the reply.
-    spans = chatml.QWEN3.spans([chatml.Message("user", "hi"), chatml.Message("assistant", " x")])
+    spans = QWEN3.spans([Message("user", "hi"), Message("assistant", " x")])
     ids = [1, 20, 3, 21, 2, 3, 1, 22, 3, 7, 24, 8, 25, 23, 2, 3]
     lengths[23] = 1  # "x"
-    assert chatml.encode_chat(spans, ids, lengths, "t")[1].tolist() == [2] + [0] * 11 + [1, 1, 1, 0]
+    assert encode_chat(spans, ids, lengths, "t")[1].tolist() == [2] + [0] * 11 + [1, 1, 1, 0]
     with pytest.raises(UserError, match=r"^t: the tokens of a conversation do not spell its text byte for byte"):
-        chatml.encode_chat(spans, ids[:-1], lengths, "t")
+        encode_chat(spans, ids[:-1], lengths, "t")
 
 
 def test_manifest_records_chat_format_mask_and_counts(tmp_path, tokenizer_dir, capsys):

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from nanolm.chat import Message
 from nanolm.config import ServeConfig
-from nanolm.data.chatml import Message
 
 httpx = pytest.importorskip("httpx")
 from server_helpers import ScriptedEngine, running  # noqa: E402  (skips without uvicorn)

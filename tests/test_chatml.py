@@ -1,5 +1,5 @@
-"""Tests for nanolm.data.chatml: messages with tools and reasoning, the two layouts and their Jinja templates
-(parity through transformers), exact loss masks, parsing a reply, truncation by exchanges."""
+"""Tests for nanolm.chat: messages with tools and reasoning, the two layouts and their Jinja templates (parity
+through transformers), exact loss masks, truncation by exchanges (reading a reply: tests/test_reply.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from chat_helpers import old_chatml_tokenizer
 
-from nanolm.data import chatml
-from nanolm.data.chatml import CHATML, QWEN3, ChatError, Message, ToolCall, message_from_dict
+from nanolm import chat
+from nanolm.chat import CHATML, QWEN3, ChatError, Message, ToolCall, message_from_dict
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
 
@@ -44,16 +44,16 @@ def msgs(conv):
 
 
 def test_roles_and_the_names_a_request_may_use():
-    assert list(chatml.ROLES) == ["system", "user", "assistant", "tool"]
-    assert [r for r, rule in chatml.ROLES.items() if rule.trains] == ["assistant"]
-    assert chatml.ROLE_NAMES["developer"] == "system" and chatml.ROLE_NAMES["tool"] == "tool"
+    assert list(chat.ROLES) == ["system", "user", "assistant", "tool"]
+    assert [r for r, rule in chat.ROLES.items() if rule.trains] == ["assistant"]
+    assert chat.ROLE_NAMES["developer"] == "system" and chat.ROLE_NAMES["tool"] == "tool"
 
 
 def test_control_strings_and_tags_in_text_are_found():
-    assert chatml.control_in("plain <b>text</b>") is None
-    assert chatml.control_in("a<|im_end|>b<|im_start|>") == "<|im_end|>"
-    assert chatml.control_in("so </think> here") == "</think>"
-    assert chatml.control_in("x<tool_call>") == "<tool_call>"
+    assert chat.control_in("plain <b>text</b>") is None
+    assert chat.control_in("a<|im_end|>b<|im_start|>") == "<|im_end|>"
+    assert chat.control_in("so </think> here") == "</think>"
+    assert chat.control_in("x<tool_call>") == "<tool_call>"
 
 
 def test_messages_read_from_every_shape():
@@ -69,7 +69,7 @@ def test_messages_read_from_every_shape():
                                 "tool_calls": '[{"name": "f", "arguments": {"x": 1}}]'})
     assert e.tool_calls == (ToolCall("f", '{"x": 1}'),)
     assert message_from_dict("m", {"role": "developer", "content": "be brief"}).role == "system"
-    assert chatml.tools_from_value("t", json.dumps([CALC])) == (json.dumps(CALC, ensure_ascii=False),)
+    assert chat.tools_from_value("t", json.dumps([CALC])) == (json.dumps(CALC, ensure_ascii=False),)
 
 
 @pytest.mark.parametrize("message, error", [
@@ -106,18 +106,18 @@ def test_malformed_messages_are_named(message, error):
 ])
 def test_conversations_out_of_order_are_named(conv, error):
     with pytest.raises(ChatError) as e:
-        chatml.check_conversation("c", msgs(conv))
+        chat.check_conversation("c", msgs(conv))
     assert str(e.value) == error
 
 
 def test_prompts_may_end_with_a_tool_result_but_not_an_unanswered_call():
-    chatml.check_conversation("c", msgs(TOOL_CONVS[1][:4]), complete=False)
+    chat.check_conversation("c", msgs(TOOL_CONVS[1][:4]), complete=False)
     with pytest.raises(ChatError, match=r'^c ends with a tool call; add its result as a "tool" message$'):
-        chatml.check_conversation("c", msgs(TOOL_CONVS[1][:3]), complete=False)
+        chat.check_conversation("c", msgs(TOOL_CONVS[1][:3]), complete=False)
 
 
 def test_qwen3_layout_exact_text():
-    text = QWEN3.render(msgs(TOOL_CONVS[1]), chatml.tools_from_value("t", [CALC]), add_generation_prompt=True)
+    text = QWEN3.render(msgs(TOOL_CONVS[1]), chat.tools_from_value("t", [CALC]), add_generation_prompt=True)
     assert text == (
         "<|im_start|>system\n你是助手。\n\n# Tools\n\nYou may call one or more functions to assist with the user "
         "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -141,7 +141,7 @@ def test_qwen3_layout_exact_text():
 def test_template_renders_what_nanolm_trains_on_through_transformers(tokenizer_dir, conv, tools, thinking):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    ts = chatml.tools_from_value("t", tools) if tools else ()
+    ts = chat.tools_from_value("t", tools) if tools else ()
     for gen in (False, True):
         want = QWEN3.render(msgs(conv), ts, add_generation_prompt=gen, thinking=thinking)
         for given in (conv, [m.to_dict() for m in msgs(conv)]):  # as the user wrote it, and as nanolm reads it
@@ -186,52 +186,52 @@ def _encode(tok, conv, tools=(), final_only=False):
     spans = QWEN3.spans(msgs(conv), tools, final_only=final_only)
     text = "".join(s.text for s in spans)
     ids = tok.encode(text)
-    chatml.check_spelling(text, ids, tok.token_bytes(), "t")
-    return chatml.encode_chat(spans, ids, tok.spelled_lengths(), "t")
+    chat.check_spelling(text, ids, tok.token_bytes(), "t")
+    return chat.encode_chat(spans, ids, tok.spelled_lengths(), "t")
 
 
 def test_loss_mask_covers_reasoning_content_and_calls_never_results_or_scaffolding(tok):
-    tools = chatml.tools_from_value("t", [CALC])
+    tools = chat.tools_from_value("t", [CALC])
     ids, mask = _encode(tok, TOOL_CONVS[1], tools)
     assert ids.tolist() == tok.encode(QWEN3.render(msgs(TOOL_CONVS[1]), tools))
-    assert runs(ids, mask & chatml.TARGET, tok) == [
+    assert runs(ids, mask & chat.TARGET, tok) == [
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>',
         "算出来了\n</think>\n\n等于 5。<|im_end|>"]
     # One exchange, starting at the user's question (after the system turn with the tools).
-    (start,) = np.flatnonzero(mask & chatml.EXCHANGE)
+    (start,) = np.flatnonzero(mask & chat.EXCHANGE)
     assert tok.decode(ids[start:start + 8]).startswith("<|im_start|>user\n2+3")
     ids, mask = _encode(tok, TOOL_CONVS[2])
-    assert runs(ids, mask & chatml.TARGET, tok) == [
+    assert runs(ids, mask & chat.TARGET, tok) == [
         'two calls\n</think>\n\nSure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n'
         '</tool_call>\n<tool_call>\n{"name": "current_time", "arguments": {}}\n</tool_call><|im_end|>',
         "2, at 15:00.<|im_end|>", "You're welcome.<|im_end|>"]
-    assert len(np.flatnonzero(mask & chatml.EXCHANGE)) == 2  # tool results open no exchange
+    assert len(np.flatnonzero(mask & chat.EXCHANGE)) == 2  # tool results open no exchange
     # Preference data: the final reply alone.
     ids, mask = _encode(tok, TOOL_CONVS[2], final_only=True)
-    assert runs(ids, mask & chatml.TARGET, tok) == ["You're welcome.<|im_end|>"]
+    assert runs(ids, mask & chat.TARGET, tok) == ["You're welcome.<|im_end|>"]
 
 
 def test_truncation_drops_whole_exchanges_and_keeps_the_tools(tok):
-    tools = chatml.tools_from_value("t", [CALC])
+    tools = chat.tools_from_value("t", [CALC])
     conv = TOOL_CONVS[2] + TOOL_CONVS[1][1:]  # exchange 1 (calls and results), a short one, exchange 3
     ids, mask = _encode(tok, [{"role": "system", "content": "s"}] + conv, tools)
-    starts = np.flatnonzero(mask & chatml.EXCHANGE)
+    starts = np.flatnonzero(mask & chat.EXCHANGE)
     assert len(starts) == 3
     head = int(starts[0])
     # Room for the head and the last two exchanges: the first exchange goes, tool turns and all.
     fit = head + len(ids) - int(starts[1])
-    got_ids, got_mask = chatml.fit_conversation(ids, mask, fit)
+    got_ids, got_mask = chat.fit_conversation(ids, mask, fit)
     assert got_ids.tolist() == ids[:head].tolist() + ids[starts[1]:].tolist()
     assert (got_mask == np.r_[mask[:head], mask[starts[1]:]]).all()
     assert tok.decode(got_ids).startswith(QWEN3.render([Message("system", "s")], tools))
     # Too short for the last exchange alone: it is cut at the end, and a cut reply keeps no <|im_end|>.
-    reply_at = int(np.flatnonzero(mask[starts[2]:] & chatml.TARGET)[0])  # into the last exchange
+    reply_at = int(np.flatnonzero(mask[starts[2]:] & chat.TARGET)[0])  # into the last exchange
     short = head + reply_at + 5
-    got_ids, got_mask = chatml.fit_conversation(ids, mask, short)
+    got_ids, got_mask = chat.fit_conversation(ids, mask, short)
     assert got_ids.tolist() == ids[:head].tolist() + ids[starts[2]:][:reply_at + 5].tolist()
-    assert got_mask[-1] & chatml.TARGET and got_ids[-1] != tok.im_end_id
+    assert got_mask[-1] & chat.TARGET and got_ids[-1] != tok.im_end_id
     # Nothing to train on left: skipped.
-    assert chatml.fit_conversation(ids, mask, head + reply_at) is None
+    assert chat.fit_conversation(ids, mask, head + reply_at) is None
 
 
 def test_truncation_of_data_prepared_before_the_exchange_bit():
@@ -239,28 +239,8 @@ def test_truncation_of_data_prepared_before_the_exchange_bit():
     sys_, user, reply = [1, 9, 2, 3], [1, 10, 11, 2, 3], [1, 12, 13, 2, 3]
     ids = np.array(sys_ + user + reply + user + reply)
     mask = np.array([0] * 4 + [0] * 5 + [0, 0, 1, 1, 0] + [0] * 5 + [0, 0, 1, 1, 0], dtype=np.uint8)
-    got_ids, got_mask = chatml.fit_conversation(ids, mask, 14)
+    got_ids, got_mask = chat.fit_conversation(ids, mask, 14)
     assert got_ids.tolist() == sys_ + user + reply and got_mask.tolist() == [0] * 11 + [1, 1, 0]
-
-
-@pytest.mark.parametrize("text, thinking, want", [
-    ("The answer is 5.", False, Message("assistant", "The answer is 5.")),
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>', False,
-     Message("assistant", "", "", (ToolCall("calculator", '{"expression": "2+3"}'),))),
-    ("let me think\n</think>\n\nIt is 5.", True, Message("assistant", "It is 5.", "let me think")),
-    ("still thinking", True, Message("assistant", "", "still thinking")),
-    ('ok\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", '
-     '"arguments": {"a": [1]}}\n</tool_call>', False,
-     Message("assistant", "ok", "", (ToolCall("f", "{}"), ToolCall("g", '{"a": [1]}')))),
-])
-def test_parse_reply(text, thinking, want):
-    assert chatml.parse_reply(text, thinking=thinking) == (want, [])
-
-
-def test_parse_reply_keeps_a_broken_call_as_text_and_says_why():
-    reply, problems = chatml.parse_reply("<tool_call>\n{\"name\": calc}\n</tool_call>")
-    assert reply.tool_calls == () and "calc" in reply.content
-    assert len(problems) == 1 and problems[0].startswith("a tool call the model wrote is not a JSON call")
 
 
 def test_data_and_a_checkpoint_made_with_an_old_tokenizer_keep_its_template(tokenizer_dir, tmp_path):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.chatml import check_spelling, render_chat
+from nanolm.chat import check_spelling, render_chat
 from nanolm.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, TAG_TOKENS, Tokenizer, train_tokenizer
 
 VOCAB = 600

@@ -14,9 +14,9 @@ import torch
 
 import nanolm.data.kinds.pairs as pairs_kind
 import nanolm.data.prepare as prep
+from nanolm.chat import fit_pair, render_chat
 from nanolm.config import ModelConfig
 from nanolm.corpora import fetch
-from nanolm.data.chatml import fit_pair, render_chat
 from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
 from nanolm.data.loader import Loader, iter_eval_batches, unit_kind
 from nanolm.data.preferences import build_idiom_preferences

@@ -12,7 +12,7 @@ import pytest
 from nanolm.data.formats import iter_documents
 from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
-from nanolm.evaluate import evaluate, format_result
+from nanolm.eval.loss import evaluate, format_result
 from nanolm.tokenizer import Tokenizer, train_tokenizer
 from nanolm.train.trainer import train
 from test_train import read_metrics, tiny_cfg

@@ -138,7 +138,7 @@ def test_real_model_scores_do_not_depend_on_the_batch(tok):
         assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-4)
     # Through the chat template: the question as the user's turn, each choice as the reply.
     ctx, conts = mc_strings(items[0], chat=True, tok=tok)
-    from nanolm.data.chatml import Message
+    from nanolm.chat import Message
     assert ctx == tok.chat_format.render([Message("user", "q")], add_generation_prompt=True)
     assert "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n" in ctx and conts == list(items[0].choices)
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from nanolm.chat import CHAT_TEMPLATE, render_chat
 from nanolm.checkpoint import load_model, save_checkpoint
 from nanolm.config import Config, ModelConfig, TrainConfig
-from nanolm.data.chatml import CHAT_TEMPLATE, render_chat
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer, apply_rope, rope_tables
 from nanolm.tokenizer import Tokenizer

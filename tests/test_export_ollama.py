@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from nanolm.chat import CHATML, QWEN3, Message
 from nanolm.config import SamplingParams
-from nanolm.data.chatml import CHATML, QWEN3, Message
 
 OLLAMA_TEMPLATE = QWEN3.ollama_template
 

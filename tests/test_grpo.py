@@ -123,7 +123,7 @@ def grpo_cfg(prompts_dir, out, base, **over):
 
 
 def test_prepared_prompts_hold_records_aligned_with_their_ids(prompts_dir, arith_files, tokenizer_dir):
-    from nanolm.data.chatml import message_from_dict
+    from nanolm.chat import message_from_dict
     from nanolm.data.loader import Loader
     from nanolm.data.shards import PackedData
     from nanolm.tokenizer import Tokenizer

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from nanolm.chat import Message, ReplyParser, parse_tool_call
 from nanolm.config import SamplingParams, ServeConfig
-from nanolm.data.chatml import Message, parse_reply, parse_tool_call
 from nanolm.infer.engine import Engine
 from nanolm.infer.guide import _DONE, TRIGGER, GuideVocab, ToolCallGuide, call_state, step
 from nanolm.infer.tools import BUILTIN_TOOLS
@@ -144,10 +144,18 @@ def guided_reply(engine, tok, params, guide: bool, n: int = 1) -> list[str]:
     return ["<tool_call>" + tok.decode(out[r]) for r in rows]
 
 
+def read(text: str) -> ReplyParser:
+    """The whole reply read as the chat and the server read it (thinking off, tools offered)."""
+    p = ReplyParser(thinking=False, calls=True)
+    p.push(text)
+    p.finish()
+    return p
+
+
 def the_call(text: str):
-    msg, problems = parse_reply(text)
-    assert not problems, problems
-    (call,) = msg.tool_calls
+    p = read(text)
+    assert not p.problems, p.problems
+    (call,) = p.message().tool_calls
     return call
 
 
@@ -156,7 +164,7 @@ def test_a_random_model_guided_writes_valid_calls_and_unguided_does_not(tok):
     engine = Engine(tiny_model(max_seq_len=1024))
     greedy = SamplingParams(max_new_tokens=120, temperature=0.0)
     (free,) = guided_reply(engine, tok, greedy, guide=False)
-    assert not parse_reply(free)[0].tool_calls
+    assert not read(free).message().tool_calls
     (text,) = guided_reply(engine, tok, greedy, guide=True)
     call = the_call(text)
     assert call.name in ("set_light", "reset_all")

@@ -34,11 +34,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from nanolm import chat
+from nanolm.chat import render_chat
 from nanolm.config import DataSetConfig
 
 from nanolm.config.load import load_config, override_fields
-from nanolm.data import chatml
-from nanolm.data.chatml import render_chat
 from nanolm.data.formats import (
     ReadStats,
     expand_sources,
@@ -181,7 +181,7 @@ def test_jsonl_lines_are_read_or_named_one_by_one(kind, tmp_path):
 
 
 def _plain(text: str) -> bool:
-    return bool(text.strip()) and chatml.control_in(text) is None
+    return bool(text.strip()) and chat.control_in(text) is None
 
 
 content_ok = st.text(NO_SURROGATES, min_size=1, max_size=20).filter(_plain)
@@ -799,7 +799,7 @@ def big_tokenizer(tmp_path_factory, corpus) -> Path:
 
 def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, run, corpus, big_tokenizer):
     from nanolm.config import SamplingParams
-    from nanolm.evaluate import evaluate
+    from nanolm.eval.loss import evaluate
     from nanolm.infer.chat import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete

@@ -99,7 +99,7 @@ def test_loglikelihood_rolling_and_generate_until(run):
                                            stop)
     assert gen == lm.tok.decode(greedy).split("\n")[0]
     # --apply_chat_template: the tokenizer's own chat layout, the generation prompt after the last turn.
-    from nanolm.data.chatml import Message
+    from nanolm.chat import Message
     assert lm.apply_chat_template([{"role": "user", "content": "hi"}]) == lm.tok.chat_format.render(
         [Message("user", "hi")], add_generation_prompt=True)
     from nanolm.errors import UserError

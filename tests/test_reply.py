@@ -1,15 +1,19 @@
-"""The streaming reply parser (nanolm/infer/reply.py): exact events for exact chunks, tags split anywhere held
-until decided, the same message however the text is cut, the inverse of the chat format's rendering, and
-chatml.parse_reply's reading but for the whitespace at the content's ends."""
+"""Reading a reply (nanolm/chat/replies.py): whole replies read as their messages, exact events for exact chunks,
+tags split anywhere held until decided, the same message however the text is cut, the inverse of the chat
+format's rendering, and a reading of the whole text at once (`whole_reading`) but for the whitespace at the
+content's ends."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolm.data.chatml import QWEN3, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, Message, ToolCall, parse_reply
-from nanolm.infer.reply import Call, Content, Reasoning, ReplyParser, TokenKinds, parse_call
+from nanolm.chat import (QWEN3, Call, ChatError, Content, Message, Reasoning, ReplyParser, TokenKinds, ToolCall,
+                         parse_call, parse_tool_call)
+from nanolm.special_tokens import THINK, THINK_END, TOOL_CALL, TOOL_CALL_END
 
 CALC = ToolCall("calculator", '{"expression": "2+2"}')
 CALC_TEXT = f'{TOOL_CALL}\n{{"name": "calculator", "arguments": {{"expression": "2+2"}}}}\n{TOOL_CALL_END}'
@@ -20,6 +24,56 @@ def run(chunks: list[str], **kw) -> tuple[list[list], list, ReplyParser]:
     p = ReplyParser(**kw)
     per_push = [p.push(c) for c in chunks]
     return per_push, p.finish(), p
+
+
+_CALL = re.compile(re.escape(TOOL_CALL) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.S)
+
+
+def whole_reading(text: str, *, thinking: bool = False) -> tuple[Message, list[str]]:
+    """The message of a whole reply and the calls that did not parse, read at once by a regular expression: the
+    reading the stream is held to (it differs only where a stream cannot take text back, see the property test).
+    A call that does not parse stays in the content; the content is stripped at both ends."""
+    reasoning = ""
+    if thinking or text.lstrip().startswith(THINK):
+        if THINK_END in text:
+            head, _, text = text.partition(THINK_END)
+            reasoning = head.split(THINK)[-1].strip("\n")
+        elif thinking:
+            return Message("assistant", "", text.strip("\n")), []
+    calls, problems, kept = [], [], []
+    at = 0
+    for m in _CALL.finditer(text):
+        try:
+            calls.append(parse_tool_call(m.group(1)))
+        except ChatError as e:
+            problems.append(str(e))
+            continue
+        kept.append(text[at:m.start()])
+        at = m.end()
+    kept.append(text[at:])
+    return Message("assistant", "".join(kept).strip(), reasoning, tuple(calls)), problems
+
+
+@pytest.mark.parametrize("text, thinking, want", [
+    ("The answer is 5.", False, Message("assistant", "The answer is 5.")),
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>', False,
+     Message("assistant", "", "", (ToolCall("calculator", '{"expression": "2+3"}'),))),
+    ("let me think\n</think>\n\nIt is 5.", True, Message("assistant", "It is 5.", "let me think")),
+    ("still thinking", True, Message("assistant", "", "still thinking")),
+    ('ok\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", '
+     '"arguments": {"a": [1]}}\n</tool_call>', False,
+     Message("assistant", "ok", "", (ToolCall("f", "{}"), ToolCall("g", '{"a": [1]}')))),
+])
+def test_a_whole_reply_reads_as_its_message(text, thinking, want):
+    _, _, p = run([text], thinking=thinking)
+    assert (p.message(), p.problems) == (want, [])
+
+
+def test_a_broken_call_is_kept_as_text_and_says_why():
+    _, _, p = run(["<tool_call>\n{\"name\": calc}\n</tool_call>"], thinking=False)
+    reply, problems = p.message(), p.problems
+    assert reply.tool_calls == () and "calc" in reply.content
+    assert len(problems) == 1 and problems[0].startswith("a tool call the model wrote is not a JSON call")
 
 
 def test_reasoning_then_content_with_the_end_tag_split():
@@ -72,7 +126,7 @@ def test_a_call_that_is_not_json_stays_in_the_content_and_is_reported():
     pushes, end, p = run(["See ", bad], thinking=False)
     assert pushes == [[Content("See")], [Content(" " + bad)]]
     assert p.tool_calls == [] and len(p.problems) == 1 and "not a JSON call" in p.problems[0]
-    assert parse_reply("See " + bad)[0].content == "See " + bad  # as the format reads it
+    assert p.message().content == whole_reading("See " + bad)[0].content == "See " + bad  # as written
 
 
 def test_a_reply_that_ends_inside_a_call():
@@ -147,14 +201,14 @@ def test_the_message_does_not_depend_on_how_the_text_is_cut(text, thinking, call
 
 @settings(max_examples=400, deadline=None)
 @given(text=texts, thinking=st.booleans(), data=st.data())
-def test_the_message_is_parse_replys_but_for_the_contents_end_whitespace(text, thinking, data):
+def test_the_message_is_the_whole_readings_but_for_the_contents_end_whitespace(text, thinking, data):
     opens_itself = not thinking and text.lstrip().startswith(THINK)
     reasoning_part = text.split(THINK_END)[0] if thinking or opens_itself else ""
     if reasoning_part.count(THINK) > (1 if opens_itself else 0):
-        return  # a <think> inside the reasoning: kept as text here, cut off by parse_reply
+        return  # a <think> inside the reasoning: kept as text here, cut off by the whole reading
     if opens_itself and THINK_END not in text:
-        return  # an unclosed think block of its own: reasoning here, content for parse_reply
-    want, want_problems = parse_reply(text, thinking=thinking)
+        return  # an unclosed think block of its own: reasoning here, content for the whole reading
+    want, want_problems = whole_reading(text, thinking=thinking)
     msg, _, problems = streamed(cuts(text, data), thinking=thinking)
     assert (msg.reasoning, msg.content.strip(), msg.tool_calls) == (want.reasoning, want.content, want.tool_calls)
     assert [p for p in problems if "ended inside" not in p] == want_problems
@@ -193,17 +247,17 @@ def test_parsing_the_formats_rendering_of_a_reply_gives_the_reply_back(content, 
 def test_token_kinds_follow_the_tags(tok):
     ids = tok.tag_ids
     hello, world = tok.encode("Hello"), tok.encode(" world")
-    kinds = TokenKinds(tok, thinking=True)
+    kinds = TokenKinds(tok.tag_ids, thinking=True)
     seq = [*hello, ids[THINK_END], *tok.encode("\n\n"), *world, ids[TOOL_CALL], *tok.encode("{}"),
            ids[TOOL_CALL_END], *hello]
     got = [kinds.kind(t) for t in seq]
     assert got == (["reasoning"] * (len(hello) + 1) + ["content"] * (len(tok.encode("\n\n")) + len(world))
                    + ["call"] * (len(tok.encode("{}")) + 2) + ["content"] * len(hello))
-    k = TokenKinds(tok, thinking=False)
+    k = TokenKinds(tok.tag_ids, thinking=False)
     assert [k.kind(t) for t in [ids[THINK], *hello, ids[THINK_END], *world]] == (
         ["reasoning"] * (len(hello) + 2) + ["content"] * len(world))
-    k = TokenKinds(tok, thinking=False, calls=False)
+    k = TokenKinds(tok.tag_ids, thinking=False, calls=False)
     assert [k.kind(t) for t in [*hello, ids[TOOL_CALL], *world]] == ["content"] * (len(hello) + 1 + len(world))
-    k = TokenKinds(tok, thinking=False, in_call=True)
+    k = TokenKinds(tok.tag_ids, thinking=False, in_call=True)
     assert [k.kind(t) for t in [*hello, ids[TOOL_CALL_END], *world]] == ["call"] * (len(hello) + 1) + [
         "content"] * len(world)

@@ -103,7 +103,7 @@ def test_benchmark_numbers_equal_a_fresh_nanolm_eval(runs, report, tmp_path):
 
 def test_baselines_are_computed_on_the_tokens_val_bpb_scored(runs, report, data_dir, tokenizer_dir):
     from nanolm.data.shards import PackedData
-    from nanolm.evaluate import evaluate
+    from nanolm.eval.loss import evaluate
     from nanolm.tokenizer import Tokenizer
     base = report["runs"][0]
     b = base["baseline"]
@@ -147,7 +147,7 @@ def test_stages_their_validation_and_cost_come_from_metrics(runs, report):
 
 def test_text_files_instead_of_the_shards(runs, corpus, tmp_path):
     from nanolm.data.formats import iter_documents
-    from nanolm.evaluate import evaluate
+    from nanolm.eval.loss import evaluate
     held = tmp_path / "held.jsonl"
     held.write_text("".join(corpus.read_text(encoding="utf-8").splitlines(keepends=True)[:4]), encoding="utf-8")
     r = build_report([runs["base"]], tasks=[], text_train=corpus, text_heldout=[held])

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
+from nanolm.chat import render_chat
 from nanolm.config import SamplingParams, ServeConfig
-from nanolm.data.chatml import render_chat
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 

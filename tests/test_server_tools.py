@@ -11,8 +11,8 @@ import re
 import pytest
 from chat_helpers import old_chatml_tokenizer
 
+from nanolm.chat import CHATML, ChatError, Message, ToolCall, message_from_dict, tools_from_value
 from nanolm.config import ServeConfig
-from nanolm.data.chatml import CHATML, ChatError, Message, ToolCall, message_from_dict, tools_from_value
 from nanolm.infer.tools import BUILTIN_TOOLS
 
 httpx = pytest.importorskip("httpx")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolm.data.chatml import CHAT_TEMPLATE, render_chat
+from nanolm.chat import CHAT_TEMPLATE, render_chat
 from nanolm.errors import UserError
 from nanolm.tokenizer import (EOT_ID, IM_END_ID, IM_START_ID, SPECIAL_TOKENS, TAG_TOKENS, Tokenizer,
                               compression_report, train_tokenizer)

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from nanolm.data.chatml import QWEN3, Message, ToolCall
+from nanolm.chat import QWEN3, Message, ToolCall
 from nanolm.errors import UserError
 from nanolm.infer.tools import (BUILTIN_TOOLS, BUILTINS, MAX_DIGITS, Toolbox, calculator, current_time,
                                 format_number, load_tools, run_builtin)

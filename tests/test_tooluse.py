@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from nanolm.data import chatml
+from nanolm import chat
 from nanolm.data.formats import iter_chat_records
 from nanolm.data.prepare import prepare
 from nanolm.corpora.holdout import numbers_held_out
@@ -94,7 +94,7 @@ def test_the_set_prepares_with_the_mask_on_calls_and_replies(tmp_path, tokenizer
     tok = Tokenizer.load(tokenizer_dir)
     ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=m.dtype)
     mask = np.fromfile(tmp_path / "data" / "train-00000.mask", dtype=np.uint8)
-    targets = tok.decode(ids[(mask & chatml.TARGET) > 0].tolist())
+    targets = tok.decode(ids[(mask & chat.TARGET) > 0].tolist())
     assert targets.count("<tool_call>") == sum(len(c.messages) == 4 for c, _ in iter_chat_records(src))
     assert "<tool_response>" not in targets and "# Tools" not in targets
 
@@ -108,7 +108,7 @@ def test_the_drill_is_the_set_rendered_without_tool_lists(tmp_path):
                                                   tools=BUILTIN_TOOLS).read_bytes()
     texts = [json.loads(line)["text"] for line in drill.read_text(encoding="utf-8").splitlines()]
     convs = [c for c, _ in iter_chat_records(build(tmp_path / "tools.jsonl", 300, seed=5))]
-    assert texts == [chatml.render_chat(c.messages) for c in convs]
+    assert texts == [chat.render_chat(c.messages) for c in convs]
     held_templates = [q for q, _ in HELDOUT_ZH + HELDOUT_EN]
     calls = 0
     for text, conv in zip(texts, convs):

@@ -37,10 +37,10 @@ conversation per line, in any of the formats users have:
   blank line and the input when there is one) and one assistant reply. An
   empty "input" or "system" counts as absent.
 
-Messages are read by `nanolm.data.chatml.message_from_dict` (roles system,
+Messages are read by `nanolm.chat.message_from_dict` (roles system,
 user, assistant, tool; an assistant's `tool_calls` and reasoning, as
 `reasoning_content` or a leading `<think>…</think>`), and the conversation's
-order checked by `chatml.check_conversation`: an optional system message,
+order checked by `chat.check_conversation`: an optional system message,
 then user turns each answered by the assistant, whose tool calls are answered
 by tool results before it goes on, ending with an assistant reply. Contents are
 strings without the control strings and tags (`<|im_start|>`, `<think>`,
@@ -50,7 +50,7 @@ record that breaks any of this is a bad line (`file:line: what is wrong`),
 reported or skipped as for text. So is a conversation the tokenizer's chat
 layout cannot render (tools or reasoning with the plain ChatML template of an
 old tokenizer), when the layout is given. `iter_chat_records` yields
-`chatml.Conversation`s; `iter_conversations` the messages as OpenAI dicts.
+`chat.Conversation`s; `iter_conversations` the messages as OpenAI dicts.
 
 Preference pairs (`iter_preferences`, for DPO) are `.jsonl` too, one pair per
 line, as two conversations that share every message but the final assistant
@@ -86,9 +86,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
 
-from nanolm.data.chatml import (ChatError, ChatFormat, Conversation, Message, check_conversation, checked_text,
-                                tools_from_value)
-from nanolm.data.chatml import message_from_dict as chatml_message
+from nanolm.chat import (ChatError, ChatFormat, Conversation, Message, check_conversation, checked_text,
+                         message_from_dict, tools_from_value)
 from nanolm.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl")
@@ -193,7 +192,7 @@ _CHAT_SHAPE = ('{"conversations": [{"role": ..., "content": ...}, ...]}, {"messa
 
 
 def _check_content(where: str, content: Any) -> str:
-    """The content of an Alpaca field, or _BadRecord saying what is wrong with it (`chatml.checked_text`)."""
+    """The content of an Alpaca field, or _BadRecord saying what is wrong with it (`chat.checked_text`)."""
     if isinstance(content, str) and not content.strip():
         raise _BadRecord(f"{where} is empty" + (" (only whitespace)" if content else ""))
     try:
@@ -270,7 +269,7 @@ def _check_turns(key: str, turns: list[tuple[str, Any]]) -> tuple[Message, ...]:
     whole conversation in the messages about its last turn.
     """
     try:
-        messages = tuple(chatml_message(where, m) for where, m in turns)
+        messages = tuple(message_from_dict(where, m) for where, m in turns)
         check_conversation(f'"{key}"', messages, names=[where for where, _ in turns])
     except ChatError as e:
         raise _BadRecord(str(e)) from None
@@ -619,7 +618,7 @@ def _prompt_of(obj: Any) -> tuple[Conversation, dict[str, Any]]:
             and not turns[-1].get("tool_calls"):
         turns = turns[:-1]  # MiniMind's empty reply placeholder: the policy writes the reply
     try:
-        messages = tuple(chatml_message(f'"{key}"[{i}]', m) for i, m in enumerate(turns))
+        messages = tuple(message_from_dict(f'"{key}"[{i}]', m) for i, m in enumerate(turns))
         check_conversation(f'"{key}"', messages, complete=False, names=[f'"{key}"[{i}]' for i in range(len(turns))])
     except ChatError as e:
         raise _BadRecord(str(e)) from None

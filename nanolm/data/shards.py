@@ -10,9 +10,9 @@ A prepared data directory (what `nanolm prepare` writes and training reads) hold
 - `<shard>.idx`: uint64 start offsets of the shard's documents into its .bin,
   n_docs + 1 entries, the first 0 and the last the .bin's length.
 - `<shard>.mask` (chat and preference data only): one uint8 per token of the
-  .bin: bit 0 (`chatml.TARGET`) set where the token is a training target,
-  bit 1 (`chatml.EXCHANGE`) where an exchange starts, which truncation cuts at
-  (see nanolm/data/chatml.py for which tokens those are).
+  .bin: bit 0 (`chat.TARGET`) set where the token is a training target,
+  bit 1 (`chat.EXCHANGE`) where an exchange starts, which truncation cuts at
+  (see nanolm/chat/encoding.py for which tokens those are).
 - `train.records.jsonl`, `val.records.jsonl` (RL prompts only, `format="prompts"`):
   one JSON line per document of the split, in order: the prompt's messages,
   tools and the record as the user gave it (reference answers for rewards);
@@ -62,7 +62,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from nanolm.data.chatml import TARGET
+from nanolm.chat import TARGET
 from nanolm.errors import UserError
 from nanolm.io import check_crc32, crc32_checked, write_json_atomic
 

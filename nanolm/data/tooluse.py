@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from nanolm.chat import render_chat
 from nanolm.corpora.holdout import numbers_held_out
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
@@ -227,7 +228,7 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculat
 def build_tool_drill(out: Path, n: int, seed: int = 1, *, calculator: Callable[[dict], str],
                      tools: Sequence[dict]) -> Path:
     """Write n conversations of the tool-use set as pretraining text (.jsonl `{"text": ...}` records): each
-    rendered in the chat layout of nanolm's tokenizers (`chatml.render_chat`, Qwen3's), without its tool list,
+    rendered in the chat layout of nanolm's tokenizers (`chat.render_chat`, Qwen3's), without its tool list,
     and return `out`.
 
     A model copies numbers from its context (the question's into the call, the tool's result into the reply)
@@ -236,7 +237,6 @@ def build_tool_drill(out: Path, n: int, seed: int = 1, *, calculator: Callable[[
     system turn a conversation is about 80 tokens, so a pretraining mixture holds many of them per step, where
     the fine-tuning set, each record with its tool list, holds a few. The numbers obey the same held-out rule.
     """
-    from nanolm.data.chatml import render_chat
     lines = [json.dumps({"text": render_chat(m)}, ensure_ascii=False) + "\n"
              for m, _ in _conversations(n, seed, calculator, tools)]
     out = Path(out)

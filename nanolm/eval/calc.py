@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from nanolm.data.chatml import Message
+from nanolm.chat import Message, ReplyParser
 from nanolm.data.tooluse import CalcItem, calc_items
 from nanolm.errors import UserError
 from nanolm.eval.scoring import _NUMBER, answers_match, generate_texts, summary
@@ -38,7 +38,6 @@ def calc_task(n: int | None = None, seed: int = SEED) -> Task:
 
 
 def _parse(text: str) -> Message:
-    from nanolm.infer.reply import ReplyParser
     parser = ReplyParser(thinking=False, calls=True)
     parser.push(text)
     parser.finish()

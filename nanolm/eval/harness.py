@@ -30,6 +30,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from nanolm.chat import render_chat
 from nanolm.eval.scoring import continuation_logprobs, encode_pair, generate_texts, rolling_requests
 
 
@@ -77,7 +78,6 @@ class NanoLM(LM):
         return f"nanolm-{self.tok.fingerprint[:16]}"
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        from nanolm.data.chatml import render_chat
         return render_chat(chat_history, add_generation_prompt, fmt=self.tok.chat_format)
 
     def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:

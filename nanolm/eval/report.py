@@ -45,7 +45,7 @@ text is the run's train split decoded so (or `text_train`'s files).
   further back) are used.
 
 A fine-tuning run trained on chat data (sft, lora) gets its initial model
-(train.init_from, best checkpoint) scored by `nanolm.evaluate.evaluate` on
+(train.init_from, best checkpoint) scored by `nanolm.eval.loss.evaluate` on
 the same validation blocks its val_bpb covered (the assistant replies) as
 its baseline.
 
@@ -202,7 +202,7 @@ def text_of(ids: np.ndarray, table: Sequence[bytes]) -> bytes:
 def _file_stream(files: list[str], tok: Any) -> np.ndarray:
     """The token stream `nanolm eval --data FILES` scores: each document followed by EOT."""
     from nanolm.corpora import resolve_sources
-    from nanolm.evaluate import tokenize_files
+    from nanolm.eval.loss import tokenize_files
     return tokenize_files(resolve_sources(files), tok)
 
 
@@ -259,7 +259,7 @@ def _heldout_side(run: Path, cfg: Any, tok: Any, text_heldout: list[str],
                   device: str) -> tuple[np.ndarray, str, dict[str, Any]]:
     """(the held-out target ids, what they are, with files the model's bits per byte on them else {})."""
     if text_heldout:
-        from nanolm.evaluate import evaluate
+        from nanolm.eval.loss import evaluate
         ids = _file_stream(text_heldout, tok)[1:]  # every token but the first is a target
         model = evaluate(run, text_heldout, which="best", device=device, quiet=True)
         return (ids, ", ".join(text_heldout) + " (as nanolm eval --data reads them)",
@@ -298,7 +298,7 @@ def pretrain_baselines(run: Path, cfg: Any, tok: Any, *, text_train: list[str], 
 def init_baseline(cfg: Any, device: str = "auto") -> dict[str, Any]:
     """A chat fine-tuning run's initial model (train.init_from, best checkpoint) scored on the validation blocks
     the run's val_bpb covered."""
-    from nanolm.evaluate import evaluate
+    from nanolm.eval.loss import evaluate
     data_dir = _one_data_dir(cfg)
     tc = cfg.train
     r = evaluate(tc.init_from, [data_dir], which="best", batch_size=tc.batch_size, seq_len=tc.seq_len,

@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from nanolm.chat import Message
 from nanolm.eval.tasks import GenItem, MCItem
 from nanolm.infer.engine import run_to_end
 
@@ -133,7 +134,6 @@ def rolling_requests(tokens: Sequence[int], max_len: int, eot_id: int) -> list[t
 # ----------------------------------------------------------------------------- prompts
 
 def _chat_prompt(tok: TokenizerLike, turns: Sequence[tuple[str, str]], question: str) -> str:
-    from nanolm.data.chatml import Message
     messages = []
     for q, a in turns:
         messages += [Message("user", q), Message("assistant", a)]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from nanolm.chat import ReplyParser, ToolCall, message_from_dict, tools_from_value
 from nanolm.errors import UserError
 from nanolm.eval.scoring import _NUMBER, answers_match, summary
 
@@ -147,10 +148,8 @@ class LocalBackend:
     def replies(self, talks: Sequence[list[dict[str, Any]]], tools: Sequence[list[dict[str, Any]]]
                 ) -> list[dict[str, Any]]:
         from nanolm.config.sampling import SamplingParams
-        from nanolm.data.chatml import message_from_dict, tools_from_value
         from nanolm.eval.scoring import generate_texts
         from nanolm.infer.guide import GuideVocab, ToolCallGuide
-        from nanolm.infer.reply import ReplyParser
         from nanolm.infer.server.choices import assistant_message, call_id
 
         fmt, tok = self.tok.chat_format, self.tok
@@ -236,7 +235,6 @@ def states(reply: str, answer: str) -> bool:
 
 def _run(call: dict[str, Any], item: ToolItem) -> str:
     """A call's result: a built-in tool runs; another gets the item's mocked result."""
-    from nanolm.data.chatml import ToolCall
     from nanolm.infer.tools import BUILTINS, run_builtin
     fn = call.get("function", {})
     name, args = fn.get("name", ""), fn.get("arguments", "{}")

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nanolm.chat import QWEN3, ChatFormat
 from nanolm.config.sampling import SamplingParams
-from nanolm.data.chatml import QWEN3, ChatFormat
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, check_new_directory, write_text_atomic
 from nanolm.progress import fmt_bytes

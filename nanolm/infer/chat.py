@@ -1,10 +1,10 @@
 """Multi-turn chat over the generation engine: history, tools, reasoning, context window, terminal loop.
 
 `ChatSession` holds the conversation as chat-format messages
-(nanolm/data/chatml.py) and renders it in the tokenizer's layout
+(nanolm/chat/) and renders it in the tokenizer's layout
 (`Tokenizer.chat_format`), with the tools it offers (`tools.Toolbox`) and
 thinking on or off. A turn (`ChatSession.turn`) streams the reply as events
-(`reply.ReplyParser`: reasoning, content, tool calls). When the reply calls
+(`chat.ReplyParser`: reasoning, content, tool calls). When the reply calls
 tools, a built-in one is run and its result fed back as a `tool` message; a
 declared one's result is asked for (`ask`), or, when nobody can answer, the
 model is told the tool could not be run; then the model continues, at most
@@ -25,13 +25,12 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator, TextIO
 
+from nanolm.chat import Call, ChatError, Content, Event, Message, Reasoning, ReplyParser, ToolCall, control_in
 from nanolm.config.sampling import SamplingParams
-from nanolm.data.chatml import ChatError, Message, ToolCall, control_in
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_text, stream_text
 from nanolm.infer.guide import GuideVocab, ToolCallGuide
-from nanolm.infer.reply import Call, Content, Event, Reasoning, ReplyParser
 from nanolm.infer.tools import MAX_TOOL_ROUNDS, Toolbox
 from nanolm.tokenizer import Tokenizer
 

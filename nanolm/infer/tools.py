@@ -2,7 +2,7 @@
 
 A tool is an OpenAI function schema (name, description, JSON-schema
 parameters) that the chat format lists in the system turn
-(nanolm/data/chatml.py); the model calls it by writing
+(nanolm/chat/templates.py); the model calls it by writing
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and the chat
 feeds the result back as a `tool` message.
 
@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nanolm.data.chatml import ChatError, ToolCall, tools_from_value
+from nanolm.chat import ChatError, ToolCall, tools_from_value
 from nanolm.errors import UserError
 
 MAX_EXPRESSION_CHARS = 1000

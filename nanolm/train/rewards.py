@@ -1,6 +1,6 @@
-r"""Reward functions for RL from rewards (`--stage grpo`), chosen and weighted by name.
+r"""Reward functions for RL from rewards (`--stage grpo`, `--stage ppo`), chosen and weighted by name.
 
-`grpo.rewards` is a spec such as "answer:1.0,format:0.2,length:0.1": each
+`grpo.rewards` (or `ppo.rewards`) is a spec such as "answer:1.0,format:0.2,length:0.1": each
 item a reward and its weight (1 when left out); a completion's reward is the
 weighted sum, and each reward's own value is logged. Every reward is a
 function (prompt, completion, record) -> float: prompt the text of the
@@ -26,7 +26,7 @@ Built-ins:
 - `repetition`: minus the share of the reply's word 3-grams (a CJK character
   is a word) that repeat an earlier one: 0 for a reply that never repeats.
 - `tool_call`: 1.0 when the reply holds at least one `<tool_call>` and each is
-  a valid call (`chatml.parse_tool_call`) of a tool the record lists (any name
+  a valid call (`chat.parse_tool_call`) of a tool the record lists (any name
   when it lists none), else 0.0.
 - `model`: the score of a local `transformers` sequence-classification
   model (grpo.reward_model, a directory with its tokenizer) on the prompt's
@@ -47,8 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from nanolm.data.chatml import THINK, THINK_END, ChatError, parse_tool_call
+from nanolm.chat import ChatError, parse_tool_call
 from nanolm.errors import UserError
+from nanolm.special_tokens import THINK, THINK_END
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 REFERENCE_FIELDS = ("answer", "solution", "gt")
@@ -141,7 +142,7 @@ def reference_of(record: Mapping[str, Any]) -> str | None:
 def answer_reward(prompt: str, completion: str, record: Mapping[str, Any]) -> float:
     ref = reference_of(record)
     if ref is None:
-        raise UserError(f"grpo.rewards: the answer reward needs a reference field ({', '.join(REFERENCE_FIELDS)}) "
+        raise UserError(f"the answer reward needs a reference field ({', '.join(REFERENCE_FIELDS)}) "
                         f"in every prompt record; this one has {', '.join(map(str, record)) or 'no fields'}")
     given = final_answer(reply_content(completion))
     return float(given is not None and answers_match(given, ref))
@@ -210,21 +211,21 @@ def tool_call_reward(prompt: str, completion: str, record: Mapping[str, Any]) ->
 class RewardModel:
     """A local transformers sequence-classification model as a reward (see the module doc)."""
 
-    def __init__(self, path: str, device: str = "cpu") -> None:
+    def __init__(self, path: str, device: str = "cpu", section: str = "grpo") -> None:
         try:
             import torch
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
         except ImportError:
-            raise UserError("grpo.reward_model needs transformers: pip install 'nanolm[hf]'") from None
+            raise UserError(f"{section}.reward_model needs transformers: pip install 'nanolm[hf]'") from None
         d = Path(path)
         if not (d / "config.json").is_file():
-            raise UserError(f"{d}: grpo.reward_model must be a transformers model directory (config.json, weights "
+            raise UserError(f"{d}: {section}.reward_model must be a transformers model directory (config.json, weights "
                             "and tokenizer), saved with save_pretrained")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(d)
             self.model = AutoModelForSequenceClassification.from_pretrained(d).to(device).eval()
         except (OSError, ValueError) as e:
-            raise UserError(f"{d}: cannot load it as a sequence-classification model ({e}); grpo.reward_model "
+            raise UserError(f"{d}: cannot load it as a sequence-classification model ({e}); {section}.reward_model "
                             "takes a directory saved with save_pretrained") from None
         self.torch, self.device = torch, device
 
@@ -244,17 +245,17 @@ class RewardModel:
 # ----------------------------------------------------------------------------- the spec
 
 
-def load_user_function(spec: str) -> RewardFn:
+def load_user_function(spec: str, section: str = "grpo") -> RewardFn:
     """`path/to/module.py:function`, imported from the file."""
     file, _, name = spec.rpartition(":")
     path = Path(file)
     if not path.is_file():
-        raise UserError(f"grpo.rewards: {path} (from {spec!r}) is not a file; name a user reward as "
+        raise UserError(f"{section}.rewards: {path} (from {spec!r}) is not a file; name a user reward as "
                         "path/to/module.py:function")
     module_name = f"nanolm_user_reward_{abs(hash(str(path.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise UserError(f"grpo.rewards: {path} cannot be imported as a Python module")
+        raise UserError(f"{section}.rewards: {path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     try:
@@ -263,12 +264,12 @@ def load_user_function(spec: str) -> RewardFn:
         raise UserError(f"{path}: importing it failed ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"{path}: has no function {name!r} (grpo.rewards names {spec!r}); define "
+        raise UserError(f"{path}: has no function {name!r} ({section}.rewards names {spec!r}); define "
                         f"def {name}(prompt, completion, record) -> float")
     return fn
 
 
-def parse_spec(spec: str) -> list[tuple[str, float]]:
+def parse_spec(spec: str, section: str = "grpo") -> list[tuple[str, float]]:
     """"answer:1.0,format:0.2,my.py:fn:0.5" -> [("answer", 1.0), ("format", 0.2), ("my.py:fn", 0.5)]."""
     out = []
     for item in (s.strip() for s in spec.split(",")):
@@ -282,13 +283,13 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
             except ValueError:
                 name, weight = item, 1.0
         if not math.isfinite(weight):
-            raise UserError(f"grpo.rewards: the weight of {name!r} must be a finite number, got {tail!r}")
+            raise UserError(f"{section}.rewards: the weight of {name!r} must be a finite number, got {tail!r}")
         if name not in BUILTINS and ".py:" not in name:
-            raise UserError(f"grpo.rewards: unknown reward {name!r}; choose from {', '.join(BUILTINS)}, or name "
+            raise UserError(f"{section}.rewards: unknown reward {name!r}; choose from {', '.join(BUILTINS)}, or name "
                             "your own as path/to/module.py:function")
         out.append((name, weight))
     if not out:
-        raise UserError("grpo.rewards is empty; give at least one reward, e.g. answer:1.0")
+        raise UserError(f"{section}.rewards is empty; give at least one reward, e.g. answer:1.0")
     return out
 
 
@@ -299,16 +300,18 @@ class Rewards:
     names: list[str]
     weights: list[float]
     fns: list[RewardFn]
+    section: str = "grpo"  # the config section whose spec it is (grpo, ppo), for the messages
 
     @classmethod
     def from_spec(cls, spec: str, *, thinking: bool = False, length_min: int = 1, length_max: int = 512,
-                  reward_model: str = "", device: str = "cpu") -> "Rewards":
+                  reward_model: str = "", device: str = "cpu", section: str = "grpo") -> "Rewards":
         names, weights, fns = [], [], []
-        for name, weight in parse_spec(spec):
+        for name, weight in parse_spec(spec, section):
             if name == "model":
                 if not reward_model:
-                    raise UserError("grpo.rewards names the model reward; pass --grpo.reward_model <directory>")
-                fn: RewardFn = RewardModel(reward_model, device)
+                    raise UserError(f"{section}.rewards names the model reward; pass --{section}.reward_model "
+                                    "<directory>")
+                fn: RewardFn = RewardModel(reward_model, device, section)
             elif name == "answer":
                 fn = answer_reward
             elif name == "format":
@@ -320,11 +323,11 @@ class Rewards:
             elif name == "tool_call":
                 fn = tool_call_reward
             else:
-                fn = load_user_function(name)
+                fn = load_user_function(name, section)
             names.append(Path(name.split(":")[0]).stem if ".py:" in name else name)
             weights.append(weight)
             fns.append(fn)
-        return cls(names, weights, fns)
+        return cls(names, weights, fns, section)
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               records: Sequence[Mapping[str, Any]]) -> tuple[list[float], dict[str, list[float]]]:
@@ -333,10 +336,13 @@ class Rewards:
         for name, fn in zip(self.names, self.fns):
             got = []
             for p, c, r in zip(prompts, completions, records):
-                v = fn(p, c, r)
+                try:
+                    v = fn(p, c, r)
+                except UserError as e:  # a reward that cannot score this record (the answer reward, no reference)
+                    raise UserError(f"{self.section}.rewards: {e}") from None
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise UserError(f"grpo.rewards: reward {name!r} returned {v!r}; a reward must return a finite "
-                                    "float")
+                    raise UserError(f"{self.section}.rewards: reward {name!r} returned {v!r}; a reward must return "
+                                    "a finite float")
                 got.append(float(v))
             values[name] = got
         totals = [sum(w * values[n][i] for n, w in zip(self.names, self.weights)) for i in range(len(completions))]

@@ -21,12 +21,12 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.chatml import EOT
 from nanolm.data.formats import ReadStats
 from nanolm.data.provenance import val_every
 from nanolm.data.shards import RENAMED_KINDS, Batch, Manifest, PackedData, SplitWriter, token_dtype
 from nanolm.errors import UserError
 from nanolm.progress import fmt_bytes, fmt_count, fmt_duration
+from nanolm.special_tokens import EOT
 from nanolm.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
@@ -111,6 +111,15 @@ class PrepareConfig:
     workers: int = field(default_factory=default_workers, metadata={"help": "tokenizer processes"})
     skip_bad: bool = field(default=False, metadata={"help": "skip malformed JSONL lines and report the count"})
     shard_tokens: int = field(default=100_000_000, metadata={"help": "tokens per shard file"})
+    # SFT augmentations (chat), as MiniMind applies them: each conversation's own draw from `seed` and its place
+    # in the input, so the data written does not depend on the workers.
+    system_ratio: float = field(default=0.0, metadata={
+        "help": "chat: share of the conversations without a system message given one of the built-in system "
+                "prompts"})
+    empty_think_ratio: float = field(default=0.0, metadata={
+        "help": "chat: share of the conversations whose replies without reasoning train on their empty think "
+                "block too"})
+    seed: int = field(default=0, metadata={"help": "chat: the augmentations' seed"})
     quiet: bool = field(default=False, metadata={"help": "print nothing but errors"})
 
     def __post_init__(self) -> None:
@@ -126,6 +135,11 @@ class PrepareConfig:
         _positive("max_tokens", self.max_tokens, "the longest conversation kept whole, in tokens; at most the "
                   "training seq_len + 1")
         _positive("block_len", self.block_len, "0: no limit at prepare", least=0)
+        for name in ("system_ratio", "empty_think_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise UserError(f"{name}={value!r}: must be a share from 0 to 1 (0: off)")
+        _positive("seed", self.seed, "the augmentations' seed", least=0)
 
 
 @dataclass
@@ -245,8 +259,13 @@ class DataKind:
     group: ClassVar[int] = 1  # documents one record becomes, kept in one shard
     records_throughput: ClassVar[bool] = True  # the manifest records the run's throughput
     jsonl_only: ClassVar[str] = ""  # what its files must hold, when only .jsonl files can
+    augments: ClassVar[bool] = False  # takes the SFT augmentations (system_ratio, empty_think_ratio)
 
     def __init__(self, cfg: PrepareConfig, tok: Tokenizer) -> None:
+        for name in ("system_ratio", "empty_think_ratio"):
+            if getattr(cfg, name) and not self.augments:
+                raise UserError(f"{name}={getattr(cfg, name):g} augments conversations for fine-tuning, not "
+                                f"{self.name} data; drop it")
         self.cfg, self.tok = cfg, tok
         self.dtype = token_dtype(tok.vocab_size)
         self.stats = ReadStats()

@@ -3,7 +3,7 @@ assistant turns, and the blocks of packed conversations the loader makes of them
 
 Prepare: each conversation (read by `iter_chat_records` of
 nanolm.data.formats) becomes one document: its ids and loss mask in the
-tokenizer's chat layout (`nanolm.data.chatml.encode_chats`: exactly the ids of
+tokenizer's chat layout (`nanolm.chat.encode_chats`: exactly the ids of
 `tok.encode(fmt.render(messages, tools))`, the mask on the assistant turns),
 then `<|endoftext|>` (mask 0). A conversation longer than `max_tokens` tokens
 is cut by ChatML's truncation policy (`fit_conversation`), or skipped when no
@@ -24,6 +24,16 @@ restarts at 0 with each of them, and y is -1 where the loss mask of the target
 token is 0 (system and user turns, template scaffolding, padding) and at the
 last token of every segment, so nothing predicts across a boundary.
 
+SFT augmentations, as MiniMind applies them (each off by default, each
+conversation's draw from `--seed` and its place in the input, so the bytes
+written do not depend on the workers; the manifest's section counts them):
+`--system-ratio` gives that share of the conversations without a system
+message one of `SYSTEM_PROMPTS`, so the model learns to follow one without
+depending on it; `--empty-think-ratio` trains that share's empty think blocks
+(`<think>\n\n</think>` before a reply without reasoning, always in the
+layout, otherwise untrained), so a model asked to think closes the block when
+it has nothing to reason about.
+
 The conversations' shared parts (reading, the worker's encoding, `Documents`,
 `Conversations`) serve preference pairs too (nanolm/data/kinds/pairs.py).
 """
@@ -31,20 +41,23 @@ The conversations' shared parts (reading, the worker's encoding, `Documents`,
 from __future__ import annotations
 
 import bisect
+import random
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from nanolm.data.chatml import TARGET, Conversation, Span, check_spelling, fit_conversation
-from nanolm.data.chatml import encode_chats as chatml_encode
+from nanolm.chat import TARGET, Conversation, Message, Span, check_spelling, fit_conversation
+from nanolm.chat import encode_chats as encode_with_masks
 from nanolm.data.formats import ReadStats, iter_chat_records
 from nanolm.data.kinds.base import Chunk, DataKind, Order, Record, Splits, encode_batch, pinned
 from nanolm.data.shards import IGNORE_INDEX, Batch, Manifest, PackedData, SplitWriter, write_splits
 from nanolm.errors import UserError
 from nanolm.progress import fmt_count
+from nanolm.special_tokens import THINK_END
 from nanolm.tokenizer import Tokenizer
 
 # Conversations packed together (see pack_blocks); a larger chunk packs
@@ -52,6 +65,23 @@ from nanolm.tokenizer import Tokenizer
 PACK_CHUNK = 4096
 # Below this fraction of positions holding a token, pack_blocks tries a second packer.
 GOOD_FILL = 0.99
+# The span that closes an empty think block in the Qwen3 layout (chat/templates.py).
+EMPTY_THINK_CLOSE = f"\n{THINK_END}\n\n"
+# The system prompts `--system-ratio` draws from: plain assistant instructions, in English and Chinese.
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a concise assistant. Answer briefly and accurately.",
+    "You are a friendly assistant who explains things clearly.",
+    "You are a careful assistant: when you are not sure, say so.",
+    "You are an assistant that answers in the language of the question.",
+    "Answer the user's questions helpfully and honestly.",
+    "你是一个乐于助人的助手。",
+    "你是一个简洁的助手，请简明准确地回答。",
+    "你是一个耐心的助手，会把事情解释清楚。",
+    "请认真、诚实地回答用户的问题。",
+    "你是一个知识丰富的助手，回答要准确、有条理。",
+    "你是一个友好的 AI 助手，用提问的语言回答。",
+)
 
 
 class ChatKind(DataKind):
@@ -65,10 +95,16 @@ class ChatKind(DataKind):
     noun = "conversations"
     masked = True
     jsonl_only = "chat data must be .jsonl (one conversation per line)"
+    augments = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.truncated = self.too_long = 0  # conversations cut to fit max_tokens, and skipped as too long
+        self.read = 0  # conversations read so far, in input order: each one's augmentation draw
+        self.augmented = {"system_prompt": 0, "empty_think": 0}
+        if self.cfg.empty_think_ratio and not self.tok.chat_format.tools:
+            raise UserError(f"empty_think_ratio={self.cfg.empty_think_ratio:g}: the tokenizer {self.tok.path} "
+                            "carries the plain ChatML template, which has no think block; drop it")
 
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> PackedConversations:
@@ -83,14 +119,34 @@ class ChatKind(DataKind):
                           "model's embeddings) or train one with `nanolm tokenizer train`", stacklevel=4)
 
     def options(self) -> dict[str, Any]:
+        augment = ({"system_ratio": self.cfg.system_ratio, "empty_think_ratio": self.cfg.empty_think_ratio,
+                    "seed": self.cfg.seed} if self.cfg.system_ratio or self.cfg.empty_think_ratio else {})
         return {"format": self.name, "max_tokens": self.cfg.max_tokens, "val_fraction": self.cfg.val_fraction,
-                "skip_bad": self.cfg.skip_bad, "shard_tokens": self.cfg.shard_tokens}
+                "skip_bad": self.cfg.skip_bad, "shard_tokens": self.cfg.shard_tokens, **augment}
 
     def plan(self) -> str:
         return f"chat, max {self.cfg.max_tokens} tokens per conversation, "
 
     def records(self, path: Path) -> Iterator[Record]:
-        return chat_records(self.cfg.skip_bad, self.stats, self.tok)(path)
+        for conv, *rest in chat_records(self.cfg.skip_bad, self.stats, self.tok)(path):
+            yield (self.augment(conv), *rest)
+
+    def augment(self, conv: Conversation) -> Conversation:
+        """The SFT augmentations, drawn for this conversation alone from the seed and its place in the input: a
+        built-in system prompt where it has no system message (a share `system_ratio`), its empty think blocks
+        trained on (a share `empty_think_ratio`)."""
+        cfg, n = self.cfg, self.read
+        self.read += 1
+        if not (cfg.system_ratio or cfg.empty_think_ratio):
+            return conv
+        rng = random.Random(f"{cfg.seed}:{n}")
+        system, think, pick = rng.random() < cfg.system_ratio, rng.random() < cfg.empty_think_ratio, rng.random()
+        messages = conv.messages
+        if system and messages[0].role != "system":
+            messages = (Message("system", SYSTEM_PROMPTS[int(pick * len(SYSTEM_PROMPTS))]), *messages)
+            self.augmented["system_prompt"] += 1
+        self.augmented["empty_think"] += think
+        return replace(conv, messages=messages, empty_think=think)
 
     def job(self, chunk: Chunk) -> tuple[Callable[..., Any], tuple]:
         return encode_chats, (chunk.items, self.cfg.max_tokens)
@@ -109,9 +165,10 @@ class ChatKind(DataKind):
                 "--max-tokens")
 
     def section(self, splits: Splits, n_docs: int) -> dict[str, Any] | None:
+        augmented = {"augmented": dict(self.augmented)} if self.cfg.system_ratio or self.cfg.empty_think_ratio else {}
         return {"template": self.tok.chat_format.name, "mask": True, "max_tokens": self.cfg.max_tokens,
                 "n_trainable": sum(s["n_trainable"] for s in splits.values()), "truncated": self.truncated,
-                "skipped_too_long": self.too_long}
+                "skipped_too_long": self.too_long, **augmented}
 
     def fitting(self, manifest: Manifest) -> list[str]:
         n_trainable, n_tokens = manifest.section["n_trainable"], manifest.totals["n_tokens"]  # type: ignore[index]
@@ -148,7 +205,8 @@ def encode_chats(state: dict[str, Any], convs: list[Conversation],
     length with its EOT, 0 for one skipped as too long.
     """
     fmt = chat_state(state).chat_format
-    rendered = encode_spans(state, [fmt.spans(c.messages, c.tools) for c in convs])
+    rendered = encode_spans(state, [empty_think_trained(fmt.spans(c.messages, c.tools)) if c.empty_think
+                                    else fmt.spans(c.messages, c.tools) for c in convs])
     out = Documents(len(convs), state["dtype"], state["eot"])
     for i, (ids, mask) in enumerate(rendered):
         if len(ids) > max_tokens:
@@ -162,6 +220,15 @@ def encode_chats(state: dict[str, Any], convs: list[Conversation],
     return out.result()
 
 
+def empty_think_trained(spans: list[Span]) -> list[Span]:
+    """The spans with each empty think block's close (`\n</think>\n\n`) trained where the reply after it is."""
+    out = list(spans)
+    for i in range(len(out) - 1):
+        if out[i].text == EMPTY_THINK_CLOSE and not out[i].trains and out[i + 1].trains:
+            out[i] = replace(out[i], trains=True)
+    return out
+
+
 def chat_state(state: dict[str, Any]) -> Tokenizer:
     """The worker's nanolm Tokenizer (its chat layout, the bytes of its tokens), loaded on first use."""
     if "tokenizer" not in state:
@@ -171,13 +238,13 @@ def chat_state(state: dict[str, Any]) -> Tokenizer:
 
 
 def encode_spans(state: dict[str, Any], spans: list[list[Span]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`chatml.encode_chats` of the conversations' spans, the texts encoded in one batch; the first one is also
-    checked to be spelled byte for byte by its tokens (`chatml.check_spelling`)."""
+    """`chat.encode_chats` of the conversations' spans, the texts encoded in one batch; the first one is also
+    checked to be spelled byte for byte by its tokens (`chat.check_spelling`)."""
     texts = ["".join(s.text for s in sp) for sp in spans]
     ids = encode_batch(state["tok"], texts)
     if texts:
         check_spelling(texts[0], ids[0], chat_state(state).token_bytes(), state["file"])
-    return chatml_encode(spans, ids, state["lengths"], state["file"])
+    return encode_with_masks(spans, ids, state["lengths"], state["file"])
 
 
 class Documents:

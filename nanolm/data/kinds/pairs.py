@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from nanolm.data.chatml import Conversation, fit_pair
+from nanolm.chat import Conversation, fit_pair
 from nanolm.data.formats import ReadStats, iter_preference_records
 from nanolm.data.kinds.base import Chunk, Order, Record, Splits, pinned
 from nanolm.data.kinds.chat import ChatKind, Conversations, Documents, chat_state, conversation_chars, encode_spans, \

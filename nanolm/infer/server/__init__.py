@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP API over the generation engine: `nanolm serve`.
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages rendered
-in the tokenizer's chat format, nanolm/data/chatml.py, with `tools`,
+in the tokenizer's chat format, nanolm/chat/, with `tools`,
 `tool_choice`, assistant `tool_calls`, `tool` results and thinking switched by
 `chat_template_kwargs.enable_thinking`; replies read back into `content`,
 `reasoning_content` and `tool_calls`, `choices`) and `POST /v1/completions`

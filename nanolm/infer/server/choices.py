@@ -1,4 +1,4 @@
-"""The choices of a chat completion: each reply read (`reply.ReplyParser`) into OpenAI's message or stream deltas.
+"""The choices of a chat completion: each reply read (`chat.ReplyParser`) into OpenAI's message or stream deltas.
 
 A `ChatPlan` is what the route made of the request for reading its replies:
 whether the prompt opened a think block, whether tools were offered, and the
@@ -16,7 +16,7 @@ reasoning as `reasoning_content`, as vLLM and DeepSeek send it):
   `{"tool_calls": [{"index", "function": {"arguments": ...}}]}`;
 - finish_reason `tool_calls` when the reply made calls and ended by itself.
 
-Log-probabilities are the content's tokens' (`reply.TokenKinds`): those of
+Log-probabilities are the content's tokens' (`chat.TokenKinds`): those of
 the reasoning and of tool calls are left out. In a stream, the tokens of
 content held back (a possible tag) come with the delta that releases it.
 
@@ -29,9 +29,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from nanolm.data.chatml import Message
+from nanolm.chat import Call, Content, Message, Reasoning, ReplyParser, TokenKinds
 from nanolm.infer.engine import Token
-from nanolm.infer.reply import Call, Content, Reasoning, ReplyParser, TokenKinds
 from nanolm.tokenizer import Tokenizer
 
 
@@ -57,7 +56,7 @@ class Choice:
     def __init__(self, tokenizer: Tokenizer, plan: ChatPlan) -> None:
         self.plan = plan
         self.parser = ReplyParser(thinking=plan.thinking, calls=plan.calls, prefill=plan.prefill)
-        self._kinds = TokenKinds(tokenizer, thinking=plan.thinking, calls=plan.calls, in_call=bool(plan.prefill))
+        self._kinds = TokenKinds(tokenizer.tag_ids, thinking=plan.thinking, calls=plan.calls, in_call=bool(plan.prefill))
         self.ids: list[str] = []  # the id of each call, in order
         self.content_tokens: list[Token] = []  # the log-probabilities of the content's tokens
         self._given = 0  # how many of them a stream has sent

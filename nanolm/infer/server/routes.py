@@ -35,9 +35,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from nanolm.chat import ChatError, check_conversation, message_from_dict, tools_from_value
 from nanolm.config.sampling import SamplingParams
 from nanolm.config.serve import ServeConfig
-from nanolm.data.chatml import TOOL_CALL, ChatError, check_conversation, message_from_dict, tools_from_value
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.guide import GuideVocab, ToolCallGuide, check_schema
@@ -48,6 +48,7 @@ from nanolm.infer.server.schemas import (ChatRequest, CompletionLogprobs, Comple
                                          error_body, sse, validation_error)
 from nanolm.infer.server.worker import Job, Worker, events
 from nanolm.infer.tools import tool_name
+from nanolm.special_tokens import TOOL_CALL
 from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 # A completion without max_tokens stops after this many tokens, as OpenAI's /v1/completions does; a chat

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from nanolm.chat import ROLE_NAMES
 from nanolm.config.sampling import SEED_RANGE, SamplingParams
-from nanolm.data.chatml import ROLE_NAMES
 from nanolm.infer.engine import Token
 
 # Every stop string is looked for after every token; OpenAI takes up to 4, so 16 leaves room and keeps
@@ -71,7 +71,7 @@ class _Common(_Strict):
 
 
 class Message(_Strict):
-    """One message of a chat request; what it says is checked by the chat format (`chatml.message_from_dict`)."""
+    """One message of a chat request; what it says is checked by the chat format (`chat.message_from_dict`)."""
 
     role: str
     content: Any  # a string, OpenAI's list of {"type": "text", "text": ...} parts, or null beside tool_calls
@@ -106,7 +106,7 @@ class Message(_Strict):
         raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
 
     def as_dict(self) -> dict[str, Any]:
-        """The message in OpenAI's form, for `chatml.message_from_dict`."""
+        """The message in OpenAI's form, for `chat.message_from_dict`."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls is not None:
             d["tool_calls"] = self.tool_calls
@@ -124,7 +124,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None  # OpenAI tool objects; checked by the chat format (`chatml.tools_from_value`)
+    tools: list[Any] | None = None  # OpenAI tool objects; checked by the chat format (`chat.tools_from_value`)
     # "none" (the tools are not offered), "auto" (the default), "required" (a call), or
     # {"type": "function", "function": {"name": ...}} (a call of that function); `forced_call` reads it
     tool_choice: Any = None

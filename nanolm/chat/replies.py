@@ -1,20 +1,26 @@
-r"""A generated reply's streamed text, split into reasoning, content and tool calls as it arrives.
+r"""A generated reply read into reasoning, content and tool calls: the chat format read back.
+
+`parse_tool_call` reads one call, the body of a `<tool_call>…</tool_call>`
+block: a JSON object `{"name": ..., "arguments": {...}}`, checked as a
+message's call is (`tool_call_from_dict`). GRPO's rewards use it on a
+finished reply.
 
 `ReplyParser` takes the text of a reply piece by piece (what `TextStream`
 gives, however it is cut) and returns events: `Reasoning` and `Content`
-deltas and whole `Call`s. The reply is the text after the chat format's
-generation prompt (nanolm/data/chatml.py):
+deltas and whole `Call`s; the chat session, the server and the tool-use
+benchmarks read every reply with it. The reply is the text after the chat
+format's generation prompt (nanolm/chat/templates.py):
 
 - With thinking on, the prompt ends inside an open `<think>` block, so the
   reply is reasoning up to `</think>`; with thinking off the prompt closed an
   empty block, and the reply is content (a model that opens a block of its
-  own at the very start, `<think>…</think>`, still has it read as reasoning).
+  own at the very start, `<think>…</think>`, still has it read as reasoning,
+  to the end of the reply if it never closes it).
 - In the content, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
-  is held back until it closes and comes out as a `Call` (parsed by
-  `chatml.parse_reply`, the format's own reading of a call); one that is not
-  JSON comes out as content, as written, with a problem noted; one the reply
-  ends inside comes out as content too. Without tools (`calls=False`) the
-  tags are plain content.
+  is held back until it closes and comes out as a `Call` (`parse_tool_call`);
+  one that is not JSON comes out as content, as written, with a problem
+  noted; one the reply ends inside comes out as content too. Without tools
+  (`calls=False`) the tags are plain content.
 - An end of a piece that may begin a tag (`<too`, `</thi`) is held until the
   next piece decides it, so events never depend on how the text was cut.
 
@@ -23,14 +29,8 @@ them: the newlines that open and close the reasoning (it is
 `reasoning.strip("\n")`), the whitespace between `</think>` and the content,
 and the whitespace beside a call (before it, between calls, and after the
 last when nothing follows). Other whitespace, the model's own, is content as
-written; a reply without tags is its text unchanged. So the message
-(`ReplyParser.message`) is `chatml.parse_reply`'s but for that whitespace:
-parse_reply strips the content at both ends, this keeps what the model wrote
-there. Two more differences, both about text a stream cannot take back: a
-`<think>` written inside the reasoning stays in it as text (parse_reply
-keeps only what follows the last one), and a think block the model opened
-itself (thinking off) and never closed is reasoning to the end
-(parse_reply reads it as content).
+written; a reply without tags is its text unchanged. A `<think>` written
+inside the reasoning stays in it as text (a stream cannot take it back).
 
 `TokenKinds` tells the same parts apart by token id (the tags are single
 tokens in nanolm's tokenizers), so the server can give log-probabilities for
@@ -39,12 +39,29 @@ the content's tokens alone.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Mapping
 
-from nanolm.data.chatml import (THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, ChatError, Message, ToolCall,
-                                parse_tool_call)
-from nanolm.infer.text import stop_prefix_len
-from nanolm.tokenizer import Tokenizer
+from nanolm.chat.messages import ChatError, Message, ToolCall, tool_call_from_dict
+from nanolm.special_tokens import THINK, THINK_END, TOOL_CALL, TOOL_CALL_END
+
+
+def parse_tool_call(body: str) -> ToolCall:
+    """The call a `<tool_call>…</tool_call>` block holds (its text between the tags), or ChatError saying why
+    it is not one: the body must be a JSON object `{"name": ..., "arguments": {...}}`."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ChatError(f"a tool call the model wrote is not a JSON call ({getattr(e, 'msg', 'nested too deeply')}):"
+                        f" {body[:80]!r}") from None
+    if not isinstance(obj, dict) or "name" not in obj:
+        raise ChatError(f'a tool call the model wrote is not a JSON call (not a {{"name": ..., "arguments": ...}} '
+                        f"object): {body[:80]!r}")
+    try:
+        return tool_call_from_dict("tool call", obj)
+    except ChatError as e:
+        raise ChatError(f"a tool call the model wrote is not a JSON call ({e}): {body[:80]!r}") from None
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,7 @@ _START, _REASONING, _CONTENT, _CALL = "start", "reasoning", "content", "call"
 
 
 def parse_call(body: str) -> ToolCall | str:
-    """The call that `<tool_call>{body}</tool_call>` holds, or the problem with it (`chatml.parse_tool_call`)."""
+    """The call that `<tool_call>{body}</tool_call>` holds, or the problem with it (`parse_tool_call`)."""
     try:
         return parse_tool_call(body.strip())
     except ChatError as e:
@@ -186,7 +203,7 @@ class ReplyParser:
                 self._reasoning(out, buf[:end])
                 self._state, self._buf, self._held, self._lead = _CONTENT, buf[end + len(THINK_END):], "", True
                 return True
-            cut = len(buf) - stop_prefix_len(buf, [THINK_END])
+            cut = len(buf) - _tag_start_len(buf, THINK_END)
             self._reasoning(out, buf[:cut])
             self._buf = buf[cut:]
             return False
@@ -196,7 +213,7 @@ class ReplyParser:
                 self._content(out, buf[:start])
                 self._state, self._buf = _CALL, buf[start + len(TOOL_CALL):]
                 return True
-            cut = len(buf) - (stop_prefix_len(buf, [TOOL_CALL]) if self.calls else 0)
+            cut = len(buf) - (_tag_start_len(buf, TOOL_CALL) if self.calls else 0)
             self._content(out, buf[:cut])
             self._buf = buf[cut:]
             return False
@@ -239,15 +256,20 @@ class ReplyParser:
         return Message("assistant", "".join(self.content), "".join(self.reasoning), tuple(self.tool_calls))
 
 
+def _tag_start_len(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` without completing it (held for the next piece)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
 class TokenKinds:
     """Tells the tokens of a reply apart by id as `ReplyParser` tells its text: "reasoning", "call" (the tags
-    included) or "content". Tags the tokenizer does not have as single tokens are not seen (their tokens
-    count as content)."""
+    included) or "content". tag_ids: a tokenizer's ids of the tags (`Tokenizer.tag_ids`); tags it does not
+    have as single tokens are not seen (their tokens count as content)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, thinking: bool, calls: bool = True, in_call: bool = False) -> None:
-        tags = tokenizer.tag_ids
-        self._think, self._think_end = tags.get(THINK), tags.get(THINK_END)
-        self._call, self._call_end = (tags.get(TOOL_CALL), tags.get(TOOL_CALL_END)) if calls else (None, None)
+    def __init__(self, tag_ids: Mapping[str, int], *, thinking: bool, calls: bool = True,
+                 in_call: bool = False) -> None:
+        self._think, self._think_end = tag_ids.get(THINK), tag_ids.get(THINK_END)
+        self._call, self._call_end = (tag_ids.get(TOOL_CALL), tag_ids.get(TOOL_CALL_END)) if calls else (None, None)
         self._state = "call" if in_call else "reasoning" if thinking else "start"
 
     def kind(self, token_id: int) -> str:
