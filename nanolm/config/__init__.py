@@ -3,7 +3,7 @@
 A training run's configuration is a `Config` (nanolm/config/train.py) made of
 `ModelConfig` (model.py), `DataConfig` (data.py), `OptimConfig` (optim.py),
 `TrainConfig` (train.py) and the training methods' sections (methods.py:
-LoRA, DPO, distillation, GRPO). It is built in layers by `load_config`
+LoRA, DPO, distillation, GRPO, PPO). It is built in layers by `load_config`
 (load.py), each overriding the one before: a preset (presets.py), the stage's
 defaults (nanolm/train/stages.py), a TOML or JSON file, then command-line
 overrides such as `--model.n_layer 4` whose names and types are generated from
@@ -24,7 +24,7 @@ dataclasses).
 
 from nanolm.config.data import DATA_MODES, DataConfig, DataSetConfig, data_overrides, default_set_name, \
     format_data_set, parse_data_set
-from nanolm.config.methods import DistillConfig, DPOConfig, GRPOConfig, LoRAConfig
+from nanolm.config.methods import DistillConfig, DPOConfig, GRPOConfig, LoRAConfig, PPOConfig
 from nanolm.config.model import ROPE_SCALINGS, ModelConfig
 from nanolm.config.optim import OPTIMIZERS, OptimConfig
 from nanolm.config.presets import PRESETS, preset
@@ -33,6 +33,6 @@ from nanolm.config.serve import ServeConfig
 from nanolm.config.train import Config, TrainConfig
 
 __all__ = ["DATA_MODES", "DataConfig", "DataSetConfig", "data_overrides", "default_set_name", "format_data_set",
-           "parse_data_set", "DistillConfig", "DPOConfig", "GRPOConfig", "LoRAConfig", "ROPE_SCALINGS", "ModelConfig",
-           "OPTIMIZERS", "OptimConfig", "PRESETS", "preset", "SEED_RANGE", "SamplingParams", "ServeConfig", "Config",
-           "TrainConfig"]
+           "parse_data_set", "DistillConfig", "DPOConfig", "GRPOConfig", "LoRAConfig", "PPOConfig", "ROPE_SCALINGS",
+           "ModelConfig", "OPTIMIZERS", "OptimConfig", "PRESETS", "preset", "SEED_RANGE", "SamplingParams",
+           "ServeConfig", "Config", "TrainConfig"]

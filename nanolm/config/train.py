@@ -10,7 +10,7 @@ from typing import Any
 
 from nanolm.config.data import DataConfig, format_data_set
 from nanolm.config.fields import _build, check as _check
-from nanolm.config.methods import DistillConfig, DPOConfig, GRPOConfig, LoRAConfig
+from nanolm.config.methods import DistillConfig, DPOConfig, GRPOConfig, LoRAConfig, PPOConfig
 from nanolm.config.model import ModelConfig
 from nanolm.config.optim import OptimConfig
 
@@ -130,6 +130,7 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
 
     # How the config was chosen where the user did not say (load_config's budget preset); not a field: not saved.
     note: typing.ClassVar[str] = ""
@@ -154,7 +155,7 @@ class Config:
         def shown(name: str) -> bool:  # stage-specific sections only where they apply
             if name == "lora":
                 return self.uses_lora
-            return name not in ("dpo", "distill", "grpo") or name == self.train.stage
+            return name not in ("dpo", "distill", "grpo", "ppo") or name == self.train.stage
         return [f"{name}: " + " ".join(f"{k}={fmt(v)}" for k, v in section.items())
                 for name, section in self.to_dict().items() if shown(name)]
 

@@ -200,6 +200,24 @@ def sum_across_ranks(value: int | torch.Tensor, info: DistInfo) -> int | torch.T
     return value
 
 
+def average_gradients(params: list[nn.Parameter], info: DistInfo) -> None:
+    """Average the gradients of parameters outside the DDP-wrapped model (a module trained beside it, such as
+    PPO's critic) over the ranks, as DDP averages the model's: one all-reduce of them all, flattened."""
+    if not info.enabled or not params:
+        return
+    for p in params:  # every rank reduces the same tensors
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= info.world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

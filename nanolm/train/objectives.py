@@ -94,12 +94,24 @@ def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[],
     return loss_sum, n_tokens, n_bytes
 
 
+@dataclass
+class Companion:
+    """A module an objective trains beside the policy (PPO's critic). The loop gives it an optimizer of its own
+    (optim.* as the policy's, its learning rate lr_scale x the schedule's), reduces its gradients over the ranks,
+    clips them together with the policy's, steps it (or skips the step) with the policy's, and saves its weights
+    and optimizer state in every checkpoint (`<name>.safetensors`, `<name>.optimizer.pt`), restored on --resume."""
+
+    module: nn.Module
+    lr_scale: float = 1.0
+
+
 class Objective:
     """What a stage trains (nanolm/train/stages.py builds it): `__call__(model, batch)` is a micro-batch's `Loss`
     summed over its `units`, `evaluate` scores a validation split. The hooks have defaults that fit every stage
     but RL: `before_step` turns the step's batches into what the loss reads (GRPO: prompts into scored
-    rollouts, with the rollout's metrics), `updates` optimizer updates run over them, `after_step` adds to the
-    step's logged metrics once its updates are timed, `warning` is said with a logged step."""
+    rollouts, with the rollout's metrics), `updates` optimizer updates run over them, `stop_updates` may end
+    those early, `after_step` adds to the step's logged metrics once its updates are timed, `warning` is said
+    with a logged step; `companions` are the modules it trains beside the policy (PPO: its critic)."""
 
     updates = 1  # optimizer updates per step over the same batches
     best = ("val_loss", False)  # the validation metric that picks the best checkpoint, and whether higher is better
@@ -119,11 +131,20 @@ class Objective:
     def before_step(self, model: nn.Module, batches: list, info: Any) -> tuple[list, dict[str, float]]:
         return batches, {}
 
+    def stop_updates(self, sums: Metrics, step_units: int, info: Any) -> bool:
+        """After one of the step's `updates`, with this rank's metric sums of it: whether to skip the rest. Every
+        rank must answer alike (reduce over `info`'s ranks before deciding)."""
+        return False
+
     def after_step(self, extra: dict[str, float], update_s: float) -> dict[str, float]:
         return extra
 
     def warning(self, logged: dict[str, float]) -> str | None:
         return None
+
+    def companions(self) -> dict[str, Companion]:
+        """The modules trained beside the policy, by name (a file-name stem of the checkpoint's)."""
+        return {}
 
 
 class LMObjective(Objective):

@@ -23,6 +23,22 @@ the two agree. `token_sums` reduces per-token values of a batch to what the
 loop's token-sum normalisation needs: summed over tokens (DAPO's token
 average over the step) or each sequence's mean, summed over sequences (the
 original GRPO's per-sequence average).
+
+PPO with a learned critic (`--stage ppo`, nanolm/train/ppo.py) adds per-token
+advantages and a value loss:
+
+- `token_rewards`: each completion token's reward, -kl_coef x its KL to the
+  reference, plus the completion's reward at its last token (TRL's PPO);
+- `gae` (Schulman et al. 2016): generalised advantage estimation over each
+  row's completion tokens, delta_t = r_t + gamma V_{t+1} - V_t (V = 0 after a
+  completion's last token), A_t = delta_t + gamma lam A_{t+1}; returns
+  A_t + V_t are the critic's targets;
+- `clipped_value_loss` (as PPO2 and TRL clip the value function): 0.5 x the
+  larger of (V - R)^2 and (clip(V, V_old - c, V_old + c) - R)^2;
+- `masked_moments`, `whiten`, `explained_variance`: advantages whitened over
+  the completion tokens of a whole step (the moments summed over micro-batches
+  and ranks, so the step's advantages do not depend on how it is cut), and how
+  much of the returns' variance the critic's values explain.
 """
 
 from __future__ import annotations
@@ -101,3 +117,79 @@ def token_sums(values: torch.Tensor, mask: torch.Tensor, average: str) -> torch.
     if average == "sequence":
         return (per_row / m.sum(dim=-1).clamp(min=1)).sum()
     raise ValueError(f"average must be 'token' or 'sequence', got {average!r}")
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Each completion token's reward (R, T), as TRL's PPO gives it: -kl_coef x its KL to the reference (kl
+    (R, T)), plus its completion's score (scores (R,)) at the completion's last token; 0 outside mask (R, T)."""
+    last = mask & (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True))  # (R, T): a row's last completion token
+    return (-kl_coef * kl.float() + scores.float()[:, None] * last) * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over rows of tokens.
+
+    rewards, values (R, T): each token's reward and the critic's value of the state it was written in;
+    mask (R, T) bool: a row's completion tokens (one contiguous run; prompt and padding False).
+    Returns (advantages, returns) (R, T) float32, 0 outside the mask; returns = advantages + values.
+    """
+    m = mask.float()
+    r, v = rewards.float() * m, values.float() * m
+    adv = torch.zeros_like(v)
+    carried = torch.zeros_like(v[:, 0])  # (R,) A_{t+1}, 0 past a row's last token
+    next_value = torch.zeros_like(v[:, 0])
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        carried = delta + gamma * lam * carried
+        adv[:, t] = carried
+        # A position outside the mask (the prompt before a completion, padding after it) carries nothing back.
+        carried = carried * m[:, t]
+        next_value = v[:, t]
+    adv = adv * m
+    return adv, (adv + v) * m
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token and where the clip sets it.
+
+    values (R, T) the critic's values now; old_values (R, T) its values when the rollout was made; returns
+    (R, T) the targets. Returns (0.5 max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2) (R, T),
+    clipped (R, T) bool: the clipped term is the larger, so the token's value has no gradient).
+    """
+    clipped_v = old_values + torch.clamp(values - old_values, -clip, clip)
+    plain, held = (values - returns) ** 2, (clipped_v - returns) ** 2
+    return 0.5 * torch.maximum(plain, held), (held > plain).detach()
+
+
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(3,) float64: the count, sum and sum of squares of `values` (R, T) over `mask` (R, T); moments of
+    several batches (micro-batches, ranks) add up."""
+    v = values.double()[mask]
+    return torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(),
+                        (v * v).sum()])
+
+
+def _mean_var(moments: torch.Tensor) -> tuple[float, float]:
+    """The mean and unbiased variance of `masked_moments` (variance 0 below two values)."""
+    n, total, sq = (float(x) for x in moments)
+    if n < 1:
+        return 0.0, 0.0
+    mean = total / n
+    return mean, max(sq - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(values - mean) / sqrt(var + eps) on the mask, 0 off it; mean and unbiased variance from `moments`
+    (`masked_moments` of all the values whitened together, as TRL's masked_whiten)."""
+    mean, var = _mean_var(moments)
+    return (values - mean) * (1.0 / (var + eps) ** 0.5) * mask.to(values.dtype)
+
+
+def explained_variance(returns: torch.Tensor, residuals: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns), from the `masked_moments` of the returns and of the residuals
+    returns - values: 1 for a perfect critic, 0 for one that predicts the mean, negative for a worse one (nan
+    when the returns do not vary)."""
+    var = _mean_var(returns)[1]
+    return 1.0 - _mean_var(residuals)[1] / var if var > 0 else float("nan")

@@ -24,13 +24,15 @@ from typing import Any, Protocol
 import torch
 
 from nanolm import checkpoint as ckpt
-from nanolm.config import Config
+from nanolm.config import Config, GRPOConfig, PPOConfig
 from nanolm.data.sources import DataStream
 from nanolm.errors import UserError
 from nanolm.model import lora
 from nanolm.train.distributed import DistInfo
 from nanolm.train.grpo import GRPOObjective
 from nanolm.train.objectives import BlocksObjective, DistillObjective, DPOObjective, LMObjective, Objective
+from nanolm.train.ppo import PPOObjective, value_model
+from nanolm.train.rewards import Rewards
 
 
 class Trainer(Protocol):
@@ -124,7 +126,7 @@ def _finetune_lr(base: Config, lr_div: float, min_div: float, warmup: int) -> di
 # Fine-tuning starts from trained weights, so it takes smaller steps than pretraining, with short warmups as
 # fine-tuning runs are short: SFT at a tenth of the preset's pretraining lr, decaying to a hundredth; LoRA
 # trains only small fresh adapters, which tolerate half the pretraining lr; DPO, which must stay near its
-# reference, a fiftieth, and GRPO too, at a constant lr. Distillation trains like pretraining.
+# reference, a fiftieth, and GRPO and PPO too, at a constant lr. Distillation trains like pretraining.
 
 @register
 class Pretrain(Stage):
@@ -205,41 +207,65 @@ class Distill(Stage):
                                 cfg.distill.alpha, trainer.data.vocab_size, lm)
 
 
-@register
-class GRPO(Stage):
-    """RL from rewards: sampled completions of RL prompts, scored and weighed group-relatively."""
+def _rl_setup(trainer: Trainer, section: str) -> None:
+    """What an RL stage needs of the run before it samples: a layout the engine decodes from, the tokenizer."""
+    cfg = trainer.cfg
+    if cfg.train.parallel == "fsdp" and trainer.info.enabled:
+        raise UserError(f"train.parallel=fsdp does not run --stage {section} (the rollout engine decodes from a "
+                        "full copy of the weights); use --train.parallel ddp")
+    if trainer.tok_dir is None:
+        raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({trainer.data.manifest.tokenizer.path})"
+                        " is not at hand, and sampling needs it; prepare the prompts again with a tokenizer "
+                        "directory that stays in place")
 
-    name = "grpo"
+
+def _rewards(trainer: Trainer, section: GRPOConfig | PPOConfig) -> Rewards:
+    """The rewards of an RL stage's section (grpo, ppo: rewards, thinking, length window, reward model)."""
+    return Rewards.from_spec(section.rewards, thinking=section.thinking, length_min=section.length_min,
+                             length_max=section.length_max, reward_model=section.reward_model,
+                             device=str(trainer.device), section=trainer.cfg.train.stage)
+
+
+def _reference(trainer: Trainer, what: str) -> tuple[torch.nn.Module | None, Any]:
+    """(frozen reference, adapter switch) of an RL stage's KL penalty: the initial weights frozen, or for LoRA
+    the model with its adapters off (no second copy)."""
+    cfg = trainer.cfg
+    if cfg.uses_lora:
+        return None, lora.disable_adapters
+    src = ckpt.resolve_checkpoint(cfg.train.init_from, "best")
+    return trainer.frozen(ckpt.build_model(cfg.model, src), src, what), None
+
+
+class RLStage(Stage):
+    """What the RL stages share: RL prompts, trained weights to start from, small constant steps, validation by
+    decoding held-out prompts."""
+
     kinds = ("prompts",)
     fine_tunes = True
     prepare_hint = "prepare RL prompts with `nanolm prepare --format prompts`"
-    data_hint = "RL prompts train with --stage grpo"
+    data_hint = "RL prompts train with --stage grpo or --stage ppo"
 
     def defaults(self, base: Config) -> dict[str, Any]:  # on-policy RL: small steps near the SFT model
         return _finetune_lr(base, 50, 50, 0)
+
+    def val_seq_len(self, cfg: Config) -> int:  # any held-out prompt is one to decode
+        return 1
+
+
+@register
+class GRPO(RLStage):
+    """RL from rewards: sampled completions of RL prompts, scored and weighed group-relatively."""
+
+    name = "grpo"
 
     def objective(self, trainer: Trainer) -> Objective:
         """The data's tokenizer, the rewards, and the reference (the initial weights frozen; for LoRA the model
         with its adapters off; none when grpo.beta is 0)."""
         from nanolm.tokenizer import Tokenizer
-        from nanolm.train.rewards import Rewards
-        cfg, g = trainer.cfg, trainer.cfg.grpo
-        if cfg.train.parallel == "fsdp" and trainer.info.enabled:
-            raise UserError("train.parallel=fsdp does not run --stage grpo (the rollout engine decodes from a full "
-                            "copy of the weights); use --train.parallel ddp")
-        if trainer.tok_dir is None:
-            raise UserError(f"{cfg.data.path}: the prompts' tokenizer ({trainer.data.manifest.tokenizer.path})"
-                            " is not at hand, and sampling needs it; prepare the prompts again with a tokenizer "
-                            "directory that stays in place")
-        rewards = Rewards.from_spec(g.rewards, thinking=g.thinking, length_min=g.length_min,
-                                    length_max=g.length_max, reward_model=g.reward_model, device=str(trainer.device))
-        reference, switch = None, None
-        if g.beta > 0:
-            if cfg.uses_lora:  # the reference is the same model with its adapters off: no second copy
-                switch = lora.disable_adapters
-            else:
-                src = ckpt.resolve_checkpoint(cfg.train.init_from, "best")
-                reference = trainer.frozen(ckpt.build_model(cfg.model, src), src, "GRPO reference")
+        g = trainer.cfg.grpo
+        _rl_setup(trainer, self.name)
+        rewards = _rewards(trainer, g)
+        reference, switch = _reference(trainer, "GRPO reference") if g.beta > 0 else (None, None)
         return GRPOObjective(g, Tokenizer.load(trainer.tok_dir), rewards, reference=reference,
                              disable_adapters=switch, device=trainer.device, rank=trainer.info.rank,
                              world_size=trainer.info.world_size, compute=trainer.compute)
@@ -248,15 +274,60 @@ class GRPO(Stage):
         tc = cfg.train
         return tc.batch_size * tc.grad_accum * cfg.grpo.group_size * cfg.grpo.max_new_tokens
 
-    def val_seq_len(self, cfg: Config) -> int:  # any held-out prompt is one to decode
-        return 1
-
     def describe(self, cfg: Config) -> str | None:
         tc, g = cfg.train, cfg.grpo
         return (f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens) per "
                 f"micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per rollout | "
                 f"loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | validation: greedy on "
                 f"up to {tc.eval_batches * tc.batch_size} held-out prompts")
+
+
+@register
+class PPO(RLStage):
+    """RL from rewards with a learned critic: sampled completions of RL prompts, a per-token KL penalty, GAE."""
+
+    name = "ppo"
+
+    def objective(self, trainer: Trainer) -> Objective:
+        """The data's tokenizer, the rewards, the reference (as GRPO's; none when ppo.kl_coef is 0) and the
+        critic: ppo.critic_from, else the initial weights, its output projection a scalar head
+        (nanolm/train/ppo.py's `value_model`)."""
+        from nanolm.tokenizer import Tokenizer
+        cfg, p = trainer.cfg, trainer.cfg.ppo
+        _rl_setup(trainer, self.name)
+        rewards = _rewards(trainer, p)
+        reference, switch = _reference(trainer, "PPO reference") if p.kl_coef > 0 else (None, None)
+        if p.critic_from:
+            src = ckpt.resolve_checkpoint(p.critic_from, "best")
+            if ckpt.is_adapter(src):
+                raise UserError(f"{src}: ppo.critic_from needs a full checkpoint, not a LoRA adapter; merge it first "
+                                "with `nanolm lora merge`")
+            trainer.check_tokenizer(src, "ppo.critic_from", "the critic reads the policy's token ids: start it "
+                                    "from a checkpoint trained with the data's tokenizer")
+            body = ckpt.load_model(src)[0]
+            if body.config.max_seq_len < cfg.model.max_seq_len:
+                raise UserError(f"{src}: ppo.critic_from reads at most {body.config.max_seq_len} positions, fewer "
+                                f"than the policy's model.max_seq_len {cfg.model.max_seq_len}; start the critic "
+                                "from a checkpoint with a window as long, or leave ppo.critic_from empty")
+        else:
+            body = ckpt.build_model(cfg.model, ckpt.resolve_checkpoint(cfg.train.init_from, "best"))
+        critic = value_model(body).to(trainer.device).train()
+        return PPOObjective(p, Tokenizer.load(trainer.tok_dir), rewards, critic, reference=reference,
+                            disable_adapters=switch, device=trainer.device, rank=trainer.info.rank,
+                            world_size=trainer.info.world_size, compute=trainer.compute)
+
+    def tokens_per_step(self, cfg: Config) -> int:  # at most: every completion of the step at its longest
+        tc, p = cfg.train, cfg.ppo
+        return tc.batch_size * tc.grad_accum * p.samples_per_prompt * p.max_new_tokens
+
+    def describe(self, cfg: Config) -> str | None:
+        tc, p = cfg.train, cfg.ppo
+        stop = f", stopped past approx KL {p.target_kl:g}" if p.target_kl > 0 else ""
+        return (f"ppo: {tc.batch_size} prompts x {p.samples_per_prompt} completion(s) (at most {p.max_new_tokens} "
+                f"tokens) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {p.inner_epochs} update(s) per "
+                f"rollout{stop} | epsilon {p.epsilon:g}, kl_coef {p.kl_coef:g} ({p.kl_estimator}), GAE gamma "
+                f"{p.gamma:g} lam {p.lam:g}, vf_coef {p.vf_coef:g}, value_clip {p.value_clip:g} | rewards {p.rewards} "
+                f"| validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
 
 
 @register

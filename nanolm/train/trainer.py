@@ -5,9 +5,10 @@ Every stage runs through a `Trainer`:
 - `Trainer(cfg, resume=...)` sets everything up from the config: this
   process's place in a torchrun launch, the data stream, the model with its
   weights (a checkpoint of this run when resuming, `train.init_from`, or a
-  fresh init), the optimizer, the stage's objective, and on a resume the
-  optimizer state, data position and RNG, so that the losses after a resume
-  equal those of an uninterrupted run;
+  fresh init), the stage's objective, the optimizer (and one for each module
+  the objective trains beside the model, its `companions`: PPO's critic), and
+  on a resume the optimizer state, companions, data position and RNG, so that
+  the losses after a resume equal those of an uninterrupted run;
 - `report()` prints the derived settings once;
 - `train_step(batches)` is one optimizer step over this rank's micro-batches
   (the next `grad_accum / processes` of the stream when none are given): the
@@ -61,7 +62,7 @@ from nanolm.train.budget import Budget
 from nanolm.train.schedule import lr_at, probe_steps
 from nanolm.train.validation import Best, Validation
 from nanolm.train import stages
-from nanolm.train.objectives import Objective
+from nanolm.train.objectives import Companion, Objective
 
 
 @dataclass
@@ -226,8 +227,11 @@ class Trainer:
         # DDP or FSDP2 and activation checkpointing wrap the model before the optimizer sees its parameters.
         self.train_model = distributed.parallelize(self.model, info, parallel=tc.parallel,
                                                    activation_checkpointing=tc.activation_checkpointing)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.objective = self._objective()
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        # Modules the objective trains beside the model (PPO's critic), each with an optimizer of its own.
+        self.companions = self.objective.companions()
+        self.companion_optimizers = {name: self._companion_optimizer(c) for name, c in self.companions.items()}
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
 
         self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
@@ -309,13 +313,33 @@ class Trainer:
         stages.check_data(stage, self.data.kind, cfg.data.path or ", ".join(s.path for s in cfg.data.sets))
         return stage.objective(self)
 
+    def _companion_optimizer(self, companion: Companion) -> torch.optim.Optimizer:
+        """The optimizer of a module trained beside the model: optim.* as the model's, its lr scaled."""
+        companion.module.to(self.device)
+        optimizer = build_optimizer(companion.module, self.cfg.optim, self.device)
+        for group in optimizer.param_groups:
+            group["lr_scale"] = group.get("lr_scale", 1.0) * companion.lr_scale
+        return optimizer
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The model's optimizer, then each companion's."""
+        return [self.optimizer, *self.companion_optimizers.values()]
+
     def _restore(self, src: Path) -> None:
-        """Continue checkpoint `src` of this run: optimizer state, then state.json into the data stream and RNG."""
-        try:
-            distributed.load_full_optimizer_state(self.model, self.optimizer, ckpt.read_optimizer(src))
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise UserError(f"{src}/optimizer.pt: does not match this run's trainable parameters "
-                            f"({type(e).__name__}: {e}); resume with the settings the run was saved with") from None
+        """Continue checkpoint `src` of this run: optimizer state (and each companion's weights and optimizer
+        state), then state.json into the data stream and RNG."""
+        parts = [(self.model, self.optimizer, ckpt.OPTIMIZER)]
+        for name, c in self.companions.items():
+            ckpt.load_companion(src, name, c.module)
+            parts.append((c.module, self.companion_optimizers[name], ckpt.companion_files(name)[1]))
+        for module, optimizer, file in parts:
+            try:
+                distributed.load_full_optimizer_state(module, optimizer, ckpt.read_optimizer(src, file))
+            except (KeyError, ValueError, RuntimeError) as e:
+                raise UserError(f"{src}/{file}: does not match this run's trainable parameters "
+                                f"({type(e).__name__}: {e}); resume with the settings the run was saved with") \
+                    from None
         state = ckpt.read_json(src / "state.json", "training state")
         try:  # a damaged state.json: a missing field, a wrong type, an RNG state of the wrong size
             step, tokens = int(state["step"]), int(state["tokens"])
@@ -360,6 +384,9 @@ class Trainer:
         self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
                  f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {self.fpt / 1e6:.1f} MFLOPs/token "
                  "(train)")
+        for name, c in self.companions.items():
+            self.say(f"{name}: {count_params(c.module)['trainable'] / 1e6:.2f}M parameters trained beside the model "
+                     f"(lr x {c.lr_scale:g}), saved as {ckpt.companion_files(name)[0]} in each checkpoint")
         val_tokens = sum(v.n_tokens for _, v in self.val_sets)
         self.say(f"data: {f'{len(data.sets)} sets as a {data.mode}, ' if several else ''}"
                  f"{fmt_count(data.n_tokens)} train tokens, {fmt_count(val_tokens)} val tokens | "
@@ -435,8 +462,8 @@ class Trainer:
         cfg, info, device = self.cfg, self.info, self.device
         # Before a time budget's fit, only warmup steps run, whose lr does not depend on max_steps.
         lr = lr_at(self.step, cfg.optim, self.budget.max_steps or cfg.optim.warmup_steps + 1)
-        for group in self.optimizer.param_groups:  # Muon's groups scale the schedule (nanolm/train/optim.py)
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        for group in (g for opt in self.optimizers for g in opt.param_groups):
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups scale the schedule (nanolm/train/optim.py)
         if batches is None:
             batches = [self.data.next_batch() for _ in range(self.accum)]
         # GRPO: prompts -> scored completions of the current policy, and the rollout's metrics
@@ -445,9 +472,9 @@ class Trainer:
         batches = [b.to(device, non_blocking=True) for b in batches]
         step_units = distributed.sum_across_ranks(sum(units), info)
         t0 = time.perf_counter()
-        for _ in range(self.objective.updates):  # GRPO: grpo.inner_epochs updates over one rollout
+        for _ in range(self.objective.updates):  # RL: several updates over one rollout
             sums, means, grad_norm, finite = self._update(batches, units, step_units)
-            if not finite:
+            if not finite or self.objective.stop_updates(sums, step_units, info):
                 break
         extra = self.objective.after_step(extra, time.perf_counter() - t0)
         # the input positions the model read (an objective may read part of a batch); every rank takes as many
@@ -464,31 +491,40 @@ class Trainer:
         rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         with self._compiler_fallback():
             sums, means, _ = self._micro_batches(self.train_model, batches, units, step_units, sync=True)
+        companion_params = [p for c in self.companions.values() for p in c.module.parameters() if p.requires_grad]
+        distributed.average_gradients(companion_params, self.info)  # the model's DDP wrapper reduces its own
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = distributed.local_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        # One norm over the model's gradients and its companions' (as TRL clips a policy and its value model).
+        params = [*self.model.parameters(), *companion_params]
+        grad_norm = distributed.local_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
         # A NaN/inf loss or gradient skips the update (fp16: the scaler already skips inf gradients).
         finite = step_is_finite(sums["loss"], None if self.scaler else grad_norm)
         if finite:
             self.nonfinite_in_row = 0
+            for opt in self.optimizers:
+                if self.scaler:
+                    self.scaler.step(opt)
+                else:
+                    opt.step()
             if self.scaler:
-                self.scaler.step(self.optimizer)
                 self.scaler.update()
-            else:
-                self.optimizer.step()
         else:
             if self.scaler:
                 self.scaler.update()
             self._skipped(batches, units, step_units, rng, sums, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         return sums, means, grad_norm, finite
 
     def _skipped(self, batches: list[Batch], units: list[int], step_units: int,
                  rng: tuple[torch.Tensor, torch.Tensor | None], sums: dict[str, torch.Tensor],
                  grad_norm: torch.Tensor) -> None:
         """Count and report a non-finite step; at the first of a streak, name where its first NaN/inf arose."""
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         self.nonfinite_in_row += 1
         self.nonfinite_total += 1
         where = ""
@@ -543,13 +579,17 @@ class Trainer:
         # Gathered on every rank (a collective under FSDP); rank 0 gets the full tensors.
         weights = distributed.full_model_state(self.model) if distributed.is_sharded(self.model) else None
         optim_state = distributed.full_optimizer_state(self.model, self.optimizer)
+        companions = {name: (ckpt.model_state(c.module),
+                             distributed.full_optimizer_state(c.module, self.companion_optimizers[name]))
+                      for name, c in self.companions.items()}
         if self.info.is_main:
             state = {"tokens": self.tokens, "loader": self.data.state_dict(), "rng": ckpt.rng_state(),
                      **self.best.state(),
                      "elapsed_s": self.elapsed(), **self.budget.state()}
             path = ckpt.save_checkpoint(self.run_dir, self.step, self.model, optim_state, self.cfg, state,
                                         tokenizer_dir=self.tok_dir, keep_last=self.cfg.train.keep_last,
-                                        is_best=is_best, adapter_base=self.adapter_base, weights=weights)
+                                        is_best=is_best, adapter_base=self.adapter_base, weights=weights,
+                                        companions=companions)
         distributed.barrier(self.info)
         return path
 
