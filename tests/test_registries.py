@@ -113,3 +113,42 @@ def test_the_trainer_names_no_stage_and_no_data_kind():
     for path in (ROOT / "train" / "trainer.py",):
         literals = set(re.findall(r"""["']([a-z]+)["']""", path.read_text(encoding="utf-8")))
         assert not literals & names, f"{path.name} names {sorted(literals & names)}"
+
+
+def test_a_toy_data_kind_and_a_toy_stage_registered_from_outside_train_together(monkeypatch, tokenizer_dir,
+                                                                                  tmp_path):
+    """Both registries at once: a data kind (tests/test_kinds.py's upper-cased documents) prepared by `prepare`
+    and a stage that trains only on that kind, registered here; one step and its checkpoint."""
+    from test_kinds import UpperKind, write_docs
+
+    from nanolm.data import kinds
+    from nanolm.data.kinds import base as kinds_base
+    from nanolm.data.prepare import prepare
+    monkeypatch.setattr(kinds_base, "_KINDS", dict(kinds_base._KINDS))
+    kinds.register(UpperKind)
+    monkeypatch.setattr(stages, "_REGISTRY", dict(stages._REGISTRY))
+
+    class UpperLastToken(LastToken):
+        name = "toy-upper"
+        kinds = ("upper",)
+        prepare_hint = "prepare it with --format upper"
+    stages.register(UpperLastToken)
+    data = tmp_path / "data"
+    prepare([write_docs(tmp_path / "docs.jsonl")], tokenizer_dir, data, format="upper", val_fraction=0.2,
+            workers=0, quiet=True)
+    cfg = toy_cfg(data, tmp_path / "run", **{"train.stage": "toy-upper", "train.max_steps": 1,
+                                             "model.max_seq_len": 16, "train.seq_len": 16, "train.batch_size": 2})
+    t = Trainer(cfg, quiet=True)
+    assert t.data.kind == "upper" and isinstance(t.objective, LastTokenObjective)
+    batch = t.data.next_batch()
+    with torch.no_grad():
+        expected = F.cross_entropy(t.model(batch.x)[:, -1], batch.y[:, -1]).item()
+    res = t.train_step([batch])
+    assert res.logged(t.info)["loss"] == pytest.approx(expected, rel=1e-6) and res.units == 2
+    assert t.run().step == 1
+    # the toy stage refuses another kind, naming its fix; a built-in stage refuses the toy kind
+    with pytest.raises(UserError, match=r"x: train\.stage=toy-upper cannot train on text data; prepare it with "
+                                        r"--format upper"):
+        stages.check_data(UpperLastToken(), "text", "x")
+    with pytest.raises(UserError, match=r"x: train\.stage=sft cannot train on upper data"):
+        stages.check_data(stages.get("sft"), "upper", "x")
