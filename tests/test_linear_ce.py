@@ -31,6 +31,7 @@ def _grads(fn, h, w, y):
 def small_chunks(monkeypatch):
     # 1000-token vocabulary, 2^11 logits per chunk: 2 rows per chunk, so 37 rows end in a partial chunk.
     monkeypatch.setitem(linear_ce.CHUNK_LOGITS, "cpu", 1 << 11)
+    monkeypatch.setattr(linear_ce, "MIN_ROWS", 1)
 
 
 def test_float32_equals_the_plain_path_with_ignored_rows_and_a_partial_chunk(small_chunks):
@@ -141,3 +142,10 @@ def test_bf16_training_on_a_cpu_runs_small_heads_attention_in_float32(monkeypatc
         monkeypatch.setattr(transformer, "SDPA_CPU_BF16_MIN_HEAD_DIM", 8)
         model(x)
         assert seen == [torch.bfloat16] * 2
+
+
+def test_a_chunk_reads_the_output_matrix_for_enough_rows():
+    """At a large vocabulary the cache rule alone gives a few rows, each chunk reading all of W: at least MIN_ROWS."""
+    cpu = torch.device("cpu")
+    assert linear_ce._chunk_rows(cpu, 151_936) == linear_ce.MIN_ROWS == 256
+    assert linear_ce._chunk_rows(cpu, 1000) == (1 << 19) // 1000  # small vocabularies keep the cache rule
