@@ -73,8 +73,11 @@ class GRPOConfig:
     reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
     length_min: int = 1  # the `length` reward's window, in characters of the reply
     length_max: int = 512
+    tools: str = ""  # RL over tool calls: "" none, builtin, tools.json, file.py:function (comma-separated)
+    max_rounds: int = 3  # with tools: the most replies of a trajectory (each but the last may call tools)
 
     def __post_init__(self) -> None:
+        _check(self.max_rounds >= 1, f"grpo.max_rounds must be >= 1, got {self.max_rounds}")
         _check(self.group_size >= 2, f"grpo.group_size must be >= 2 (a group compares completions), got "
                                      f"{self.group_size}")
         _check(self.temperature > 0, f"grpo.temperature must be > 0 (the completions of a group must differ), "

@@ -20,6 +20,10 @@ token average) or as each completion's mean summed over completions
 policy wrote and, when it stopped, its `<|im_end|>`; a completion cut at
 max_new_tokens has no `<|im_end|>` to learn.
 
+With grpo.tools, each completion is a trajectory of replies and tool turns
+(nanolm/train/agent.py): the row holds them all, the targets and the loss's
+units only the model's own tokens.
+
 `evaluate` decodes the held-out prompts greedily and reports their mean
 reward (each reward's too), the completions' mean length and the fraction
 cut at the limit.
@@ -83,7 +87,12 @@ class GRPOObjective(Objective):
         if cfg.beta > 0 and (reference is None) == (disable_adapters is None):
             raise ValueError("grpo.beta > 0 needs exactly one of a reference model or an adapter switch")
         self.cfg = cfg
-        self.sampler = Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
+        if cfg.tools:
+            from nanolm.train.agent import AgentSampler, AgentTools
+            self.sampler: Sampler = AgentSampler(tokenizer, rewards, device, thinking=cfg.thinking,
+                                                 tools=AgentTools.from_spec(cfg.tools), max_rounds=cfg.max_rounds)
+        else:
+            self.sampler = Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
         self.reference, self.disable_adapters = reference, disable_adapters
         self.device, self.rank, self.world_size, self.compute = device, rank, world_size, compute
         self.last: dict[str, float] = {}  # this rank's sums of the last rollout (rewards, lengths, times)
@@ -106,7 +115,7 @@ class GRPOObjective(Objective):
             slot = m * self.world_size + self.rank  # where in the step's stream of prompts this batch is
             params = Sampler.seeded(cfg, step_seed, slot, len(pb.prompts), g)
             tg = time.perf_counter()
-            sampled = self.sampler.sample(model, pb.prompts, g, params)
+            sampled = self.sampler.sample_batch(model, pb, g, params)
             gen_s += time.perf_counter() - tg
             totals, per_name = self.sampler.score(pb, sampled)
             rewards = torch.tensor(totals, dtype=torch.float32)

@@ -27,7 +27,14 @@ Built-ins:
   is a word) that repeat an earlier one: 0 for a reply that never repeats.
 - `tool_call`: 1.0 when the reply holds at least one `<tool_call>` and each is
   a valid call (`chat.parse_tool_call`) of a tool the record lists (any name
-  when it lists none), else 0.0.
+  when it lists none), else 0.0. With grpo.tools, every reply of the
+  trajectory is read (its calls).
+- `finished`: 1.0 when the last reply made no call and ended by itself (not
+  cut at max_new_tokens, not out of grpo.max_rounds), else 0.0.
+
+With grpo.tools (nanolm/train/agent.py) the completion is the trajectory's
+final reply, a `Completion` that also carries the text of every reply and
+whether the trajectory finished; a plain completion is a Completion too.
 - `model`: the score of a local `transformers` sequence-classification
   model (grpo.reward_model, a directory with its tokenizer) on the prompt's
   conversation with the reply (its chat template when the tokenizer has one,
@@ -53,13 +60,27 @@ from nanolm.special_tokens import THINK, THINK_END
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 REFERENCE_FIELDS = ("answer", "solution", "gt")
-BUILTINS = ("answer", "format", "length", "repetition", "tool_call", "model")
+BUILTINS = ("answer", "format", "length", "repetition", "tool_call", "finished", "model")
 
 _BOXED = "\\boxed{"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _NUMERIC = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _WORD = re.compile(r"[A-Za-z0-9_]+|[^\sA-Za-z0-9_]")
+
+
+class Completion(str):
+    """A completion's text (the final reply of a trajectory), with the text of all its replies (`replies`, the
+    calls among them) and whether it finished (`finished`: no call in the last reply, which ended by itself)."""
+
+    replies: str
+    finished: bool
+
+    def __new__(cls, text: str, replies: str | None = None, finished: bool = True) -> "Completion":
+        self = super().__new__(cls, text)
+        self.replies = text if replies is None else replies
+        self.finished = finished
+        return self
 
 
 # ----------------------------------------------------------------------------- the answer
@@ -191,7 +212,7 @@ def _tool_names(record: Mapping[str, Any]) -> set[str]:
 
 
 def tool_call_reward(prompt: str, completion: str, record: Mapping[str, Any]) -> float:
-    bodies = _CALL.findall(completion)
+    bodies = _CALL.findall(getattr(completion, "replies", completion))
     if not bodies:
         return 0.0
     allowed = _tool_names(record)
@@ -203,6 +224,11 @@ def tool_call_reward(prompt: str, completion: str, record: Mapping[str, Any]) ->
         if allowed and call.name not in allowed:
             return 0.0
     return 1.0
+
+
+def finished_reward(prompt: str, completion: str, record: Mapping[str, Any]) -> float:
+    """1.0 when the trajectory's last reply made no call and ended by itself; a plain str, when it has no call."""
+    return float(getattr(completion, "finished", True) and not _CALL.search(completion))
 
 
 # ----------------------------------------------------------------------------- a reward model
@@ -322,6 +348,8 @@ class Rewards:
                 fn = repetition_reward
             elif name == "tool_call":
                 fn = tool_call_reward
+            elif name == "finished":
+                fn = finished_reward
             else:
                 fn = load_user_function(name, section)
             names.append(Path(name.split(":")[0]).stem if ".py:" in name else name)

@@ -40,7 +40,7 @@ from nanolm.data.shards import IGNORE_INDEX
 from nanolm.infer.engine import Engine
 from nanolm.runtime import decode_dtype
 from nanolm.train import distributed
-from nanolm.train.rewards import Rewards
+from nanolm.train.rewards import Completion, Rewards
 
 
 def token_logps(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -104,6 +104,10 @@ class Sampler:
         return Sampled([i for i in range(len(prompts)) for _ in range(n)], [r.tokens for r in replies],
                        [r.finish for r in replies])
 
+    def sample_batch(self, model: nn.Module, pb: PromptBatch, n: int, params: list[SamplingParams]) -> Sampled:
+        """n completions of each prompt of a micro-batch (an agent's sampler runs its tools here too)."""
+        return self.sample(model, pb.prompts, n, params)
+
     @staticmethod
     def seeded(how: SamplingSettings, step_seed: int, slot: int, n_prompts: int, n: int) -> list[SamplingParams]:
         """The sampling of each prompt of the micro-batch in `slot` of the step: prompt i's n rows draw from the
@@ -116,7 +120,8 @@ class Sampler:
         # A model's vocabulary may be padded past the tokenizer's: such ids (which training makes unlikely) are
         # no text, and the rewards see the rest.
         v = self.tok.vocab_size
-        return [self.tok.decode([i for i in t if i < v]) for t in sampled.tokens]
+        return [Completion(self.tok.decode([i for i in t if i < v]), finished=f == "stop")
+                for t, f in zip(sampled.tokens, sampled.finish)]
 
     def score(self, pb: PromptBatch, sampled: Sampled) -> tuple[list[float], dict[str, list[float]]]:
         """Each completion's total reward, and each reward's value per completion."""
