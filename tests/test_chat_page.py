@@ -327,3 +327,78 @@ def test_the_page_fits_a_phone_screen(browser, tok):
                 assert 0 <= left and right <= 360, id
     finally:
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+# --- tools, thinking and regenerate ------------------------------------------------------------------
+
+QUESTION = "What is 12*(3+4)?"
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}\n</tool_call>'
+
+
+def scripted(tok, replies: list[str], name: str):
+    """A server whose rows replay `replies` in turn, with room for the tools' system turn (~900 tokens)."""
+    eng = ScriptedEngine(tok.encode("(no reply scripted)"), replies=[tok.encode(r) for r in replies],
+                         max_seq_len=4096)
+    return eng, running(create_app(eng, tok, ServeConfig(model_name=name)))
+
+
+def tick(d, css: str) -> None:
+    settings(d)
+    box = d.find_element("css selector", css)
+    if not box.is_selected():
+        box.click()
+
+
+def test_a_call_of_a_builtin_tool_is_run_shown_and_answered(browser, tok):
+    from nanolm.chat import ToolCall, tools_from_value
+    from nanolm.infer.tools import BUILTIN_TOOLS, CALCULATOR
+    d = browser
+    eng, server = scripted(tok, ["Let me compute.\n" + CALL_TEXT, "It is 84."], "tools")
+    with server as url:
+        open_page(d, url, "tools")
+        boxes = js(d, "[...document.querySelectorAll('#tools input[type=checkbox]')].map(b => [b.value, b.checked])")
+        assert boxes == [[t["function"]["name"], False] for t in BUILTIN_TOOLS]  # offered, none ticked
+        tick(d, "#tools input[value=calculator]")
+        say(d, QUESTION)
+        until(d, lambda d: idle(d) and len(messages(d)) == 4)
+        shown = messages(d)
+        assert [m[:2] for m in shown] == [
+            ("user", QUESTION), ("assistant", "Let me compute."),
+            ("tool", 'calculator({"expression": "12*(3+4)"})\n→ 84'), ("assistant", "It is 84.")]
+        assert shown[1][2] is not None and shown[3][2] is not None and error(d) is None
+        # The second request carried the call and its result, as a tool message, with only the calculator offered.
+        tools = tools_from_value("tools", [CALCULATOR.schema()])
+        want = [Message("user", QUESTION),
+                Message("assistant", "Let me compute.", "", (ToolCall("calculator", '{"expression": "12*(3+4)"}'),)),
+                Message("tool", "84")]
+        assert eng.prompts[-1] == tok.encode(tok.chat_format.render(want, tools, add_generation_prompt=True))
+
+
+def test_thinking_shows_the_reasoning_folded_apart(browser, tok):
+    d = browser
+    eng, server = scripted(tok, ["Seven times twelve.\n</think>\n\nIt is 84."], "think")
+    with server as url:
+        open_page(d, url, "think")
+        tick(d, "#thinking")
+        say(d, QUESTION)
+        assert reply(d, 1)[0] == "It is 84."
+        folded = js(d, "(r => [r.tagName, r.open, r.querySelector('summary').textContent, "
+                       "r.querySelector('.thought').textContent])"
+                       "(document.querySelector('#log .assistant .reasoning'))")
+        assert folded == ["DETAILS", False, "Reasoning", "Seven times twelve."]
+        assert tok.decode(eng.prompts[-1]).endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_regenerate_replaces_the_last_reply(browser, tok):
+    d = browser
+    eng, server = scripted(tok, ["First answer.", "Second answer."], "again")
+    with server as url:
+        open_page(d, url, "again")
+        assert not el(d, "regenerate").is_enabled()  # nothing to regenerate yet
+        say(d, "hi")
+        assert reply(d, 1)[0] == "First answer."
+        until(d, lambda d: el(d, "regenerate").is_enabled())
+        el(d, "regenerate").click()
+        want = [("user", "hi"), ("assistant", "Second answer.")]
+        until(d, lambda d: idle(d) and [m[:2] for m in messages(d)] == want)
+        assert len(eng.prompts) == 2 and eng.prompts[0] == eng.prompts[1]  # the same conversation asked again

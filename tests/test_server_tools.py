@@ -320,3 +320,71 @@ def test_an_old_chatml_tokenizer_refuses_tools_and_thinking(tok, tmp_path):
                        timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello."
         assert eng.prompts[-1] == plain.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# --- the built-in tools for the chat page: GET /v1/tools/builtin, POST /v1/tools/run --------------------
+
+def run_tool(url: str, body, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/tools/run", json=body, timeout=30, **kw)
+
+
+def test_the_builtin_tools_are_listed_and_run(server):
+    url, _ = server
+    r = httpx.get(url + "/v1/tools/builtin", timeout=30)
+    assert r.status_code == 200 and r.json() == {"object": "list", "data": TOOLS}
+    # Arguments as a reply's tool_calls give them (JSON text) or as an object, run as `nanolm chat` runs them.
+    for arguments in ('{"expression": "12*(3+4)"}', {"expression": "12*(3+4)"}):
+        r = run_tool(url, {"name": "calculator", "arguments": arguments})
+        assert r.status_code == 200 and r.json() == {"name": "calculator", "content": "84"}
+    r = run_tool(url, {"name": "calculator", "arguments": '{"expression": "__import__(\'os\')"}'})
+    assert r.status_code == 200 and r.json()["content"].startswith("error: ")  # the model sees what went wrong
+    assert run_tool(url, {"name": "calculator", "arguments": "{not json"}).json()["content"].startswith(
+        "error: the arguments are not JSON")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"name": "shell", "arguments": {"cmd": "rm -rf /"}}, "name"),
+    ({"name": "load_tools", "arguments": {}}, "name"),  # a function of the module, not a built-in tool
+    ({"arguments": {}}, "name"),
+    ({"name": "calculator", "arguments": [1]}, "arguments"),
+])
+def test_anything_but_a_builtin_tool_is_refused(server, body, param):
+    r = run_tool(server[0], body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    if param == "name" and "name" in body:  # the refusal names the tool
+        assert repr(body["name"]) in r.json()["error"]["message"]
+
+
+def test_a_tool_call_body_is_bounded(server):
+    from nanolm.infer.server.routes import MAX_TOOL_RUN_BYTES
+    r = run_tool(server[0], {"name": "calculator", "arguments": {"expression": "1+" * MAX_TOOL_RUN_BYTES + "1"}})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(server[0] + "/v1/tools/run", content=b"[" * 100_000, timeout=30)  # nesting, under no limit
+    assert r.status_code == 413
+    assert f"limit of {MAX_TOOL_RUN_BYTES} bytes; send a shorter call" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: refused once it passes the limit while arriving
+        for _ in range(64):
+            yield b" " * 1024
+    r = httpx.post(server[0] + "/v1/tools/run", content=chunked(), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_tool_routes_keep_the_apis_key_and_origin_rules(server, tok):
+    url, _ = server
+    foreign = {"Origin": "http://evil.example"}
+    assert httpx.get(url + "/v1/tools/builtin", headers=foreign, timeout=30).status_code == 403
+    r = run_tool(url, {"name": "calculator", "arguments": {"expression": "1+1"}}, headers=foreign)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+    same = {"Origin": url}  # the page's own POSTs carry its origin
+    assert run_tool(url, {"name": "calculator", "arguments": {"expression": "1+1"}},
+                    headers=same).json()["content"] == "2"
+    eng = ScriptedEngine(tok.encode("hi"))
+    with running(create_app(eng, tok, ServeConfig(model_name="keyed", api_key="s3cret"))) as keyed:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert httpx.get(keyed + "/v1/tools/builtin", headers=headers, timeout=30).status_code == 401
+            r = run_tool(keyed, {"name": "calculator", "arguments": {"expression": "1+1"}}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = run_tool(keyed, {"name": "calculator", "arguments": {"expression": "1+1"}},
+                     headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["content"] == "2"

@@ -9,7 +9,9 @@ in the tokenizer's chat format, nanolm/chat/, with `tools`,
 shapes) or not, so the official `openai` client and tools built on it work
 unchanged.
 `GET /` is a chat web page (`page`, files in static/) that streams its
-replies from the same API.
+replies from the same API; for its tool picker, `GET /v1/tools/builtin` lists
+the built-in tools and `POST /v1/tools/run` runs one call of them (nothing
+else) as `nanolm chat --tools builtin` does.
 
 In parts: `worker` decodes every admitted request together on one thread
 (continuous batching: requests join and leave the engine's batch between

@@ -1,7 +1,8 @@
 """The chat web page of `nanolm serve`: `GET /` and the two files it loads, shipped in static/.
 
 Plain HTML, CSS and JavaScript with no build step and nothing fetched from anywhere else. The page is
-a client of the same /v1 API as any other (it streams /v1/chat/completions); it needs no API key to be
+a client of the same /v1 API as any other (it streams /v1/chat/completions, and has the server run calls of
+its built-in tools through /v1/tools/run, never anything the model wrote as code); it needs no API key to be
 loaded, and the user types the key, if the server has one, into the page. The Content-Security-Policy
 lets the page load and connect to this server only and run no inline script, a second line of defence:
 chat.js only ever sets the model's output as text, so it cannot run as code.

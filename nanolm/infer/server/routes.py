@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanolm.chat import ChatError, check_conversation, message_from_dict, tools_from_value
+from nanolm.chat import ChatError, ToolCall, check_conversation, message_from_dict, tools_from_value
 from nanolm.config.sampling import SamplingParams
 from nanolm.config.serve import ServeConfig
 from nanolm.errors import UserError
@@ -47,7 +47,7 @@ from nanolm.infer.server.page import chat_page, static_file
 from nanolm.infer.server.schemas import (ChatRequest, CompletionLogprobs, CompletionRequest, Usage, chat_logprobs,
                                          error_body, sse, validation_error)
 from nanolm.infer.server.worker import Job, Worker, events
-from nanolm.infer.tools import tool_name
+from nanolm.infer.tools import BUILTIN_TOOLS, BUILTINS, run_builtin, tool_name
 from nanolm.special_tokens import TOOL_CALL
 from nanolm.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -104,21 +104,26 @@ class ServerState:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "nanolm"}
 
-    def _too_large(self, size: int | None) -> ApiError:
+    def _too_large(self, size: int | None, limit: int | None = None,
+                   fix: str = "shorten the prompt or the conversation") -> ApiError:
         what = f"is {size} bytes, over" if size is not None else "passes"
-        return ApiError(413, f"the request body {what} this server's limit of {self.config.max_body_bytes} bytes; "
-                             "shorten the prompt or the conversation", None, "request_too_large")
+        limit = self.config.max_body_bytes if limit is None else limit
+        return ApiError(413, f"the request body {what} this server's limit of {limit} bytes; {fix}", None,
+                        "request_too_large")
 
-    async def _read_body(self, request: Request, chat: bool = False) -> tuple[bytes, int]:
+    async def _read_body(self, request: Request, chat: bool = False,
+                         most_bytes: int | None = None) -> tuple[bytes, int]:
         """The body and, for a chat body, the `"role"` keys it holds; refused as soon as it is known to pass
-        max_body_bytes: by its declared length, before reading any of it, else while it arrives. uvicorn
+        max_body_bytes (or `most_bytes`, a route's own smaller limit): by its declared length, before reading any of it, else while it arrives. uvicorn
         discards the unread rest after the response. A chat body is also refused as soon as it holds twice as
         many `"role"` keys as the context can hold messages: a body of thousands of messages is not read to its
         end, nor parsed."""
-        limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
+        limit = min(self.config.max_body_bytes, most_bytes or self.config.max_body_bytes)
+        timeout = self.config.body_timeout_s
+        fix = "shorten the prompt or the conversation" if most_bytes is None else "send a shorter call"
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > limit:
-            raise self._too_large(int(declared))
+            raise self._too_large(int(declared), limit, fix)
         body = bytearray()
         roles, most = 0, 2 * (self.engine.max_seq_len // 3)
 
@@ -135,7 +140,7 @@ class ServerState:
                                        "context_length_exceeded", unread=True)
                 body.extend(part)
                 if len(body) > limit:
-                    raise self._too_large(None)
+                    raise self._too_large(None, limit, fix)
 
         try:
             await asyncio.wait_for(receive(), timeout)
@@ -476,6 +481,39 @@ async def completions(request: Request) -> Response:
         raise
 
 
+# --- the built-in tools, for the chat page ----------------------------------------------------------
+
+# A call's body is a name and a few arguments: a calculator expression is at most MAX_EXPRESSION_CHARS.
+MAX_TOOL_RUN_BYTES = 16 * 1024
+
+
+async def builtin_tools(request: Request) -> dict[str, Any]:
+    """The built-in tools as OpenAI tool objects: what the chat page offers, and `run_tool` runs."""
+    return {"object": "list", "data": list(BUILTIN_TOOLS)}
+
+
+async def run_tool(request: Request) -> dict[str, Any]:
+    """Run one call of a built-in tool, `{"name", "arguments"}` (arguments: a JSON object or its text, as in
+    a reply's `tool_calls`), as `nanolm chat --tools builtin` runs it: `{"name", "content"}`, the result text
+    (`error: ...` for arguments the tool cannot use). Anything but a built-in is refused with 400: the
+    server runs no tool a client names, only its own."""
+    body, _ = await _state(request)._read_body(request, most_bytes=MAX_TOOL_RUN_BYTES)
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ApiError(400, 'the body is not JSON; send {"name": "<built-in tool>", "arguments": {...}}') from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ApiError(400, 'name: missing; send {"name": "<built-in tool>", "arguments": {...}}', "name")
+    name, arguments = call["name"], call.get("arguments", {})
+    if name not in BUILTINS:
+        raise ApiError(400, f"name: {name[:64]!r} is not a built-in tool; this server runs only "
+                            f"{', '.join(BUILTINS)}", "name", "unknown_tool")
+    if not isinstance(arguments, (str, dict)):
+        raise ApiError(400, "arguments: give a JSON object or its text", "arguments")
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"name": name, "content": await asyncio.to_thread(run_builtin, ToolCall(name, text))}
+
+
 ROUTES: list[tuple[str, str, Callable[..., Any]]] = [
     ("GET", "/", chat_page),  # the chat web page (page.py): public, as /health; it calls /v1 with the key
     ("GET", "/static/{name}", static_file),
@@ -484,6 +522,8 @@ ROUTES: list[tuple[str, str, Callable[..., Any]]] = [
     ("GET", "/v1/models/{model}", get_model),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("GET", "/v1/tools/builtin", builtin_tools),  # under /v1: the same key and same-origin rules as the API
+    ("POST", "/v1/tools/run", run_tool),
 ]
 
 

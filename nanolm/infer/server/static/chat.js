@@ -1,14 +1,22 @@
 // The chat page of `nanolm serve`: a client of the server's own /v1 API, in plain JavaScript.
 //
 // Each turn sends the whole conversation (and the system prompt, if any) to /v1/chat/completions with
-// stream: true and reads the server-sent events as they come. The model's output, like everything the
-// user types, is only ever put on the page as text (text nodes, textContent), never parsed as HTML.
+// stream: true and reads the server-sent events as they come. The built-in tools ticked under Settings go with
+// it; when a reply calls them, the server runs the calls (/v1/tools/run: its own built-ins only, never anything
+// the model wrote as code), and the results go back as `tool` messages for the model to continue, up to
+// MAX_ROUNDS times a turn. With Thinking on, the reasoning streams into a folded <details> apart from the
+// answer. The model's output, like everything the user types, is only ever put on the page as text (text
+// nodes, textContent), never parsed as HTML.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const SAMPLING = ["temperature", "top_p", "max_tokens", "seed", "repetition_penalty"];  // input ids, named as the request fields
 
-let history = [];  // the conversation so far: {role, content}, without the system prompt
+const MAX_ROUNDS = 5;  // continuations after tool results in one turn, as `nanolm chat --max-tool-rounds`
+
+let history = [];  // the conversation so far: OpenAI messages (tool calls and results too), without the system prompt
+let last = null;  // the last exchange: {start: its index in history, content: the user's message, elements}
+let builtins = [];  // OpenAI tool objects, from GET /v1/tools/builtin
 let controller = null;  // aborts the reply being streamed
 let modelName = null;  // from GET /v1/models
 
@@ -57,10 +65,35 @@ async function loadModel() {
     modelName = (await response.json()).data[0].id;
     $("model").textContent = modelName;
     clearError();
+    await loadTools();
   } catch (e) {
     $("model").textContent = "model unknown";
     showError("Cannot reach the server: " + e.message);
   }
+}
+
+// One checkbox per built-in tool, unticked: a model not trained on tools does better without them.
+async function loadTools() {
+  if (builtins.length) return;  // loaded already: the boxes keep their ticks when the key changes
+  const response = await fetch("v1/tools/builtin", {headers: headers()});
+  if (!response.ok) return;
+  builtins = (await response.json()).data;
+  const boxes = builtins.map((tool) => {
+    const label = document.createElement("label");
+    label.className = "check";
+    const box = document.createElement("input");
+    box.type = "checkbox";
+    box.name = "tool";
+    box.value = tool.function.name;
+    label.append(box, " " + tool.function.name + ": " + (tool.function.description || ""));
+    return label;
+  });
+  $("tools").replaceChildren(...boxes);
+}
+
+function offered() {
+  const names = [...document.querySelectorAll("#tools input:checked")].map((box) => box.value);
+  return builtins.filter((tool) => names.includes(tool.function.name));
 }
 
 // One message on the page; returns its element and the text node that a streamed reply grows.
@@ -75,6 +108,23 @@ function addMessage(role, content) {
   $("log").append(el);
   $("log").scrollTop = $("log").scrollHeight;
   return {el, node};
+}
+
+// The folded reasoning of a reply, made at its first piece: a <details> above the answer's text.
+function reasoningOf(reply) {
+  if (!reply.thought) {
+    const details = document.createElement("details");
+    details.className = "reasoning";
+    const summary = document.createElement("summary");
+    summary.textContent = "Reasoning";
+    const text = document.createElement("div");
+    text.className = "thought";
+    reply.thought = document.createTextNode("");
+    text.append(reply.thought);
+    details.append(summary, text);
+    reply.el.prepend(details);
+  }
+  return reply.thought;
 }
 
 function addStats(reply, line) {
@@ -113,6 +163,9 @@ function request(messages) {
     stream: true,
     stream_options: {include_usage: true},
   };
+  const tools = offered();
+  if (tools.length) body.tools = tools;
+  if ($("thinking").checked) body.chat_template_kwargs = {enable_thinking: true};
   if (modelName) body.model = modelName;
   for (const name of SAMPLING) {
     const value = $(name).value.trim();
@@ -130,58 +183,111 @@ function speed(tokens, seconds) {
   return line;
 }
 
-function setBusy(busy) {
-  $("send").hidden = busy;
-  $("stop").hidden = !busy;
+// One reply streamed into the page: {content, reasoning, calls (OpenAI tool_calls), usage, first}.
+async function stream(messages, reply) {
+  const response = await fetch("v1/chat/completions", {
+    method: "POST", headers: headers(), body: JSON.stringify(request(messages)), signal: controller.signal,
+  });
+  if (!response.ok) throw new Shown(await errorText(response));
+  const out = {content: "", reasoning: "", calls: [], usage: null, first: null};
+  for await (const data of events(response)) {
+    if (data.error) throw new Shown("Error: " + data.error.message);
+    if (data.usage) out.usage = data.usage;
+    if (!data.choices.length) continue;
+    const delta = data.choices[0].delta;
+    if (out.first === null && (delta.content || delta.reasoning_content || delta.tool_calls)) {
+      out.first = performance.now();
+    }
+    if (delta.reasoning_content) {
+      out.reasoning += delta.reasoning_content;
+      reasoningOf(reply).appendData(delta.reasoning_content);
+    }
+    if (delta.content) {
+      out.content += delta.content;
+      reply.node.appendData(delta.content);
+    }
+    for (const part of delta.tool_calls || []) {  // OpenAI's pieces: id and name first, then the arguments
+      const call = out.calls[part.index] ||= {id: "", type: "function", function: {name: "", arguments: ""}};
+      if (part.id) call.id = part.id;
+      if (part.function && part.function.name) call.function.name += part.function.name;
+      if (part.function && part.function.arguments) call.function.arguments += part.function.arguments;
+    }
+    $("log").scrollTop = $("log").scrollHeight;
+  }
+  return out;
 }
 
-// A finished or stopped exchange joins the conversation sent next; one whose reply is empty (stopped before
-// any text, or only whitespace) is left out, since the chat format has no empty reply to render.
-function keep(conversation, content, text) {
-  if (text.trim()) conversation.push({role: "user", content}, {role: "assistant", content: text});
+// A call of a built-in tool, run by the server; its result text.
+async function runTool(call) {
+  const response = await fetch("v1/tools/run", {
+    method: "POST", headers: headers(), signal: controller.signal,
+    body: JSON.stringify({name: call.function.name, arguments: call.function.arguments}),
+  });
+  if (!response.ok) throw new Shown(await errorText(response));
+  return (await response.json()).content;
 }
 
-async function send(event) {
-  event.preventDefault();
-  const content = $("input").value;
-  if (!content.trim() || controller) return;
+function assistantMessage(out) {
+  const message = {role: "assistant", content: out.content};
+  if (out.calls.length) message.tool_calls = out.calls;
+  return message;
+}
+
+// What of a stopped turn joins the conversation: its finished rounds and the text that came, without a call
+// whose results are missing; nothing when no reply has text, since the chat format has no empty reply.
+function kept(turn) {
+  while (turn.length > 1 && (turn.at(-1).role === "tool" || turn.at(-1).tool_calls)) turn.pop();
+  return turn.length > 1 && turn.at(-1).content.trim() ? turn : [];
+}
+
+async function ask(content) {
   const conversation = history;  // "New chat" replaces it: a reply still arriving then goes nowhere
-  const body = request([...conversation, {role: "user", content}]);
   clearError();
-  $("input").value = "";
-  const user = addMessage("user", content);
-  const reply = addMessage("assistant", "");
+  const elements = [addMessage("user", content).el];
+  const turn = [{role: "user", content}];
+  const names = new Set(offered().map((tool) => tool.function.name));
   controller = new AbortController();
   setBusy(true);
-  let text = "", usage = null, first = null;
+  let out = null;
   try {
-    const response = await fetch("v1/chat/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
-    });
-    if (!response.ok) throw new Shown(await errorText(response));
-    for await (const data of events(response)) {
-      if (data.error) throw new Shown("Error: " + data.error.message);
-      const piece = data.choices.length ? data.choices[0].delta.content : "";
-      if (piece) {
-        if (first === null) first = performance.now();
-        text += piece;
-        reply.node.appendData(piece);
-        $("log").scrollTop = $("log").scrollHeight;
+    for (let round = 0; ; round++) {
+      const reply = addMessage("assistant", "");
+      elements.push(reply.el);
+      out = null;
+      out = await stream([...conversation, ...turn], reply);
+      const seconds = out.first === null ? 0 : (performance.now() - out.first) / 1000;
+      addStats(reply, speed(out.usage ? out.usage.completion_tokens : 0, seconds));
+      turn.push(assistantMessage(out));
+      if (!out.calls.length) break;
+      for (const call of out.calls) {  // each call gets a result, as in `nanolm chat`: the format needs one
+        const shown = addMessage("tool", call.function.name + "(" + call.function.arguments + ")\n→ ");
+        elements.push(shown.el);
+        const result = names.has(call.function.name) ? await runTool(call)
+          : "error: no tool named " + JSON.stringify(call.function.name) + " here; the tools are " +
+            ([...names].join(", ") || "none");
+        shown.node.appendData(result);
+        turn.push({role: "tool", tool_call_id: call.id, content: result});
       }
-      if (data.usage) usage = data.usage;
+      if (round >= MAX_ROUNDS) {
+        addStats({el: elements.at(-1)}, "stopped after " + (round + 1) + " replies with tool calls (the limit is " +
+          MAX_ROUNDS + " continuations per turn); the results are kept for the next turn");
+        break;
+      }
     }
-    keep(conversation, content, text);
-    const seconds = first === null ? 0 : (performance.now() - first) / 1000;
-    addStats(reply, speed(usage ? usage.completion_tokens : 0, seconds));
+    conversation.push(...turn);
+    last = {start: conversation.length - turn.length, content, elements};
   } catch (e) {
     if (e.name === "AbortError") {
-      // Stopped: what came is kept as the reply, and the server has stopped generating it.
-      keep(conversation, content, text);
-      addStats(reply, "stopped");
+      // Stopped: what came is kept, and the server has stopped generating it.
+      const partial = elements.at(-1).querySelector(".text").textContent;
+      if (out === null && partial.trim()) turn.push({role: "assistant", content: partial});
+      const keep = kept(turn);
+      conversation.push(...keep);
+      last = keep.length ? {start: conversation.length - keep.length, content, elements} : null;
+      addStats({el: elements.at(-1)}, "stopped");
     } else {
       // Nothing of this turn is kept: the message goes back into the box, to send again.
-      user.el.remove();
-      reply.el.remove();
+      for (const element of elements) element.remove();
       if (!$("input").value) $("input").value = content;
       showError(e instanceof Shown ? e.message : "The request failed: " + e.message);
     }
@@ -191,9 +297,35 @@ async function send(event) {
   }
 }
 
+async function send(event) {
+  event.preventDefault();
+  const content = $("input").value;
+  if (!content.trim() || controller) return;
+  $("input").value = "";
+  await ask(content);
+}
+
+// The last reply asked for again: its assistant and tool turns dropped, the same user message sent.
+async function regenerate() {
+  if (controller || last === null || history.length === 0) return;
+  const {start, content, elements} = last;
+  history.length = start;
+  for (const element of elements) element.remove();
+  last = null;
+  await ask(content);
+}
+
+function setBusy(busy) {
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  $("regenerate").disabled = busy || last === null;
+}
+
 function newChat() {
   if (controller) controller.abort();
   history = [];
+  last = null;
+  $("regenerate").disabled = true;
   $("log").replaceChildren();
   clearError();
   $("input").focus();
@@ -202,6 +334,7 @@ function newChat() {
 $("composer").addEventListener("submit", send);
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("new").addEventListener("click", newChat);
+$("regenerate").addEventListener("click", regenerate);
 $("key").addEventListener("change", loadModel);
 $("input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
