@@ -151,6 +151,17 @@ def _template_of(config: dict[str, Any], file: Path | None = None) -> str | None
     return template
 
 
+def _template_variables(config: dict[str, Any]) -> dict[str, str]:
+    """The special tokens of tokenizer_config.json that transformers hands a chat template (bos_token, ...)."""
+    out = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
 def _save_files(data: dict[str, Any], config: dict[str, Any], out_dir: Path) -> Path:
     """Write tokenizer.json (`data`) and tokenizer_config.json (`config`) into out_dir; return tokenizer.json's
     path."""
@@ -182,7 +193,8 @@ class Tokenizer:
         self.eot_id, self.im_start_id, self.im_end_id = (ids[t] for t in SPECIAL_TOKENS)
         self.tag_ids: dict[str, int] = {t: ids[t] for t in TAG_TOKENS if t in ids}
         self.chat_template: str | None = _template_of(config)
-        self.chat_format = format_of(self.chat_template)
+        # A template of neither nanolm layout renders as itself, with the special tokens it may read.
+        self.chat_format = format_of(self.chat_template, str(path.parent), _template_variables(config))
         # As the file says, not as nanolm trains now: a tokenizer from before digit splitting keeps its numbers.
         # Only tokenizers' Digits step counts: a Split regex that isolates \p{N} (Qwen's own) reads False.
         self.splits_digits: bool = _splits_digits(data.get("pre_tokenizer"))

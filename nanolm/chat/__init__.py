@@ -3,7 +3,7 @@ through this package, which imports nothing of nanolm's but the special tokens a
 
 - messages.py: messages, tools and reasoning, read from every shape users and API clients send; their order
 - templates.py: the two layouts (Qwen3-style with tools and <think>, plain ChatML) as Python spans, Jinja and
-  Go (ollama) templates; which one a tokenizer's chat template renders
+  Go (ollama) templates, and a tokenizer's own Jinja template (`TemplateFormat`); which a tokenizer renders
 - encoding.py: a rendered conversation's ids and loss mask, placed by the bytes each token spells
 - truncation.py: a conversation or a preference pair cut to a token budget by whole exchanges
 - replies.py: a generated reply, streamed or whole, read back into reasoning, content and tool calls
@@ -17,7 +17,8 @@ from nanolm.chat.messages import (ROLE_NAMES, ROLES, ChatError, Conversation, Me
                                   check_conversation, checked_text, control_in, message_from_dict, split_reasoning,
                                   tool_call_from_dict, tools_from_value)
 from nanolm.chat.replies import Call, Content, Event, Reasoning, ReplyParser, TokenKinds, parse_call, parse_tool_call
-from nanolm.chat.templates import CHAT_TEMPLATE, CHATML, QWEN3, ChatFormat, Span, format_of, render_chat
+from nanolm.chat.templates import (CHAT_TEMPLATE, CHATML, QWEN3, ChatFormat, Span, TemplateFormat, format_of,
+                                   render_chat)
 from nanolm.chat.truncation import fit_conversation, fit_pair
 
 __all__ = [
@@ -25,6 +26,6 @@ __all__ = [
     "ROLE_NAMES", "ROLES", "ChatError", "Conversation", "Message", "Role", "ToolCall", "check_conversation",
     "checked_text", "control_in", "message_from_dict", "split_reasoning", "tool_call_from_dict", "tools_from_value",
     "Call", "Content", "Event", "Reasoning", "ReplyParser", "TokenKinds", "parse_call", "parse_tool_call",
-    "CHAT_TEMPLATE", "CHATML", "QWEN3", "ChatFormat", "Span", "format_of", "render_chat",
+    "CHAT_TEMPLATE", "CHATML", "QWEN3", "ChatFormat", "Span", "TemplateFormat", "format_of", "render_chat",
     "fit_conversation", "fit_pair",
 ]

@@ -1,4 +1,5 @@
-r"""The text of a conversation: nanolm's two chat layouts, as Python spans, Jinja and Go templates.
+r"""The text of a conversation: nanolm's two chat layouts, as Python spans, Jinja and Go templates, and a
+tokenizer's own Jinja template.
 
 A tokenizer's chat template says which layout it uses (`format_of`):
 
@@ -18,6 +19,12 @@ A tokenizer's chat template says which layout it uses (`format_of`):
   (Qwen2-Instruct's, MiniMind2's): turns only, generation prompt
   `<|im_start|>assistant\n`. Tokenizers and checkpoints made then keep it.
 
+- `TemplateFormat`: any other template (Llama 3's, SmolLM2's, Qwen2.5's),
+  rendered by Jinja as transformers renders it, so a model fine-tuned through
+  nanolm sees the format it was made with; its assistant text is found from
+  the template's `{% generation %}` markers, or from prefixes of the
+  conversation (see the class).
+
 `ChatFormat.spans` renders a conversation as `Span`s, pieces of text that
 train or not and that open an exchange or not (what nanolm/chat/encoding.py
 turns into the loss mask); `render` is their text. `ChatFormat.template` is
@@ -30,10 +37,19 @@ conversation (tests/test_chatml.py checks the Jinja one through
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Mapping, Sequence
 
+from jinja2 import TemplateError, meta, nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from markupsafe import Markup
+
 from nanolm.chat.messages import ROLES, ChatError, Message, message_from_dict
+from nanolm.errors import UserError
 from nanolm.special_tokens import (IM_END, IM_START, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE,
                                    TOOL_RESPONSE_END)
 
@@ -68,6 +84,9 @@ class ChatFormat:
     template: str
     ollama_template: str  # the layout in Go's text/template, for an ollama Modelfile (`nanolm export ollama`)
     tools: bool  # whether it can render tools, tool calls and reasoning
+    # Whether it is one of nanolm's layouts (calls in <tool_call>, reasoning in <think>), which replies are read
+    # back in and a forced call is prefilled in; False for a tokenizer's own template.
+    nanolm_layout: bool = True
 
     def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
               final_only: bool = False) -> list[Span]:
@@ -244,10 +263,185 @@ QWEN3: ChatFormat = _Qwen3()
 CHAT_TEMPLATE = QWEN3.template  # what `nanolm tokenizer train` writes
 
 
-def format_of(template: str | None) -> ChatFormat:
+# A tokenizer's own Jinja chat template (Llama 3's, SmolLM2's, Qwen2.5's), rendered as transformers renders
+# it: a sandboxed environment with trim_blocks / lstrip_blocks, `tojson`, `raise_exception`, `strftime_now`,
+# loop controls and the `{% generation %}` block, here written to wrap what it renders in two private-use
+# characters when nanolm asks for the assistant's text (`nanolm_marks`), and to render it unchanged otherwise.
+_OPEN, _CLOSE = "\U000f0000", "\U000f0001"
+_MARKS = "nanolm_marks"
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class _Generation(Extension):
+    """`{% generation %}…{% endgeneration %}`: the assistant's text, marked when `nanolm_marks` is true."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark", [nodes.Name(_MARKS, "load")]), [], [], body) \
+            .set_lineno(lineno)
+
+    def _mark(self, marks: Any, caller: Any) -> str:
+        text = caller()
+        return f"{_OPEN}{text}{_CLOSE}" if marks is True else text
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> Markup:
+    return Markup(json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys))
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class TemplateFormat(ChatFormat):
+    """A tokenizer's own Jinja chat template, neither of nanolm's layouts.
+
+    `render` is the template's text (what transformers' `apply_chat_template` gives). `spans` mark the
+    assistant's text: the rendered characters inside the template's `{% generation %}` blocks where it has
+    them, else what each assistant turn adds to the conversation rendered up to it with the generation
+    prompt (messages[:k] + prompt, then messages[:k+1]), which needs each such prefix to be a prefix of the
+    whole text; a template where neither holds is refused (UserError). Tools are offered to the template as
+    it expects them (`tools=`, a list of JSON schemas); reasoning as `reasoning_content`, and thinking as
+    `enable_thinking`.
+    """
+
+    name = "template"
+    nanolm_layout = False
+    ollama_template = ""  # no Go version of a template nanolm did not write
+
+    def __init__(self, template: str, where: str = "the tokenizer", variables: Mapping[str, Any] | None = None):
+        self.template, self.where = template, where
+        self.variables = dict(variables or {})  # bos_token, eos_token, ... of tokenizer_config.json
+        env = _environment()
+        try:
+            self._compiled = env.from_string(template)
+            self.tools = "tools" in meta.find_undeclared_variables(env.parse(template))
+        except TemplateError as e:
+            detail = " ".join(str(e).split())
+            raise UserError(f"{where}: chat_template is not valid Jinja ({detail}); fix the template in "
+                            "tokenizer_config.json or remove it") from None
+        self.marked = _GENERATION.search(template) is not None
+
+    def _text(self, messages: Sequence[Message], tools: Sequence[str], add_generation_prompt: bool,
+              thinking: bool = False, marks: bool = False) -> str:
+        dicts = []
+        for m in messages:
+            d = m.to_dict()
+            if m.tool_calls:  # templates read arguments as an object (`arguments | tojson`)
+                d["tool_calls"] = [{"type": "function", "function": {"name": c.name,
+                                                                    "arguments": json.loads(c.arguments)}}
+                                   for c in m.tool_calls]
+            dicts.append(d)
+        try:
+            return self._compiled.render(**self.variables, messages=dicts,
+                                         tools=[json.loads(t) for t in tools] or None, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=thinking, **{_MARKS: marks})
+        except TemplateError as e:
+            detail = " ".join(str(e).split())  # one line, whatever the template's message holds
+            raise ChatError(f"the chat template of {self.where} cannot render this conversation ({detail})") \
+                from None
+
+    def render(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
+               add_generation_prompt: bool = False, thinking: bool = False) -> str:
+        return self._text(messages, tools, add_generation_prompt, thinking)
+
+    def generation_prompt(self, thinking: bool = False) -> str:
+        probe = [Message("user", "hi")]
+        whole = self.render(probe, add_generation_prompt=True, thinking=thinking)
+        return whole[len(self.render(probe)):]
+
+    def check(self, where: str, messages: Sequence[Message], tools: Sequence[str], tokenizer: str) -> None:
+        if tools and not self.tools:
+            raise ChatError(f"{where} has tools, but the chat template of {tokenizer} does not render tools "
+                            "(it never reads `tools`); use a tokenizer whose template does, or offer none")
+
+    def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
+              final_only: bool = False) -> list[Span]:
+        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        trained: list[tuple[int, int]] = []
+        if self.marked:
+            marked = self._text(messages, tools, False, marks=True)
+            text, at, open_at = "", 0, None
+            for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
+                if piece == _OPEN:
+                    open_at = at
+                elif piece == _CLOSE and open_at is not None:
+                    trained.append((open_at, at))
+                    open_at = None
+                else:
+                    text += piece
+                    at += len(piece)
+            if final_only:
+                trained = trained[-1:]
+        else:
+            text = self.render(messages, tools)
+            for k, m in enumerate(messages):
+                if m.role != "assistant" or (final_only and k != last):
+                    continue
+                start = self._prefix(text, messages[:k], tools, True)
+                end = self._prefix(text, messages[:k + 1], tools, False)
+                if end < start:
+                    raise self._not_nested()
+                trained.append((start, end))
+        exchanges = []
+        for k, m in enumerate(messages):
+            if m.role == "user":
+                try:
+                    exchanges.append(self._prefix(text, messages[:k], tools, False))
+                except (UserError, ChatError):
+                    pass  # a template that cannot render the turns before it: no cut point there
+        return _cut(text, trained, exchanges)
+
+    def _prefix(self, text: str, messages: Sequence[Message], tools: Sequence[str], prompt: bool) -> int:
+        """The length of messages rendered (with the generation prompt when asked), which must begin text."""
+        head = self.render(messages, tools, add_generation_prompt=prompt)
+        if not text.startswith(head):
+            raise self._not_nested()
+        return len(head)
+
+    def _not_nested(self) -> UserError:
+        return UserError(f"{self.where}: the chat template has no {{% generation %}} markers and a conversation "
+                         "rendered up to an assistant turn is not a prefix of the whole, so the assistant's "
+                         "tokens cannot be found; wrap each assistant reply in {% generation %}…{% endgeneration %} "
+                         "in its chat_template")
+
+
+def _cut(text: str, trained: Sequence[tuple[int, int]], exchanges: Sequence[int]) -> list[Span]:
+    """text as spans: those in a trained range train, and one starts at each exchange offset."""
+    bounds = sorted({0, len(text), *exchanges, *(x for r in trained for x in r)})
+    starts = set(exchanges)
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if a < b:
+            out.append(Span(text[a:b], trains=any(x <= a and b <= y for x, y in trained), exchange=a in starts))
+    return out
+
+
+def format_of(template: str | None, where: str = "the tokenizer",
+              variables: Mapping[str, Any] | None = None) -> ChatFormat:
     """The layout a tokenizer's chat template renders: CHATML for nanolm's earlier template (and a tokenizer
-    with none), QWEN3 for any other (nanolm's, MiniMind-3's, Qwen3's)."""
-    return CHATML if template is None or template == CHATML.template else QWEN3
+    with none), QWEN3 for nanolm's and the Qwen3-style ChatML with <think> (MiniMind-3's, Qwen3's), and the
+    template itself (`TemplateFormat`) for any other. where: the tokenizer, named in errors; variables: its
+    special tokens (bos_token, ...) that a template may read."""
+    if template is None or template == CHATML.template:
+        return CHATML
+    if template == QWEN3.template or (IM_START in template and THINK in template):
+        return QWEN3
+    return TemplateFormat(template, where, variables)
 
 
 def render_chat(messages: Sequence[Message | Mapping[str, Any]], add_generation_prompt: bool = False, *,
@@ -255,4 +449,3 @@ def render_chat(messages: Sequence[Message | Mapping[str, Any]], add_generation_
     """The text of messages (Message or OpenAI dicts) in layout `fmt`; ChatError on a malformed message."""
     msgs = [m if isinstance(m, Message) else message_from_dict(f"messages[{i}]", m) for i, m in enumerate(messages)]
     return fmt.render(msgs, tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
-

@@ -121,6 +121,10 @@ def export_ollama(checkpoint: str | Path, out_dir: Path, *, which: str = "best",
     check_new_directory(out_dir)
     model, ckpt_dir = load_model(checkpoint, which, "cpu", adapter)
     require_causal(model.config, "ollama export", ckpt_dir)
+    if not Tokenizer.load(ckpt_dir).chat_format.ollama_template:  # a tokenizer's own Jinja template
+        raise UserError(f"{ckpt_dir}: the tokenizer carries its own chat template, which nanolm has no ollama "
+                        "(Go) version of; export a GGUF with `nanolm export gguf` (it carries the template) and "
+                        "write the Modelfile's TEMPLATE by hand")
     with atomic_directory(out_dir) as tmp:
         what = write_gguf(model, ckpt_dir, tmp / GGUF_FILE, outtype=outtype, quiet=quiet)
         write_text_atomic(tmp / MODELFILE, modelfile_text(context_length=model.config.max_seq_len,

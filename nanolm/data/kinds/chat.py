@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from nanolm.chat import TARGET, Conversation, Message, Span, check_spelling, fit_conversation
+from nanolm.chat import QWEN3, TARGET, Conversation, Message, Span, check_spelling, fit_conversation
 from nanolm.chat import encode_chats as encode_with_masks
 from nanolm.data.formats import ReadStats, iter_chat_records
 from nanolm.data.kinds.base import Chunk, DataKind, Order, Record, Splits, encode_batch, pinned
@@ -102,9 +102,10 @@ class ChatKind(DataKind):
         self.truncated = self.too_long = 0  # conversations cut to fit max_tokens, and skipped as too long
         self.read = 0  # conversations read so far, in input order: each one's augmentation draw
         self.augmented = {"system_prompt": 0, "empty_think": 0}
-        if self.cfg.empty_think_ratio and not self.tok.chat_format.tools:
+        if self.cfg.empty_think_ratio and self.tok.chat_format is not QWEN3:
             raise UserError(f"empty_think_ratio={self.cfg.empty_think_ratio:g}: the tokenizer {self.tok.path} "
-                            "carries the plain ChatML template, which has no think block; drop it")
+                            f"carries a chat template ({self.tok.chat_format.name}) without nanolm's think block; "
+                            "drop it")
 
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> PackedConversations:
@@ -112,7 +113,7 @@ class ChatKind(DataKind):
 
     def check_tokenizer(self) -> None:
         tok = self.tok
-        if tok.chat_format.tools and tok.missing_tags():
+        if tok.chat_format is QWEN3 and tok.missing_tags():  # the tags nanolm's layout writes
             warnings.warn(f"{tok.path}: lacks {', '.join(tok.missing_tags())} as added tokens; the chat template "
                           "writes them, so each is spelled in several tokens (longer sequences, a tag the model "
                           "must learn to spell). Add them to the tokenizer (tokenizers' add_tokens, then resize the "

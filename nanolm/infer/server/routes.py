@@ -231,6 +231,10 @@ class ServerState:
         if forced is not None and not tools:
             raise ApiError(400, f"tool_choice: {json.dumps(req.tool_choice)} asks for a tool call, but the request "
                                 "offers no tools; give tools, or leave tool_choice out", "tool_choice")
+        if forced is not None and not fmt.nanolm_layout:  # the prefill below is nanolm's <tool_call> opening
+            raise ApiError(400, f"tool_choice: {json.dumps(req.tool_choice)} forces a call in nanolm's <tool_call> "
+                                f"layout, but the tokenizer {self.tokenizer.path} renders its own chat template; "
+                                'leave tool_choice out or "auto"', "tool_choice")
         names = [tool_name(t) for t in req.tools or ()]
         if forced and forced not in names:
             raise ApiError(400, f"tool_choice.function.name: {forced!r} is not one of the tools offered "
