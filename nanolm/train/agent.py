@@ -275,28 +275,10 @@ class AgentSampler(Sampler):
         assert isinstance(sampled, AgentSampled)
         return trajectory_rows(sampled.trajectories)
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Any, max_new_tokens: int) -> dict[str, float]:
-        greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-        totals: list[float] = []
-        per: dict[str, list[float]] = {}
-        lengths, cut = 0, 0
-        for pb in batches:
-            sampled = self.sample_batch(model, pb, 1, [greedy] * len(pb.prompts))
-            t, p = self.score(pb, sampled)
-            totals += t
-            for k, v in p.items():
-                per.setdefault(k, []).extend(v)
-            lengths += sum(len(x) for x in sampled.tokens)
-            cut += sum(not tr.finished for tr in sampled.trajectories)
-        if not totals:
-            return {}
-        n = len(totals)
-        out = {"val_reward": sum(totals) / n}
-        if len(per) > 1:
-            out.update({f"val_reward_{k}": sum(v) / n for k, v in per.items()})
-        out.update({"val_completion_len": lengths / n, "val_truncated": cut / n})
-        return out
+    def cut(self, sampled: Sampled) -> int:
+        """The trajectories that did not finish (out of tokens, rounds or context)."""
+        assert isinstance(sampled, AgentSampled)
+        return sum(not tr.finished for tr in sampled.trajectories)
 
 
 def trajectory_rows(trajs: Sequence[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:

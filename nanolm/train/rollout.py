@@ -146,6 +146,10 @@ class Sampler:
             y[r, start - 1:len(s) - 1] = t[start:]  # the targets of the completion's tokens
         return x, y
 
+    def cut(self, sampled: Sampled) -> int:
+        """How many of the completions were cut before they ended by themselves (at max_new_tokens)."""
+        return sum(f == "length" for f in sampled.finish)
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[PromptBatch], max_new_tokens: int) -> dict[str, float]:
         """Greedy completions of the held-out prompts: mean reward (and each reward's), mean completion length,
@@ -155,13 +159,13 @@ class Sampler:
         per: dict[str, list[float]] = {}
         lengths, cut = 0, 0
         for pb in batches:
-            sampled = self.sample(model, pb.prompts, 1, [greedy] * len(pb.prompts))
+            sampled = self.sample_batch(model, pb, 1, [greedy] * len(pb.prompts))
             t, p = self.score(pb, sampled)
             totals += t
             for k, v in p.items():
                 per.setdefault(k, []).extend(v)
             lengths += sum(len(x) for x in sampled.tokens)
-            cut += sum(f == "length" for f in sampled.finish)
+            cut += self.cut(sampled)
         if not totals:
             return {}
         n = len(totals)
