@@ -52,7 +52,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from nanolm.chat import CHAT_TEMPLATE, format_of
+from nanolm.chat import CHAT_TEMPLATE, ChatFormat, TemplateFormat, format_of
 from nanolm.errors import UserError
 from nanolm.io import write_text_atomic
 from nanolm.progress import fmt_count, fmt_duration
@@ -162,6 +162,24 @@ def _template_variables(config: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+# Where a tokenizer lacks nanolm's control tokens, the tokens that play their parts in other families, in order
+# ("eos_token" / "bos_token": the one the tokenizer config names): Llama 3 ends a text with <|end_of_text|> and a
+# turn with <|eot_id|> and opens a turn's header with <|start_header_id|>; SentencePiece families (Llama 2,
+# Mistral) have <s> and </s>.
+ROLE_ALIASES: dict[str, tuple[str, ...]] = {
+    SPECIAL_TOKENS[EOT_ID]: ("<|end_of_text|>", "</s>", "eos_token"),
+    SPECIAL_TOKENS[IM_START_ID]: ("<|start_header_id|>", "<s>", "bos_token"),
+    SPECIAL_TOKENS[IM_END_ID]: ("<|eot_id|>", "eos_token", "</s>"),
+}
+
+
+def _role_candidates(variables: dict[str, str]) -> dict[str, list[str]]:
+    """Each control token's name, then the names of the tokens that may play its part, without repeats."""
+    return {name: list(dict.fromkeys(n for n in (name, *(variables.get(a, a) if a.endswith("_token") else a
+                                                         for a in aliases)) if n and not n.endswith("_token")))
+            for name, aliases in ROLE_ALIASES.items()}
+
+
 def _save_files(data: dict[str, Any], config: dict[str, Any], out_dir: Path) -> Path:
     """Write tokenizer.json (`data`) and tokenizer_config.json (`config`) into out_dir; return tokenizer.json's
     path."""
@@ -183,7 +201,7 @@ class Tokenizer:
     """
 
     def __init__(self, tok: HFTokenizer, data: dict[str, Any], path: Path, config: dict[str, Any],
-                 ids: dict[str, int]) -> None:
+                 ids: dict[str, int], chat_format: ChatFormat) -> None:
         self._tok = tok
         self._data = data  # the parsed tokenizer.json, so `save` writes back exactly what was loaded
         self.config = config
@@ -193,8 +211,7 @@ class Tokenizer:
         self.eot_id, self.im_start_id, self.im_end_id = (ids[t] for t in SPECIAL_TOKENS)
         self.tag_ids: dict[str, int] = {t: ids[t] for t in TAG_TOKENS if t in ids}
         self.chat_template: str | None = _template_of(config)
-        # A template of neither nanolm layout renders as itself, with the special tokens it may read.
-        self.chat_format = format_of(self.chat_template, str(path.parent), _template_variables(config))
+        self.chat_format = chat_format
         # As the file says, not as nanolm trains now: a tokenizer from before digit splitting keeps its numbers.
         # Only tokenizers' Digits step counts: a Split regex that isolates \p{N} (Qwen's own) reads False.
         self.splits_digits: bool = _splits_digits(data.get("pre_tokenizer"))
@@ -216,20 +233,6 @@ class Tokenizer:
             detail = repr(str(e))[1:-1][:200]  # it quotes values of the file, newlines and all
             raise UserError(f"{file}: not a tokenizer.json that `tokenizers` can read ({detail}); "
                             "retrain it with `nanolm tokenizer train`") from None
-        ids: dict[str, int] = {}
-        for name in (*SPECIAL_TOKENS, *TAG_TOKENS):
-            got = tok.token_to_id(name)
-            # In the vocabulary is not enough: unless it is an added token, text holding it is split into
-            # pieces, and rendered chats lose their turn markers.
-            if got is not None and tok.encode(name, add_special_tokens=False).ids == [got]:
-                ids[name] = got
-            elif name in SPECIAL_TOKENS:
-                where = "is not in its vocabulary" if got is None else \
-                    f"is in its vocabulary (id {got}) but not an added token, so text holding it is split"
-                raise UserError(f"{file}: {name} {where}; nanolm needs {', '.join(SPECIAL_TOKENS)} as special "
-                                "tokens (document end, chat turns). Add them to the tokenizer (tokenizers' "
-                                "add_special_tokens, then resize the model's embeddings), or train one with "
-                                "`nanolm tokenizer train`")
         config_file = file.parent / CONFIG_FILE
         if config_file.is_file():
             config = _read_json_file(config_file, f"retrain the tokenizer or delete {CONFIG_FILE}")[0]
@@ -238,8 +241,32 @@ class Tokenizer:
                                 f"tokenizer or delete {CONFIG_FILE}")
         else:
             config = _tokenizer_config()
-        _template_of(config, config_file)
-        return cls(tok, data, file.resolve(), config, ids)
+        variables = _template_variables(config)
+        # A template of neither nanolm layout renders as itself, with the special tokens it may read.
+        fmt = format_of(_template_of(config, config_file), str(file.parent), variables)
+
+        def added(name: str) -> int | None:
+            # In the vocabulary is not enough: unless it is an added token, text holding it is split into
+            # pieces, and rendered chats lose their turn markers.
+            got = tok.token_to_id(name)
+            return got if got is not None and tok.encode(name, add_special_tokens=False).ids == [got] else None
+        ids = {name: got for name in TAG_TOKENS if (got := added(name)) is not None}
+        # nanolm's own layouts write its control tokens; a tokenizer's own template writes its own
+        roles = _role_candidates(variables) if isinstance(fmt, TemplateFormat) else {n: [n] for n in SPECIAL_TOKENS}
+        for name in SPECIAL_TOKENS:
+            found = next(((c, got) for c in roles[name] if (got := added(c)) is not None), None)
+            if found is None:
+                got = tok.token_to_id(name)
+                where = "is not in its vocabulary" if got is None else \
+                    f"is in its vocabulary (id {got}) but not an added token, so text holding it is split"
+                also = f" (nor {', '.join(roles[name][1:])}, which play its part with the tokenizer's own chat " \
+                    "template)" if len(roles[name]) > 1 else ""
+                raise UserError(f"{file}: {name} {where}{also}; nanolm needs {', '.join(SPECIAL_TOKENS)} as special "
+                                "tokens (document end, chat turns). Add them to the tokenizer (tokenizers' "
+                                "add_special_tokens, then resize the model's embeddings), or train one with "
+                                "`nanolm tokenizer train`")
+            ids[name] = found[1]
+        return cls(tok, data, file.resolve(), config, ids, fmt)
 
     def save(self, out_dir: Path | str) -> Path:
         """Write tokenizer.json and tokenizer_config.json into out_dir as loaded, each atomically."""

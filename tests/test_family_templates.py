@@ -139,7 +139,9 @@ NOT_NESTED = ("{% for m in messages %}{% if loop.last %}<|im_start|>{% endif %}{
 
 FAMILIES = {
     "qwen2.5": (QWEN25, NANOLM + ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"], {}),
-    "llama3": (LLAMA3, NANOLM + ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    # Llama 3's own special tokens only: none of nanolm's names (its roles are found by what plays them)
+    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                        "<|eot_id|>"],
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
     "smollm2": (SMOLLM2, NANOLM, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}),
     "not_nested": (NOT_NESTED, NANOLM, {}),
@@ -320,3 +322,18 @@ def test_serve_renders_prompts_through_the_template_and_refuses_tools_it_cannot_
         r = httpx.post(url + "/v1/chat/completions", json={"messages": conv, "tools": [ADD]}, timeout=30)
         err = r.json()["error"]
         assert (r.status_code, err["param"]) == (400, "tools") and "does not render tools" in err["message"]
+
+
+def test_a_template_tokenizer_finds_its_own_control_tokens(dirs, tmp_path):
+    """Llama 3 has none of nanolm's control tokens: its document end, turn end (the config's eos) and turn header
+    play their parts; a template tokenizer with none of them is refused in one line naming what it looked for."""
+    tok = Tokenizer.load(dirs["llama3"])
+    names = {tok.decode([i]) for i in (tok.eot_id, tok.im_start_id, tok.im_end_id)}
+    assert [tok.decode([i]) for i in (tok.eot_id, tok.im_start_id, tok.im_end_id)] == \
+        ["<|end_of_text|>", "<|start_header_id|>", "<|eot_id|>"] and len(names) == 3
+    bare = family_tokenizer(tmp_path / "bare", LLAMA3, ["<|begin_of_text|>"], {"bos_token": "<|begin_of_text|>"})
+    with pytest.raises(UserError, match=r"^\S*tokenizer\.json: <\|endoftext\|> is not in its vocabulary \(nor "
+                                        r"<\|end_of_text\|>, </s>, which play its part with the tokenizer's own chat "
+                                        r"template\); nanolm needs") as e:
+        Tokenizer.load(bare)
+    assert "\n" not in str(e.value)

@@ -144,7 +144,7 @@ def _write(kind: DataKind, files: list[Path], before: list[dict[str, Any]], k: i
             start = time.perf_counter()
             if kind.streams:
                 with Progress(total, "tokenizing", unit="B", scale_bytes=True, enabled=not cfg.quiet) as progress:
-                    _tokenize(_batches(files, sizes, k, kind.records), kind.job, consume, kind.tok.path, kind.dtype,
+                    _tokenize(_batches(files, sizes, k, kind.records), kind.job, consume, kind.tok, kind.dtype,
                               cfg.workers)
             else:
                 kind.write(tmp, files, writers)
@@ -228,13 +228,13 @@ def _up_to_date(old: Manifest | None, kind: DataKind, stats: list[dict[str, Any]
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_file: str, dtype: str) -> None:
+def _init_worker(tokenizer_file: str, dtype: str, eot: int) -> None:
     # Ctrl-C goes to the whole process group; only the parent handles it (it
     # terminates the pool), so the terminal is not flooded with worker tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One thread per worker: the worker processes are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(load_state(tokenizer_file, dtype))
+    _worker.update(load_state(tokenizer_file, dtype, eot))
 
 
 def _run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
@@ -273,13 +273,13 @@ class _WriteError(Exception):
 
 
 def _tokenize(batches: Iterator[Chunk], job: Callable[[Chunk], tuple], consume: Callable[..., None],
-              tokenizer_file: Path, dtype: np.dtype, workers: int) -> None:
+              tok: Tokenizer, dtype: np.dtype, workers: int) -> None:
     """Run `job(chunk)` = (function, args) on every chunk and `consume(chunk, *result)`, in input order.
 
     The function is called as function(state, *args), state holding the loaded tokenizer (`load_state`).
     """
     if workers == 0:
-        state = load_state(str(tokenizer_file), dtype.str)
+        state = load_state(str(tok.path), dtype.str, tok.eot_id)
         for batch in batches:
             fn, args = job(batch)
             consume(batch, *fn(state, *args))
@@ -290,7 +290,7 @@ def _tokenize(batches: Iterator[Chunk], job: Callable[[Chunk], tuple], consume: 
     # fails) it raises BrokenProcessPool where Pool would respawn workers forever.
     ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(str(tokenizer_file), dtype.str))
+                               initargs=(str(tok.path), dtype.str, tok.eot_id))
     try:
         # Submitting everything up front (or Pool.imap) would read the whole
         # input ahead; a bounded queue of futures keeps memory flat and the

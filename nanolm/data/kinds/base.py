@@ -26,7 +26,6 @@ from nanolm.data.provenance import val_every
 from nanolm.data.shards import RENAMED_KINDS, Batch, Manifest, PackedData, SplitWriter, token_dtype
 from nanolm.errors import UserError
 from nanolm.progress import fmt_bytes, fmt_count, fmt_duration
-from nanolm.special_tokens import EOT
 from nanolm.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
@@ -160,10 +159,11 @@ Record = tuple[Any, bool, int, int, "str | None"]
 
 # --- the worker side of the kinds that stream ------------------------------------------
 
-def load_state(tokenizer_file: str, dtype: str) -> dict[str, Any]:
-    """What a worker's encode function is given: the tokenizer ("tok"), its file, the token dtype and EOT id."""
-    tok = HFTokenizer.from_file(tokenizer_file)
-    return {"tok": tok, "file": tokenizer_file, "dtype": np.dtype(dtype), "eot": tok.token_to_id(EOT)}
+def load_state(tokenizer_file: str, dtype: str, eot: int) -> dict[str, Any]:
+    """What a worker's encode function is given: the tokenizer ("tok"), its file, the token dtype and the id
+    that ends a document (`Tokenizer.eot_id`: <|endoftext|>, or what plays its part, Llama 3's <|end_of_text|>)."""
+    return {"tok": HFTokenizer.from_file(tokenizer_file), "file": tokenizer_file, "dtype": np.dtype(dtype),
+            "eot": eot}
 
 
 def encode_batch(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
