@@ -45,6 +45,18 @@ def test_gae_of_a_masked_padded_row_ignores_the_prompt_and_the_padding():
     assert ret[0, 1:4].tolist() == pytest.approx([1.5, 1.5, 1.0])
 
 
+def test_gae_of_a_trajectory_carries_credit_across_its_tool_turns():
+    """A multi-turn trajectory: reply, tool turn (not the policy's tokens), reply. Its steps are the masked
+    tokens alone: the advantages equal those of the row with the tool turn removed (the hand-worked row), so the
+    final reward reaches the first reply."""
+    rewards = torch.tensor([[7.0, 0.0, 9.0, 9.0, 0.5, 1.0, 9.0]])
+    values = torch.tensor([[5.0, 0.5, 8.0, 8.0, 0.2, 0.4, 8.0]])
+    mask = torch.tensor([[0, 1, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    adv, ret = gae(rewards, values, mask, 0.9, 0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.46624, 0.0, 0.0, 1.092, 0.6, 0.0]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 0.96624, 0.0, 0.0, 1.292, 1.0, 0.0]]), rtol=0, atol=1e-6)
+
+
 def test_token_rewards_penalise_the_kl_and_score_the_last_token():
     kl = torch.tensor([[9.0, 0.1, -0.2, 0.4, 9.0], [9.0, 0.5, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 0, 0, 0]], dtype=torch.bool)
@@ -381,3 +393,26 @@ def test_with_the_advantage_sign_flipped_the_reward_does_not_rise(arith_sft, tmp
     monkeypatch.setattr(ppo, "gae", flipped)
     before, after = ppo_reward_change(arith_sft, tmp_path / "flipped")
     assert after < before + E2E_MARGIN
+
+
+def test_ppo_with_tools_trains_on_trajectories_and_resumes(prompts_dir, base_run, tmp_path, monkeypatch):
+    """ppo.tools: each completion is a trajectory (here every reply is forced to call the calculator, so each runs
+    out of its 2 rounds: call, tool turn, call); the rewards see the calls, and a resumed run is the same."""
+    from test_agent_rl import CALL, Forced
+
+    from nanolm.tokenizer import Tokenizer
+    from nanolm.train.agent import AgentSampler
+    tok = Tokenizer.load(ckpt.resolve_checkpoint(base_run, "last"))
+    script = tok.encode(CALL) + [tok.im_end_id]
+    monkeypatch.setattr(AgentSampler, "_guides", lambda self, model, objects: [Forced(script, 400) for _ in objects])
+    over = {"ppo.tools": "builtin", "ppo.max_rounds": 2, "ppo.max_new_tokens": 256, "model.max_seq_len": 1024,
+            "ppo.rewards": "tool_call:1.0,finished:0.5", "train.eval_interval": 0}
+    full = train(ppo_cfg(prompts_dir, tmp_path / "full", base_run, **over), quiet=True)
+    steps = [r for r in read_metrics(tmp_path / "full") if "reward" in r]
+    assert full.step == 4 and len(steps) == 4
+    # every trajectory called (tool_call 1) and ran out of rounds (finished 0); both replies are its tokens
+    assert all(r["reward_tool_call"] == 1.0 and r["reward_finished"] == 0.0 for r in steps)
+    assert all(r["truncated"] == 0.0 and r["completion_len"] >= 2 * (len(script) - 1) for r in steps)
+    train(ppo_cfg(prompts_dir, tmp_path / "part", base_run, **{**over, "train.max_steps": 2}), quiet=True)
+    train(ppo_cfg(prompts_dir, tmp_path / "part", base_run, **over), resume=True, quiet=True)
+    assert same_weights(tmp_path / "full", tmp_path / "part")

@@ -129,8 +129,11 @@ class PPOConfig:
     reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
     length_min: int = 1  # the `length` reward's window, in characters of the reply
     length_max: int = 512
+    tools: str = ""  # RL over tool calls, as grpo.tools: "" none, builtin, tools.json, file.py:function
+    max_rounds: int = 3  # with tools: the most replies of a trajectory (each but the last may call tools)
 
     def __post_init__(self) -> None:
+        _check(self.max_rounds >= 1, f"ppo.max_rounds must be >= 1, got {self.max_rounds}")
         _check(self.samples_per_prompt >= 1, f"ppo.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
         _check(self.temperature > 0, f"ppo.temperature must be > 0 (PPO learns from sampled completions), got "
                                      f"{self.temperature}")

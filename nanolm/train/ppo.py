@@ -114,7 +114,12 @@ class PPOObjective(Objective):
         if cfg.kl_coef > 0 and (reference is None) == (disable_adapters is None):
             raise ValueError("ppo.kl_coef > 0 needs exactly one of a reference model or an adapter switch")
         self.cfg = cfg
-        self.sampler = Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
+        if cfg.tools:
+            from nanolm.train.agent import AgentSampler, AgentTools
+            self.sampler: Sampler = AgentSampler(tokenizer, rewards, device, thinking=cfg.thinking,
+                                                 tools=AgentTools.from_spec(cfg.tools), max_rounds=cfg.max_rounds)
+        else:
+            self.sampler = Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
         self.critic = critic
         self.reference, self.disable_adapters = reference, disable_adapters
         self.device, self.rank, self.world_size, self.compute = device, rank, world_size, compute
@@ -142,7 +147,7 @@ class PPOObjective(Objective):
             slot = m * self.world_size + self.rank  # where in the step's stream of prompts this batch is
             params = Sampler.seeded(cfg, step_seed, slot, len(pb.prompts), n)
             tg = time.perf_counter()
-            sampled = self.sampler.sample(model, pb.prompts, n, params)
+            sampled = self.sampler.sample_batch(model, pb, n, params)
             gen_s += time.perf_counter() - tg
             totals, per_name = self.sampler.score(pb, sampled)
             sums.add(sampled, totals, per_name)

@@ -131,23 +131,24 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """Generalised advantage estimation over rows of tokens.
 
     rewards, values (R, T): each token's reward and the critic's value of the state it was written in;
-    mask (R, T) bool: a row's completion tokens (one contiguous run; prompt and padding False).
+    mask (R, T) bool: the tokens the policy wrote (prompt, padding and, in a multi-turn trajectory, the tool
+    turns between its replies False). The steps are the masked tokens alone, in order: a position outside the
+    mask is no step, so the credit of a later reply reaches an earlier one across the tool turn between them
+    (the result is that of the row with those positions removed).
     Returns (advantages, returns) (R, T) float32, 0 outside the mask; returns = advantages + values.
     """
-    m = mask.float()
-    r, v = rewards.float() * m, values.float() * m
+    m = mask.bool()
+    r, v = rewards.float(), values.float()
     adv = torch.zeros_like(v)
-    carried = torch.zeros_like(v[:, 0])  # (R,) A_{t+1}, 0 past a row's last token
-    next_value = torch.zeros_like(v[:, 0])
+    carried = torch.zeros_like(v[:, 0])  # (R,) the advantage of the row's next step, 0 past its last one
+    next_value = torch.zeros_like(v[:, 0])  # (R,) the value of the row's next step's state
     for t in reversed(range(v.shape[1])):
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        carried = delta + gamma * lam * carried
-        adv[:, t] = carried
-        # A position outside the mask (the prompt before a completion, padding after it) carries nothing back.
-        carried = carried * m[:, t]
-        next_value = v[:, t]
-    adv = adv * m
-    return adv, (adv + v) * m
+        step = m[:, t]
+        a = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * carried
+        carried = torch.where(step, a, carried)
+        next_value = torch.where(step, v[:, t], next_value)
+        adv[:, t] = torch.where(step, a, torch.zeros_like(a))
+    return adv, torch.where(m, adv + v, torch.zeros_like(adv))
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
