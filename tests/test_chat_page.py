@@ -402,3 +402,31 @@ def test_regenerate_replaces_the_last_reply(browser, tok):
         want = [("user", "hi"), ("assistant", "Second answer.")]
         until(d, lambda d: idle(d) and [m[:2] for m in messages(d)] == want)
         assert len(eng.prompts) == 2 and eng.prompts[0] == eng.prompts[1]  # the same conversation asked again
+
+
+def test_stop_during_a_tool_round_keeps_the_call_and_sends_nothing_more(browser, tok):
+    """Stop while the reply to a tool's result streams: the call and its result stay shown, the reply keeps what
+    came, no further request is made, the server's slot is freed, and the conversation goes on."""
+    d = browser
+    eng, server = scripted(tok, ["Let me compute.\n" + CALL_TEXT, SENTENCE * 8, "Fine."], "toolstop")
+    eng.delay = 0.05  # the reply after the tool would take about 6 s
+    with server as url:
+        open_page(d, url, "toolstop")
+        tick(d, "#tools input[value=calculator]")
+        say(d, QUESTION)
+        until(d, lambda d: len(messages(d)) == 4 and messages(d)[3][1])
+        el(d, "stop").click()
+        shown = messages(d)
+        assert [m[:2] for m in shown[:3]] == [("user", QUESTION), ("assistant", "Let me compute."),
+                                             ("tool", 'calculator({"expression": "12*(3+4)"})\n→ 84')]
+        text, stats = reply(d, 2)
+        assert stats == "stopped" and 0 < len(text) < len(SENTENCE * 8) and (SENTENCE * 8).startswith(text)
+        assert idle(d) and error(d) is None
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health", timeout=30).json()["admitted"] != 0:
+            assert time.monotonic() < deadline, "the stopped request still holds its place"
+            time.sleep(0.05)
+        assert len(eng.prompts) == 2  # the call's request and the one after its result; nothing after Stop
+        say(d, "thanks")
+        until(d, lambda d: idle(d) and len(messages(d)) == 6)
+        assert messages(d)[5][:2] == ("assistant", "Fine.") and error(d) is None
