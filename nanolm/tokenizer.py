@@ -87,6 +87,13 @@ def _pre_tokenizer(split_digits: bool) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
 
 
+def pre_tokenizer_json(split_digits: bool) -> dict[str, Any]:
+    """The tokenizer.json `pre_tokenizer` entry of a tokenizer nanolm trains (`_pre_tokenizer`)."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = _pre_tokenizer(split_digits)
+    return json.loads(tok.to_str())["pre_tokenizer"]
+
+
 def _splits_digits(pre_tokenizer: Any) -> bool:
     """Whether a tokenizer.json `pre_tokenizer` entry isolates every digit (a Digits step with
     individual_digits, alone or in a Sequence)."""

@@ -186,3 +186,14 @@ def test_bad_data_sets_name_the_field(tmp_path, data, message):
         load_config("tiny", f)
     assert message in str(e.value) and str(e.value).startswith(f"{f}: ")
     assert "\n" not in str(e.value)
+
+
+def test_overriding_a_presets_width_keeps_the_automatic_sizes_automatic():
+    """tiny's n_hidden (384) and head_dim follow its d_model; `--model.d_model 64` makes them follow 64, as on
+    the defaults, unless they are given."""
+    cfg = load_config("tiny", overrides={"model.d_model": 64})
+    assert (cfg.model.n_hidden, cfg.model.head_dim) == (192, 16)
+    assert load_config("tiny").model.n_hidden == 384
+    assert load_config("tiny", overrides={"model.d_model": 64, "model.n_hidden": 100}).model.n_hidden == 100
+    moe = load_config("tiny", overrides={"model.use_moe": True, "model.d_model": 256})
+    assert moe.model.n_hidden == moe.model.moe_n_hidden == 704

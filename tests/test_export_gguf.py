@@ -686,3 +686,20 @@ def test_q4_0_greedy_chat_replies_equal_f16_and_nanolm(trained, tokenizer_dir):
     finally:
         for llm in llms.values():
             llm.close()
+
+
+def test_another_familys_pre_tokenizer_is_refused(tmp_path, tokenizer_dir):
+    """A tokenizer splitting text by Llama 3's regex is neither of the two pre-tokenizers GGUF export names
+    (gpt-2, starcoder): exporting it under one would make llama.cpp cut text differently, so it is refused."""
+    tok = tmp_path / "tok"
+    Tokenizer.load(tokenizer_dir).save(tok)
+    data = json.loads((tok / "tokenizer.json").read_text(encoding="utf-8"))
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (tok / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    run = make_run(tmp_path / "run", tok)
+    with pytest.raises(UserError, match=r"tokenizer\.json: its pre-tokenizer \(Sequence\) is not one GGUF export "
+                                        r"writes .*convert_hf_to_gguf\.py"):
+        export_gguf(run, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()

@@ -294,9 +294,10 @@ def test_an_old_config_without_the_new_fields_loads_with_the_same_effective_valu
     assert model.layers[0].self_attn.q_proj.bias is None and model.rope_cos.shape == (64, 16)
     out = ckpt.save_model(tmp_path / "m", model, tokenizer_from=None)
     written = json.loads((out / "config.json").read_text())["model"]
-    # head_dim is written as "d_model / n_head" (0), so the file means what an old one means
+    # head_dim is written as "d_model / n_head" (0) and the widths as automatic (0: 192 is d_model's), so the
+    # file means what an old one means
     assert written == {**OLD_CONFIG, "head_dim": 0, "qkv_bias": False, "rope_low_freq_factor": 1.0,
-                       "rope_high_freq_factor": 4.0}
+                       "rope_high_freq_factor": 4.0, "n_hidden": 0, "moe_n_hidden": 0}
     (out / "config.json").write_text(json.dumps({"model": OLD_CONFIG}))  # as an old checkpoint has it
     loaded, _ = ckpt.load_model(out)
     assert loaded.config == cfg

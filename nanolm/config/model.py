@@ -84,7 +84,7 @@ class ModelConfig:
         _check(self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps}")
         _check(self.init_std >= 0, f"model.init_std must be >= 0, got {self.init_std}")
         if self.n_hidden == 0:
-            self.n_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
+            self.n_hidden = auto_hidden(self.d_model)
         if self.use_moe:
             _check(self.n_experts >= 1, f"model.n_experts must be >= 1, got {self.n_experts}")
             _check(1 <= self.top_k <= self.n_experts,
@@ -151,12 +151,22 @@ class ModelConfig:
         return _build(cls, d, source, prefix="model.")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as saved in config.json: head_dim as 0 where it is d_model / n_head, so that a file, or a
-        preset overridden by `--model.d_model`, keeps meaning "d_model / n_head" as the defaults do."""
+        """The fields as saved in config.json: head_dim as 0 where it is d_model / n_head, n_hidden as 0 where it
+        is the automatic width of d_model, moe_n_hidden as 0 where it is n_hidden, so that a file, or a preset
+        overridden by `--model.d_model`, keeps meaning "follow d_model" as the defaults do."""
         d = dataclasses.asdict(self)
         if self.d_model % self.n_head == 0 and self.head_dim == self.d_model // self.n_head:
             d["head_dim"] = 0
+        if self.n_hidden == auto_hidden(self.d_model):
+            d["n_hidden"] = 0
+        if self.moe_n_hidden == self.n_hidden:
+            d["moe_n_hidden"] = 0
         return d
+
+
+def auto_hidden(d_model: int) -> int:
+    """The SwiGLU width that model.n_hidden 0 means: 8/3 of d_model, rounded up to a multiple of 64."""
+    return 64 * math.ceil(8 * d_model / 3 / 64)
 
 
 ROPE_SCALINGS = ("none", "yarn", "llama3")

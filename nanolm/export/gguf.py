@@ -309,7 +309,22 @@ def gguf_vocab(ckpt_dir: Path, vocab_size: int) -> GGUFVocab:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     # The template the tokenizer carries (its chat layout's when it has none), as transformers reads it.
     template = tok.chat_template or tok.chat_format.template
-    return GGUFVocab(tokens, types, merges, template, tok.eot_id, tok.im_end_id, TOKENIZER_PRE[tok.splits_digits])
+    return GGUFVocab(tokens, types, merges, template, tok.eot_id, tok.im_end_id, _pre_name(tok, data))
+
+
+def _pre_name(tok: Any, data: dict) -> str:
+    """llama.cpp's name of the tokenizer's pre-tokenizer: GPT-2's byte-level split, or with each digit split off
+    (StarCoder's), the two `nanolm tokenizer train` makes. Another family's split (Llama 3's, Qwen2's regex) under
+    either name would make llama.cpp cut text differently from the model's tokenizer, so it is refused."""
+    from nanolm.tokenizer import pre_tokenizer_json
+    for split, name in TOKENIZER_PRE.items():
+        if data.get("pre_tokenizer") == pre_tokenizer_json(split):
+            return name
+    kind = (data.get("pre_tokenizer") or {}).get("type", "none")
+    raise UserError(f"{tok.path}: its pre-tokenizer ({kind}) is not one GGUF export writes (GPT-2's byte-level "
+                    "split, with or without digits split off, as `nanolm tokenizer train` makes them), so llama.cpp "
+                    "would cut text differently; export with `nanolm export hf` and convert that with llama.cpp's "
+                    "convert_hf_to_gguf.py, which knows the family's tokenizer")
 
 
 # ----------------------------------------------------------------------------- writing
