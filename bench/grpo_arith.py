@@ -1,20 +1,23 @@
-"""The built-in arithmetic task end to end on a CPU: SFT, then GRPO raising the held-out answer reward.
+"""The built-in arithmetic task end to end on a CPU: SFT, then GRPO raising the held-out answer accuracy.
 
-In a temporary directory: `nanolm data arith --level easy` (sums and
-differences of single digits, English and Chinese), a tokenizer trained on the
-SFT set, SFT from scratch of a small model on the worked answers
-(`7 + 5 = 12. #### 12`), then GRPO on the RL prompts with the `answer`
-reward. The held-out prompts (the val split of the prepared prompts, no
-problem shared with the SFT set or the prompts trained on) are decoded
-greedily before and after GRPO; prints the held-out answer accuracy before
--> after for each seed, and the median. Run from the repository root:
+In a temporary directory: `nanolm data arith --level easy --max-number 30`
+(sums and differences of numbers up to 30, English and Chinese, six
+templates), a tokenizer trained on the SFT set (digits split), SFT from scratch
+of a 0.8M-parameter model (d_model 128, 4 layers) on 2,400 worked answers
+(`17 + 5 = 22. #### 22`), then GRPO with the `answer` reward on three quarters
+of 1,800 prompts (1,600 RL prompts and 200 problems whose numbers SFT never
+saw). The held-out prompts (the val split: the other quarter, 450 problems,
+none shared with the SFT set or the prompts trained on) are decoded greedily
+before and after GRPO; prints the held-out answer accuracy before -> after for each
+seed, and the median. --flip-sign runs the control: every advantage negated.
+One seed takes about 10 minutes on 2 cores. Run from the repository root:
 
     PYTHONPATH=. python bench/grpo_arith.py                   # seeds 0 1 2
-    PYTHONPATH=. python bench/grpo_arith.py --seeds 3 --grpo-steps 40 --temperature 0.7
-    PYTHONPATH=. python bench/grpo_arith.py --max-number 20 --n-sft 1200 --n-prompts 600 --n-heldout 200 \
-        --sft-steps 600 --grpo-steps 75             # a problem space too large to memorise, 200 held out
+    PYTHONPATH=. python bench/grpo_arith.py --seeds 0 --flip-sign
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/grpo_arith.py --seeds 1   # two at once share 2 cores
 
-With OMP_NUM_THREADS=1 two runs share a 2-core machine without fighting over threads.
+The earlier settings (bench/RESULTS.md): `--max-number 9 --d-model 64 --n-layer 2 --n-sft 200
+--n-prompts 200 --n-heldout 50 --sft-steps 300 --sft-lr 1e-2 --grpo-steps 100 --lr 3e-4 --vocab 400`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nanolm.train.trainer import Trainer, train
 
     t0 = time.perf_counter()
-    files = write_arith(work / "arith", a.n_sft, a.n_prompts, a.n_heldout, seed=seed, level="easy",
+    if a.flip_sign:  # the control: the same run with every advantage negated (GRPO then follows a wrong answer)
+        import nanolm.train.grpo as grpo_module
+        from nanolm.train.rl import group_advantages
+        grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
+    files = write_arith(work / "arith", a.n_sft, a.n_prompts, a.n_heldout, seed=seed, level=a.level,
                         max_number=a.max_number)
     train_tokenizer(iter_texts([files["sft"]], format="chat"), work / "tok", vocab_size=a.vocab, quiet=True)
     prepare([files["sft"]], work / "tok", work / "sft", format="chat", val_fraction=0, workers=0, quiet=True)
@@ -45,12 +52,13 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     prepare([files["prompts"], files["heldout"]], work / "tok", work / "prompts", format="prompts",
             val_fraction=0.25, quiet=True)
     common = {"model.vocab_size": a.vocab, "model.d_model": a.d_model, "model.n_layer": a.n_layer,
-              "model.n_head": 4, "model.n_kv_head": 2, "model.max_seq_len": 96, "train.seq_len": 96,
+              "model.n_head": a.n_head, "model.n_kv_head": a.n_head // 2, "model.max_seq_len": 96,
+              "train.seq_len": 96,
               "model.dropout": 0.0, "train.eval_interval": 0, "train.save_interval": 0, "train.log_interval": 1,
               "train.seed": seed}
     train(load_config("tiny", overrides={**common, "data.path": str(work / "sft"), "train.out_dir":
                                          str(work / "sftrun"), "train.max_steps": a.sft_steps,
-                                         "train.batch_size": 16, "optim.lr": a.sft_lr, "optim.min_lr": a.sft_lr / 10,
+                                         "train.batch_size": a.sft_batch, "optim.lr": a.sft_lr, "optim.min_lr": a.sft_lr / 10,
                                          "optim.warmup_steps": 10}), quiet=True)
     t1 = time.perf_counter()
     cfg = load_config("tiny", overrides={
@@ -66,7 +74,7 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         from nanolm.data.shards import PackedData
         t.model.eval()
         got = t.objective.evaluate(t.model, iter_eval_batches(PackedData(work / "prompts", "train"), 8, 1, 1000),
-                                   t.compute, t.token_bytes)
+                                   t.compute, t.validation.token_bytes)
         t.model.train()
         return got["val_reward"]
     before = t.evaluate()
@@ -86,22 +94,26 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--n-sft", type=int, default=200)
-    p.add_argument("--n-prompts", type=int, default=200)
-    p.add_argument("--n-heldout", type=int, default=50)
-    p.add_argument("--max-number", type=int, default=None, help="numbers up to this (the easy level's default: 9)")
-    p.add_argument("--vocab", type=int, default=400)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--sft-lr", type=float, default=1e-2)
-    p.add_argument("--grpo-steps", type=int, default=100)
+    p.add_argument("--n-sft", type=int, default=2400)
+    p.add_argument("--n-prompts", type=int, default=1600)
+    p.add_argument("--n-heldout", type=int, default=200)
+    p.add_argument("--level", default="easy", choices=["easy", "standard"])
+    p.add_argument("--max-number", type=int, default=30, help="numbers up to this")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--sft-batch", type=int, default=16)
+    p.add_argument("--sft-steps", type=int, default=3000)
+    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--grpo-steps", type=int, default=300)
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
     p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
     res = []

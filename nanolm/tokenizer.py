@@ -182,9 +182,11 @@ ROLE_ALIASES: dict[str, tuple[str, ...]] = {
 
 def _role_candidates(variables: dict[str, str]) -> dict[str, list[str]]:
     """Each control token's name, then the names of the tokens that may play its part, without repeats."""
-    return {name: list(dict.fromkeys(n for n in (name, *(variables.get(a, a) if a.endswith("_token") else a
-                                                         for a in aliases)) if n and not n.endswith("_token")))
-            for name, aliases in ROLE_ALIASES.items()}
+    out = {}
+    for name, aliases in ROLE_ALIASES.items():
+        names = (variables.get(a) if a in ("eos_token", "bos_token") else a for a in (name, *aliases))
+        out[name] = list(dict.fromkeys(n for n in names if n))
+    return out
 
 
 def _save_files(data: dict[str, Any], config: dict[str, Any], out_dir: Path) -> Path:
