@@ -66,7 +66,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "train.out_dir": str(work / "grpo"), "train.stage": "grpo", "train.init_from": str(work / "sftrun"),
         "train.max_steps": a.grpo_steps, "train.batch_size": a.prompts_per_step, "train.eval_batches": 64,
         "optim.lr": a.lr, "optim.min_lr": a.lr, "grpo.group_size": a.group, "grpo.max_new_tokens": a.max_new_tokens,
-        "grpo.temperature": a.temperature, "grpo.rewards": "answer", "grpo.beta": a.beta})
+        "grpo.temperature": a.temperature, "grpo.rewards": "answer", "grpo.beta": a.beta,
+        "train.eval_interval": a.eval_every})
     t = Trainer(cfg, quiet=True)
 
     def train_greedy() -> float:  # the same greedy decoding on the prompts GRPO trains on
@@ -82,9 +83,10 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     t.run()
     train_after = train_greedy()
     rows = [json.loads(x) for x in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["step"], r["val_reward"]) for r in rows if "val_reward" in r]
     after = [r for r in rows if "val_reward" in r][-1]
     steps = [r for r in rows if "reward" in r]
-    return {"seed": seed, "before": before["val_reward"], "after": after["val_reward"],
+    return {"seed": seed, "before": before["val_reward"], "after": after["val_reward"], "curve": curve,
             "train_before": train_before, "train_after": train_after,
             "train_reward_first": sum(r["reward"] for r in steps[:5]) / len(steps[:5]),
             "train_reward_last": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:]),
@@ -113,6 +115,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--eval-every", type=int, default=0, help="also score the held-out prompts every this many "
+                   "GRPO steps (printed as a curve)")
     p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
     p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
@@ -127,7 +131,9 @@ def main() -> None:
         print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | greedy on the train prompts "
               f"{r['train_before']:.3f} -> {r['train_after']:.3f} | sampled train reward (first 5 steps -> last 5) "
               f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f} | zero-var groups at step 1 "
-              f"{r['zero_var_first']:.2f} | SFT {r['sft_s']:.0f} s, GRPO {r['grpo_s']:.0f} s", flush=True)
+              f"{r['zero_var_first']:.2f} | SFT {r['sft_s']:.0f} s, GRPO {r['grpo_s']:.0f} s"
+              + (" | held out by step: " + ", ".join(f"{s}: {v:.3f}" for s, v in r["curve"]) if a.eval_every else ""),
+              flush=True)
     med = statistics.median
     print(f"median of {len(res)} seeds, held out: {med(r['before'] for r in res):.3f} -> "
           f"{med(r['after'] for r in res):.3f} "
