@@ -396,8 +396,9 @@ def grpo_on_arith(tmp_path, model: dict | None = None, **over):
 def test_sft_then_grpo_raises_the_held_out_reward(tmp_path):
     """SFT from scratch on the arithmetic task's worked answers, then GRPO on its prompts with the built-in
     length reward (replies of 4 to 8 characters, falling to 0 at 16; SFT's worked answers are longer, reward
-    0): the held-out prompts' greedy mean reward rises by E2E_MARGIN (0.000 -> 0.975 here). With the advantage's
-    sign flipped by hand, the completions grew to the 20-token limit and the reward stayed 0.000: the test fails.
+    0 for most): the held-out prompts' greedy mean reward rises by E2E_MARGIN (0.229 -> 1.000 here). With the
+    advantage's sign flipped the completions grew to the 20-token limit and the reward fell to 0.000: the test
+    fails.
     The answer reward has its own test below; whether it carries over to held-out problems is measured by
     bench/grpo_arith.py (bench/RESULTS.md)."""
     sft_on_arith(tmp_path)
