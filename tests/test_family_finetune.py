@@ -9,7 +9,6 @@ nanolm's), Qwen3 (QK-norm, head size apart from hidden / heads) and SmolLM2 (a L
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -294,3 +294,12 @@ def trajectory_rows(trajs: Sequence[Trajectory]) -> tuple[torch.Tensor, torch.Te
         targets = torch.tensor(mine[1:], dtype=torch.bool)
         y[r, :len(ids) - 1] = torch.where(targets, t[1:], torch.full_like(t[1:], IGNORE_INDEX))
     return x, y
+
+
+def sampler_for(cfg: Any, tokenizer: Any, rewards: Any, device: torch.device) -> Sampler:
+    """The sampler of an RL stage's config (grpo.* or ppo.*): plain completions, or with `tools` the trajectories
+    of this module, calling them."""
+    if cfg.tools:
+        return AgentSampler(tokenizer, rewards, device, thinking=cfg.thinking, tools=AgentTools.from_spec(cfg.tools),
+                            max_rounds=cfg.max_rounds)
+    return Sampler(tokenizer, rewards, device, thinking=cfg.thinking)

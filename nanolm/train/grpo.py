@@ -46,6 +46,7 @@ from nanolm.train import distributed
 from nanolm.train.objectives import Loss, Objective
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
+from nanolm.train.agent import sampler_for
 from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics, token_logps
 
 
@@ -87,12 +88,7 @@ class GRPOObjective(Objective):
         if cfg.beta > 0 and (reference is None) == (disable_adapters is None):
             raise ValueError("grpo.beta > 0 needs exactly one of a reference model or an adapter switch")
         self.cfg = cfg
-        if cfg.tools:
-            from nanolm.train.agent import AgentSampler, AgentTools
-            self.sampler: Sampler = AgentSampler(tokenizer, rewards, device, thinking=cfg.thinking,
-                                                 tools=AgentTools.from_spec(cfg.tools), max_rounds=cfg.max_rounds)
-        else:
-            self.sampler = Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
+        self.sampler = sampler_for(cfg, tokenizer, rewards, device)
         self.reference, self.disable_adapters = reference, disable_adapters
         self.device, self.rank, self.world_size, self.compute = device, rank, world_size, compute
         self.last: dict[str, float] = {}  # this rank's sums of the last rollout (rewards, lengths, times)

@@ -58,6 +58,7 @@ from nanolm.train.objectives import Companion, Loss, Metrics, Objective
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import (clipped_surrogate, clipped_value_loss, explained_variance, gae, k3_kl, masked_moments,
                              token_rewards, token_sums, whiten)
+from nanolm.train.agent import sampler_for
 from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics, token_logps
 
 
@@ -114,12 +115,7 @@ class PPOObjective(Objective):
         if cfg.kl_coef > 0 and (reference is None) == (disable_adapters is None):
             raise ValueError("ppo.kl_coef > 0 needs exactly one of a reference model or an adapter switch")
         self.cfg = cfg
-        if cfg.tools:
-            from nanolm.train.agent import AgentSampler, AgentTools
-            self.sampler: Sampler = AgentSampler(tokenizer, rewards, device, thinking=cfg.thinking,
-                                                 tools=AgentTools.from_spec(cfg.tools), max_rounds=cfg.max_rounds)
-        else:
-            self.sampler = Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
+        self.sampler = sampler_for(cfg, tokenizer, rewards, device)
         self.critic = critic
         self.reference, self.disable_adapters = reference, disable_adapters
         self.device, self.rank, self.world_size, self.compute = device, rank, world_size, compute

@@ -188,9 +188,10 @@ class RolloutSums:
         s["completions"] += len(totals)
         s["completion_tokens"] += sum(len(t) for t in sampled.tokens)
         s["truncated"] += sum(f == "length" for f in sampled.finish)
-        rewards = torch.tensor(totals, dtype=torch.float32)
+        # float64: a float32 sum of the rewards rounds differently as a step's prompts are cut into micro-batches
+        rewards = torch.tensor(totals, dtype=torch.float32).double()
         s["reward"] += float(rewards.sum())
-        s["reward_sq"] += float((rewards.double() ** 2).sum())
+        s["reward_sq"] += float((rewards ** 2).sum())
         for name, values in per_name.items():
             s[f"reward/{name}"] = s.get(f"reward/{name}", 0.0) + sum(values)
             s[f"reward_sq/{name}"] = s.get(f"reward_sq/{name}", 0.0) + sum(v * v for v in values)
