@@ -957,7 +957,7 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys, run, da
     shutil.copytree(hf_dir, garbage_hf)
     (garbage_hf / "config.json").write_text('{"model_type": "llama", "hidden_size": "big"}')
     small = ["--model.vocab_size", "400", "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "4",
-             "--model.n_kv_head", "2", "--model.max_seq_len", "32", "--train.seq_len", "32", "--train.batch_size", "4",
+             "--model.n_kv_head", "2", "--model.n_hidden", "384", "--model.max_seq_len", "32", "--train.seq_len", "32", "--train.batch_size", "4",
              "--train.max_steps", "4"]
     cases = [
         (["prepare", str(bad), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"), "--workers", "0"],
