@@ -40,10 +40,6 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nanolm.train.trainer import Trainer, train
 
     t0 = time.perf_counter()
-    if a.flip_sign:  # the control: the same run with every advantage negated (GRPO then follows a wrong answer)
-        import nanolm.train.grpo as grpo_module
-        from nanolm.train.rl import group_advantages
-        grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
     files = write_arith(work / "arith", a.n_sft, a.n_prompts, a.n_heldout, seed=seed, level=a.level,
                         max_number=a.max_number)
     train_tokenizer(iter_texts([files["sft"]], format="chat"), work / "tok", vocab_size=a.vocab, quiet=True)
@@ -84,9 +80,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     train_after = train_greedy()
     rows = [json.loads(x) for x in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["val_reward"]) for r in rows if "val_reward" in r]
-    after = [r for r in rows if "val_reward" in r][-1]
     steps = [r for r in rows if "reward" in r]
-    return {"seed": seed, "before": before["val_reward"], "after": after["val_reward"], "curve": curve,
+    return {"seed": seed, "before": before["val_reward"], "after": curve[-1][1], "curve": curve,
             "train_before": train_before, "train_after": train_after,
             "train_reward_first": sum(r["reward"] for r in steps[:5]) / len(steps[:5]),
             "train_reward_last": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:]),
@@ -120,6 +115,10 @@ def main() -> None:
     p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
     p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
+    if a.flip_sign:  # the control: every advantage negated (GRPO then follows the wrong answers)
+        import nanolm.train.grpo as grpo_module
+        from nanolm.train.rl import group_advantages
+        grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
     res = []
     for s in a.seeds:
         if a.keep:
@@ -132,7 +131,7 @@ def main() -> None:
               f"{r['train_before']:.3f} -> {r['train_after']:.3f} | sampled train reward (first 5 steps -> last 5) "
               f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f} | zero-var groups at step 1 "
               f"{r['zero_var_first']:.2f} | SFT {r['sft_s']:.0f} s, GRPO {r['grpo_s']:.0f} s"
-              + (" | held out by step: " + ", ".join(f"{s}: {v:.3f}" for s, v in r["curve"]) if a.eval_every else ""),
+              + (" | held out by step: " + ", ".join(f"{step}: {v:.3f}" for step, v in r["curve"]) if a.eval_every else ""),
               flush=True)
     med = statistics.median
     print(f"median of {len(res)} seeds, held out: {med(r['before'] for r in res):.3f} -> "

@@ -263,7 +263,7 @@ class Tokenizer:
         # nanolm's own layouts write its control tokens; a tokenizer's own template writes its own
         roles = _role_candidates(variables) if isinstance(fmt, TemplateFormat) else {n: [n] for n in SPECIAL_TOKENS}
         for name in SPECIAL_TOKENS:
-            found = next(((c, got) for c in roles[name] if (got := added(c)) is not None), None)
+            found = next((got for c in roles[name] if (got := added(c)) is not None), None)
             if found is None:
                 got = tok.token_to_id(name)
                 where = "is not in its vocabulary" if got is None else \
@@ -274,7 +274,7 @@ class Tokenizer:
                                 "tokens (document end, chat turns). Add them to the tokenizer (tokenizers' "
                                 "add_special_tokens, then resize the model's embeddings), or train one with "
                                 "`nanolm tokenizer train`")
-            ids[name] = found[1]
+            ids[name] = found
         return cls(tok, data, file.resolve(), config, ids, fmt)
 
     def save(self, out_dir: Path | str) -> Path:
