@@ -4,7 +4,10 @@ Both build the model with random weights locally (nothing is downloaded) at the 
 (vocabulary 151,936, hidden 896, 24 layers, 14 query and 2 key/value heads of 64, SwiGLU 4,864, q/k/v
 biases, tied embeddings), or a smaller one with `--layers`. Both wrap the same projections (q, k, v, o,
 gate, up, down) in rank-16 adapters (alpha 32), train them with AdamW (the base frozen), on the same batch
-shape of random token ids, in float32 (or bfloat16 autocast with `--dtype bfloat16`): nanolm with its fused
+shape of random token ids, in float32, or with `--dtype bfloat16` under bf16 autocast with the frozen base
+kept in bf16 on both sides (nanolm's `lora.base_dtype` auto: the frozen projections in bf16, norms and
+embeddings in float32; transformers' model loaded in bf16 as `torch_dtype=torch.bfloat16` does, peft's
+adapters in float32): nanolm with its fused
 output projection and loss (`Transformer(..., targets=)`), transformers with `labels=` as a peft user
 writes it. Each variant runs in a process of its own, the two interleaved `--rounds` times; each process
 times `--steps` steps after `--warmup` and reports its peak resident memory (the process's high-water
@@ -60,6 +63,8 @@ def child(args: argparse.Namespace) -> None:
                                         rope_theta=1e6, max_seq_len=args.seq_len))
         lora.apply_lora(model, args.rank, 2 * args.rank, 0.0, TARGETS)
         lora.mark_only_lora_as_trainable(model)
+        if args.dtype == "bfloat16":  # lora.base_dtype auto under bf16 training: the frozen projections in bf16
+            lora.cast_base(model, torch.bfloat16)
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return model(x, targets=y) / y.numel()  # the summed CE of the fused head, as a mean
@@ -71,7 +76,10 @@ def child(args: argparse.Namespace) -> None:
                           intermediate_size=s["ffn"], tie_word_embeddings=True, rms_norm_eps=1e-6,
                           rope_theta=1e6, max_position_embeddings=args.seq_len, use_cache=False)
         cfg._attn_implementation = "sdpa"
-        model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
+        base = Qwen2ForCausalLM(cfg)
+        if args.dtype == "bfloat16":  # as a peft user loads it (torch_dtype=torch.bfloat16); adapters stay fp32
+            base = base.to(torch.bfloat16)
+        model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
                                                                  lora_dropout=0.0, target_modules=list(TARGETS)))
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
-from nanolm.train.trainer import train
+from nanolm.train.trainer import Trainer, train
 from test_train import tiny_cfg
 
 
@@ -239,3 +239,38 @@ def test_distillation_refuses_another_tokenizer(tmp_path, base_run, corpus):
     cfg = tiny_cfg(other_data, tmp_path / "s", **{"train.stage": "distill", "distill.teacher": str(base_run)})
     with pytest.raises(UserError, match="the teacher was trained with another tokenizer"):
         train(cfg, quiet=True)
+
+
+def test_lora_base_kept_in_bf16_under_bf16_training(data_dir, tmp_path, base_run):
+    """Under bf16 autocast the frozen base is kept in bf16 by default (its products cast to bf16 anyway): the
+    losses stay within bf16 rounding of an fp32 base's, the adapters load onto the fp32 base, resume is exact."""
+    bf16 = {"train.dtype": "bfloat16"}
+    fp32_base = train(lora_cfg(data_dir, tmp_path / "fp32", base_run, **bf16, **{"lora.base_dtype": "float32"}),
+                      quiet=True)
+    trainer = Trainer(lora_cfg(data_dir, tmp_path / "probe", base_run, **bf16), quiet=True)
+    dtypes = {n: p.dtype for n, p in trainer.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".base." in n or "embed_tokens" in n} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if "lora_" in n or "norm" in n} == {torch.float32}
+    auto = train(lora_cfg(data_dir, tmp_path / "auto", base_run, **bf16), quiet=True)
+    assert auto.train_losses != fp32_base.train_losses
+    for s, loss in fp32_base.train_losses.items():
+        assert auto.train_losses[s] == pytest.approx(loss, rel=1e-2)
+    train(lora_cfg(data_dir, tmp_path / "part", base_run, **bf16, **{"train.max_tokens": 3 * 4 * 32}), quiet=True)
+    resumed = train(lora_cfg(data_dir, tmp_path / "part", base_run, **bf16), resume=True, quiet=True)
+    assert resumed.train_losses == {s: auto.train_losses[s] for s in range(4, 7)}
+    merged, _ = ckpt.load_model(base_run, "last", adapter=tmp_path / "auto")  # the fp32 base's fingerprint
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+
+
+def test_lora_base_in_bf16_under_float32_training(data_dir, tmp_path, base_run):
+    """Asked for explicitly without autocast: the frozen products run in bf16 on a cast of the activations and
+    return float32; the adapters still learn, and the losses stay within bf16 rounding of the fp32 base's."""
+    fp32 = train(lora_cfg(data_dir, tmp_path / "fp32", base_run), quiet=True)
+    bf16 = train(lora_cfg(data_dir, tmp_path / "bf16", base_run, **{"lora.base_dtype": "bfloat16"}), quiet=True)
+    assert bf16.train_losses != fp32.train_losses
+    for s, loss in fp32.train_losses.items():
+        assert bf16.train_losses[s] == pytest.approx(loss, rel=2e-2)
+    from safetensors.torch import load_file
+    adapter = load_file(str(ckpt.resolve_checkpoint(tmp_path / "bf16", "last") / "adapter.safetensors"))
+    assert all(v.dtype == torch.float32 for v in adapter.values())
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if k.endswith("lora_B"))  # B moved off zero

@@ -1,5 +1,6 @@
 """LoRA: exact no-op at init, frozen base under training, merge math, targeting by name, adapter files."""
 
+import copy
 import hashlib
 import json
 
@@ -18,6 +19,7 @@ from nanolm.model.lora import (
     apply_lora,
     base_fingerprint,
     base_state_dict,
+    cast_base,
     disable_adapters,
     load_lora_state_dict,
     lora_state_dict,
@@ -387,3 +389,47 @@ def test_a_failed_load_leaves_the_model_as_it_was(tmp_path):
         load_adapter(d, fresh)
     assert not any(isinstance(m, LoRALinear) for m in fresh.modules())
     assert set(fresh.state_dict()) == set(tiny_model().state_dict())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_base_kept_in_bf16_computes_as_autocast_does(tie):
+    """Under bf16 autocast a LoRA layer whose base is kept in bf16 gives exactly the output and adapter
+    gradients of one whose fp32 base autocast casts; the whole model, with its embedding table rounded to bf16
+    once, stays within bf16 rounding, and outside autocast it still runs (the stream stays float32)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    a, b = LoRALinear(nn.Linear(16, 24), 4, 8.0), None
+    a.base.load_state_dict(lin.state_dict())
+    b = LoRALinear(nn.Linear(16, 24), 4, 8.0)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        a.lora_B.normal_()
+        b.lora_B.copy_(a.lora_B)
+    b.base.to(torch.bfloat16)
+    x = torch.randn(3, 5, 16)
+    outs = []
+    for m in (a, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        y.float().square().sum().backward()
+        outs.append((y, m.lora_A.grad, m.lora_B.grad))
+    for ya, yb in zip(*outs):
+        assert torch.equal(ya, yb)
+
+    model = tiny_model(tie_embeddings=tie)
+    apply_lora(model, **SETTINGS)
+    randomize_adapters(model)
+    mark_only_lora_as_trainable(model)
+    ref = copy.deepcopy(model)
+    n = cast_base(model, torch.bfloat16)
+    frozen = [p for p in model.parameters() if p.dim() == 2 and not p.requires_grad]
+    assert n == sum(p.numel() for p in frozen) and {p.dtype for p in frozen} == {torch.bfloat16}
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tie
+    x = tokens()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(x), ref(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)
+    with torch.no_grad():
+        plain = model(x)
+    assert plain.dtype == torch.float32
+    torch.testing.assert_close(plain, ref(x), atol=0.1, rtol=0.05)

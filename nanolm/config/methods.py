@@ -16,8 +16,13 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.05
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # The dtype the frozen base's matrices (projections, embedding, head) are kept in: auto = bfloat16 when training
+    # computes in bf16 (autocast casts every weight to it anyway: the same products, half the memory), else float32.
+    base_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(self.base_dtype in ("auto", "float32", "bfloat16"),
+               f"lora.base_dtype must be auto, float32 or bfloat16, got {self.base_dtype!r}")
         _check(self.rank > 0, f"lora.rank must be a positive integer, got {self.rank}")
         _check(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
         _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")

@@ -63,8 +63,12 @@ class LoRALinear(nn.Module):
         self.disabled = False  # True: behave as the base layer (see disable_adapters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., in) -> (..., out)."""
-        y = self.base(x)
+        """x: (..., in) -> (..., out), in x's dtype (a base kept in bf16 multiplies a cast of x, see cast_base)."""
+        w = self.base.weight
+        if x.dtype == w.dtype or torch.is_autocast_enabled(x.device.type):
+            y = self.base(x)  # autocast casts x, W and the bias to its dtype itself
+        else:
+            y = self.base(x.to(w.dtype)).to(x.dtype)
         if self.disabled:
             return y
         h = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
@@ -164,6 +168,28 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
     for name in chosen:
         _replace(model, name, LoRALinear(linears[name], rank, float(alpha), float(dropout)))
     return chosen
+
+
+def cast_base(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keep the frozen base's matrices in `dtype`, in place: the LoRA layers' base projections (weight and
+    bias), and the token embedding and output projection when they are frozen. Returns the number of
+    elements cast.
+
+    Under bf16 autocast every product casts its float32 weight to bf16 at each forward anyway, so the
+    projections compute exactly as before, with half the weight memory and no cast per step; the embedding
+    rows are rounded to bf16 once. The norms and adapters keep their dtype, and so does the residual stream
+    (the model casts the embeddings to its norms' dtype).
+    """
+    modules = [m.base for m in lora_modules(model).values()]
+    modules += [m for name in ("embed_tokens", "lm_head") if isinstance(m := getattr(model, name, None),
+                                                                        (nn.Embedding, nn.Linear))
+                and not any(p.requires_grad for p in m.parameters())]
+    seen: set[int] = set()
+    for m in modules:
+        for p in m.parameters():
+            seen.add(id(p))
+        m.to(dtype)  # a tied weight is one Parameter: converted in place, it stays tied
+    return sum(p.numel() for p in model.parameters() if id(p) in seen)
 
 
 def remove_lora(model: nn.Module) -> None:

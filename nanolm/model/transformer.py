@@ -429,7 +429,7 @@ class Transformer(nn.Module):
             if self.config.causal:
                 mask = mask & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
             mask = mask.unsqueeze(1)  # (B, 1, T, T)
-        x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
+        x = self.dropout(self._embed(idx))  # (B, T, C)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask)
         if cache is not None:
@@ -440,7 +440,20 @@ class Transformer(nn.Module):
                 return linear_cross_entropy(h, self.lm_head.weight, targets.flatten())
             return F.cross_entropy(self.lm_head(h).float(), targets.flatten().clamp_min(-1), ignore_index=-1,
                                    reduction="sum")
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        return self._head(self.norm(x))  # (B, T, V)
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The token embeddings in the residual stream's dtype, that of the norms (a LoRA run may keep its frozen
+        embedding table in bf16 while the stream stays float32: lora.cast_base)."""
+        return self.embed_tokens(idx).to(self.norm.weight.dtype)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the normed stream h (..., C), in h's dtype; a head kept in another dtype (lora.cast_base)
+        multiplies a cast of h where autocast does not cast for it."""
+        w = self.lm_head.weight if type(self.lm_head) is nn.Linear else None
+        if w is None or w.dtype == h.dtype or torch.is_autocast_enabled(h.device.type):
+            return self.lm_head(h)
+        return self.lm_head(h.to(w.dtype)).to(h.dtype)
 
     def _decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per row after rows of different lengths (cache.lengths): idx (B, 1) -> logits (B, 1, V)."""
@@ -456,11 +469,11 @@ class Transformer(nn.Module):
         cos = self.rope_cos[lengths].view(B, 1, 1, -1)  # (B, 1, 1, hs): each row rotated by its own position
         sin = self.rope_sin[lengths].view(B, 1, 1, -1)
         mask = (torch.arange(span, device=idx.device) <= lengths[:, None]).view(B, 1, 1, span)
-        x = self.dropout(self.embed_tokens(idx))  # (B, 1, C)
+        x = self.dropout(self._embed(idx))  # (B, 1, C)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask)
         cache.lengths += 1
-        return self.lm_head(self.norm(x))  # (B, 1, V)
+        return self._head(self.norm(x))  # (B, 1, V)
 
 
 # ----------------------------------------------------------------------------- reports

@@ -54,7 +54,7 @@ from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import count_params, flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import attention_kernel, autocast, seed_everything, train_dtype
-from nanolm.train import distributed
+from nanolm.train import distributed, memory
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
 from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
 from nanolm.train.optim import build_optimizer
@@ -195,6 +195,8 @@ class Trainer:
         self.quiet = quiet
         self.stage = stages.get(tc.stage)  # what this run trains: nanolm/train/stages.py
         self.stage.check(cfg)
+        # A run that cannot fit in memory stops now, with the figures and the fix (nanolm/train/memory.py).
+        self.memory_line = memory.check_fit(cfg, self.device, self.dtype, info.world_size)
 
         # One data set (data.path) or a curriculum/mixture of several (data.sets); see nanolm/data/sources.py.
         self.data = DataStream.from_config(cfg, rank=info.rank, world_size=info.world_size)
@@ -288,7 +290,21 @@ class Trainer:
             else:
                 lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
             lora.mark_only_lora_as_trainable(model)
+            base_dtype, why = self._lora_base_dtype()
+            if base_dtype != torch.float32:
+                n = lora.cast_base(model, base_dtype)
+                self.say(f"LoRA: the frozen base ({n / 1e6:.2f}M weights: projections, embedding, head) kept in "
+                         f"{str(base_dtype).removeprefix('torch.')} ({why})")
         return model, adapter_base
+
+    def _lora_base_dtype(self) -> tuple[torch.dtype, str]:
+        """The dtype a LoRA run keeps its frozen base's matrices in (lora.base_dtype), and why."""
+        name = self.cfg.lora.base_dtype
+        if name == "bfloat16":
+            return torch.bfloat16, "as configured"
+        if name == "auto" and self.dtype == torch.bfloat16:
+            return torch.bfloat16, "auto: training computes in bf16, so each product casts its weight to it anyway"
+        return torch.float32, "as configured" if name == "float32" else "auto: training computes in float32"
 
     def frozen(self, model: torch.nn.Module, src: Path, what: str) -> torch.nn.Module:
         """`model` (a DPO reference, a distillation teacher, built from checkpoint `src`) frozen on this device."""
@@ -384,6 +400,7 @@ class Trainer:
         self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
                  f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {self.fpt / 1e6:.1f} MFLOPs/token "
                  "(train)")
+        self.say(self.memory_line)
         for name, c in self.companions.items():
             self.say(f"{name}: {count_params(c.module)['trainable'] / 1e6:.2f}M parameters trained beside the model "
                      f"(lr x {c.lr_scale:g}), saved as {ckpt.companion_files(name)[0]} in each checkpoint")
