@@ -337,3 +337,66 @@ def test_a_template_tokenizer_finds_its_own_control_tokens(dirs, tmp_path):
                                         r"template\); nanolm needs") as e:
         Tokenizer.load(bare)
     assert "\n" not in str(e.value)
+
+
+LLAMA_CALL = '{"name": "calculator", "parameters": {"expression": "12*(3+4)"}}'
+
+
+def test_llama_calls_are_bare_json_and_read_back_however_the_reply_is_cut(dirs):
+    """Llama 3's template writes a call as the whole reply, `{"name": ..., "parameters": ...}` with no tags: the
+    format says so (found by rendering a probe call), and its replies are read back as calls."""
+    assert Tokenizer.load(dirs["llama3"]).chat_format.bare_calls
+    assert not Tokenizer.load(dirs["qwen2.5"]).chat_format.bare_calls  # <tool_call> tags
+    assert not Tokenizer.load(dirs["smollm2"]).chat_format.bare_calls  # no tools at all
+    want = chat.ToolCall("calculator", '{"expression": "12*(3+4)"}')
+    two = LLAMA_CALL + '; {"name": "add", "arguments": {"a": 2, "b": 3}}'
+    for text, calls, content in [(LLAMA_CALL, [want], ""), (" \n" + LLAMA_CALL + "\n", [want], ""),
+                                 (two, [want, chat.ToolCall("add", '{"a": 2, "b": 3}')], ""),
+                                 ("It is 84.", [], "It is 84."), ("{not json} at all", [], "{not json} at all"),
+                                 ('{"name": "calculator", "parameters": 3}', [], '{"name": "calculator", '
+                                                                               '"parameters": 3}')]:
+        for cut in (1, 3, len(text)):
+            parser = chat.ReplyParser(thinking=False, bare_calls=True)
+            for i in range(0, len(text), cut):
+                parser.push(text[i:i + cut])
+            parser.finish()
+            msg = parser.message()
+            assert (list(msg.tool_calls), msg.content) == (calls, content), (text, cut)
+    assert chat.read_reply(LLAMA_CALL).tool_calls == ()  # without bare_calls it is text
+    assert chat.read_reply(LLAMA_CALL, bare_calls=True).tool_calls == (want,)
+
+
+def test_chat_runs_a_llama_call_and_feeds_the_result_back_through_the_template(dirs):
+    from test_chat import BUILTIN, chat as scripted_chat
+    tok, ref = Tokenizer.load(dirs["llama3"]), hf(dirs["llama3"])
+    text, session, eng = scripted_chat(tok, [LLAMA_CALL, "It is 84."], ["What is 12*(3+4)?"], tools=BUILTIN)
+    assert text == ("user: What is 12*(3+4)?\n"
+                    'tool call: calculator({"expression": "12*(3+4)"})\n'
+                    "tool result: 84\n"
+                    "assistant: It is 84.\n")
+    conv = [{"role": "user", "content": "What is 12*(3+4)?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*(3+4)"}}}]},
+            {"role": "tool", "content": "84"}]
+    tools = [json.loads(t) for t in BUILTIN.texts()]
+    # the second prompt holds the call and its result as transformers renders them in Llama 3's layout
+    assert eng.prompts[1] == tok.encode(ref.apply_chat_template(conv, tools=tools, tokenize=False,
+                                                                add_generation_prompt=True))
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n84<|eot_id|>" in tok.decode(eng.prompts[1])
+
+
+def test_serve_returns_a_llama_call_as_tool_calls(dirs):
+    httpx = pytest.importorskip("httpx")
+    from server_helpers import ScriptedEngine, running  # skips without uvicorn
+
+    from nanolm.config import ServeConfig
+    from nanolm.infer.server import create_app
+    tok = Tokenizer.load(dirs["llama3"])
+    eng = ScriptedEngine(tok.encode('{"name": "add", "parameters": {"a": 2, "b": 3}}'), max_seq_len=1024)
+    with running(create_app(eng, tok, ServeConfig(model_name="llama"))) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": TOOL_CONV[:1], "tools": [ADD]}, timeout=30)
+        choice = r.json()["choices"][0]
+        assert r.status_code == 200 and choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] is None
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "add",
+                                                                              "arguments": '{"a": 2, "b": 3}'}]

@@ -16,7 +16,8 @@ from nanolm.chat.encoding import EXCHANGE, TARGET, check_spelling, encode_chat, 
 from nanolm.chat.messages import (ROLE_NAMES, ROLES, ChatError, Conversation, Message, Role, ToolCall,
                                   check_conversation, checked_text, control_in, message_from_dict, split_reasoning,
                                   tool_call_from_dict, tools_from_value)
-from nanolm.chat.replies import Call, Content, Event, Reasoning, ReplyParser, TokenKinds, parse_call, parse_tool_call
+from nanolm.chat.replies import (Call, Content, Event, Reasoning, ReplyParser, TokenKinds, parse_bare_calls,
+                                 parse_call, parse_tool_call, read_reply)
 from nanolm.chat.templates import (CHAT_TEMPLATE, CHATML, QWEN3, ChatFormat, Span, TemplateFormat, format_of,
                                    render_chat)
 from nanolm.chat.truncation import fit_conversation, fit_pair
@@ -25,7 +26,8 @@ __all__ = [
     "EXCHANGE", "TARGET", "check_spelling", "encode_chat", "encode_chats",
     "ROLE_NAMES", "ROLES", "ChatError", "Conversation", "Message", "Role", "ToolCall", "check_conversation",
     "checked_text", "control_in", "message_from_dict", "split_reasoning", "tool_call_from_dict", "tools_from_value",
-    "Call", "Content", "Event", "Reasoning", "ReplyParser", "TokenKinds", "parse_call", "parse_tool_call",
+    "Call", "Content", "Event", "Reasoning", "ReplyParser", "TokenKinds", "parse_bare_calls", "parse_call",
+    "parse_tool_call", "read_reply",
     "CHAT_TEMPLATE", "CHATML", "QWEN3", "ChatFormat", "Span", "TemplateFormat", "format_of", "render_chat",
     "fit_conversation", "fit_pair",
 ]

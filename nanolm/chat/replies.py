@@ -23,6 +23,11 @@ format's generation prompt (nanolm/chat/templates.py):
   (`calls=False`) the tags are plain content.
 - An end of a piece that may begin a tag (`<too`, `</thi`) is held until the
   next piece decides it, so events never depend on how the text was cut.
+- Llama 3's templates write a call as the whole reply, a bare JSON object
+  `{"name": ..., "parameters": {...}}` with no tags (`bare_calls=True`, what
+  `TemplateFormat.call_layout` finds): content that starts with `{` is held
+  to the end of the reply, then read as one call or several separated by `;`
+  or newlines; content that does not read as calls comes out as written.
 
 Whitespace: what the template writes around the reply's parts is not part of
 them: the newlines that open and close the reasoning (it is
@@ -90,6 +95,29 @@ Event = Reasoning | Content | Call
 _START, _REASONING, _CONTENT, _CALL = "start", "reasoning", "content", "call"
 
 
+def parse_bare_calls(text: str) -> list[ToolCall] | None:
+    """The calls a reply in Llama 3's layout is made of: JSON objects `{"name": ..., "parameters"|"arguments":
+    {...}}` separated by whitespace or `;`, nothing else; None when the text is not that."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or set(obj) - {"name", "parameters", "arguments", "type"}:
+            return None
+        if "parameters" in obj and "arguments" not in obj:
+            obj = {"name": obj.get("name"), "arguments": obj["parameters"]}
+        try:
+            calls.append(tool_call_from_dict("tool call", obj))
+        except ChatError:
+            return None
+
+
 def parse_call(body: str) -> ToolCall | str:
     """The call that `<tool_call>{body}</tool_call>` holds, or the problem with it (`parse_tool_call`)."""
     try:
@@ -110,8 +138,10 @@ class ReplyParser:
     `problems` (calls that do not parse, a reply that ends inside a call).
     """
 
-    def __init__(self, *, thinking: bool, calls: bool = True, prefill: str = "") -> None:
+    def __init__(self, *, thinking: bool, calls: bool = True, prefill: str = "", bare_calls: bool = False) -> None:
         self.calls = calls
+        self.bare_calls = calls and bare_calls  # calls are bare JSON replies (Llama 3), not <tool_call> blocks
+        self._bare = ""  # bare_calls: content that started with "{", held to the end of the reply
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[ToolCall] = []
@@ -207,6 +237,14 @@ class ReplyParser:
             self._reasoning(out, buf[:cut])
             self._buf = buf[cut:]
             return False
+        if self._state == _CONTENT and self.bare_calls:
+            if not self._bare and not self.content and not self.tool_calls and not buf.strip():
+                return False  # only whitespace so far: a call may follow
+            if self._bare or (not self.content and buf.lstrip().startswith("{")):
+                self._bare, self._buf = self._bare + buf, ""
+                return False
+            self.bare_calls = False  # the reply is text: read on as usual
+            return True
         if self._state == _CONTENT:
             start = buf.find(TOOL_CALL) if self.calls else -1
             if start >= 0:
@@ -246,6 +284,15 @@ class ReplyParser:
         elif self._state == _CALL:
             self.problems.append("the reply ended inside a tool call (no </tool_call>)")
             buf, self._lead = TOOL_CALL + buf, False
+        if self._bare:
+            calls = parse_bare_calls(self._bare)
+            for call in calls or ():
+                self._out(out, Call(call))
+            if calls:
+                return out
+            if '"name"' in self._bare:
+                self.problems.append(f"a tool call the model wrote is not a JSON call: {self._bare.strip()[:80]!r}")
+            buf, self._lead = self._bare + buf, False
         self._content(out, buf)
         if self.calls and not self._after_call:
             self._out(out, Content(self._held))  # the model's own whitespace: no call stands beside it
@@ -254,6 +301,14 @@ class ReplyParser:
     def message(self) -> Message:
         """The assistant message of the reply so far (the whole reply after `finish`)."""
         return Message("assistant", "".join(self.content), "".join(self.reasoning), tuple(self.tool_calls))
+
+
+def read_reply(text: str, *, thinking: bool = False, bare_calls: bool = False) -> Message:
+    """The assistant message of a whole reply, calls read (the chat format's `bare_calls` for Llama 3's)."""
+    parser = ReplyParser(thinking=thinking, calls=True, bare_calls=bare_calls)
+    parser.push(text)
+    parser.finish()
+    return parser.message()
 
 
 def _tag_start_len(text: str, tag: str) -> int:

@@ -48,7 +48,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import Markup
 
-from nanolm.chat.messages import ROLES, ChatError, Message, message_from_dict
+from nanolm.chat.messages import ROLES, ChatError, Message, ToolCall, message_from_dict
 from nanolm.errors import UserError
 from nanolm.special_tokens import (IM_END, IM_START, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE,
                                    TOOL_RESPONSE_END)
@@ -87,6 +87,9 @@ class ChatFormat:
     # Whether it is one of nanolm's layouts (calls in <tool_call>, reasoning in <think>), which replies are read
     # back in and a forced call is prefilled in; False for a tokenizer's own template.
     nanolm_layout: bool = True
+    # Whether an assistant's tool call is written as a bare JSON object, the whole reply (Llama 3's templates),
+    # rather than in <tool_call> tags: replies are read back so (ReplyParser's bare_calls).
+    bare_calls: bool = False
 
     def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
               final_only: bool = False) -> list[Span]:
@@ -334,6 +337,28 @@ class TemplateFormat(ChatFormat):
             raise UserError(f"{where}: chat_template is not valid Jinja ({detail}); fix the template in "
                             "tokenizer_config.json or remove it") from None
         self.marked = _GENERATION.search(template) is not None
+        self.bare_calls = self.tools and self._writes_bare_calls()
+
+    def _writes_bare_calls(self) -> bool:
+        """Whether the template writes an assistant's call as a bare JSON object (`{"name": ..., "parameters":
+        ...}`, Llama 3) rather than in <tool_call> tags: found by rendering a probe call."""
+        tool = json.dumps({"type": "function", "function": {"name": "nanolm_probe", "description": "",
+                                                            "parameters": {"type": "object", "properties": {}}}})
+        probe = [Message("user", "hi"), Message("assistant", tool_calls=(ToolCall("nanolm_probe", '{"x": 1}'),))]
+        try:
+            text = self.render(probe, [tool])
+        except ChatError:
+            return False
+        at = text.rfind('"nanolm_probe"')
+        start = text.rfind("{", 0, at)
+        if at < 0 or start < 0 or text[:start].rstrip().endswith(TOOL_CALL):
+            return False
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(text, start)
+        except json.JSONDecodeError:
+            return False
+        return isinstance(obj, dict) and obj.get("name") == "nanolm_probe" and \
+            {"x": 1} in (obj.get("parameters"), obj.get("arguments"))
 
     def _text(self, messages: Sequence[Message], tools: Sequence[str], add_generation_prompt: bool,
               thinking: bool = False, marks: bool = False) -> str:

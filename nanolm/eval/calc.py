@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from nanolm.chat import Message, ReplyParser
+from nanolm.chat import Message, read_reply
 from nanolm.data.tooluse import CalcItem, calc_items
 from nanolm.errors import UserError
 from nanolm.eval.scoring import _NUMBER, answers_match, generate_texts, summary
@@ -35,13 +35,6 @@ def calc_task(n: int | None = None, seed: int = SEED) -> Task:
     from nanolm.infer.tools import calculator
     return Task("calc", "calc", calc_items(n or DEFAULT_ITEMS, seed, calculator=calculator), "built-in",
                 "built-in held-out calculator questions")
-
-
-def _parse(text: str) -> Message:
-    parser = ReplyParser(thinking=False, calls=True)
-    parser.push(text)
-    parser.finish()
-    return parser.message()
 
 
 def states(reply: str, answer: str) -> bool:
@@ -73,7 +66,7 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
         return generate_texts(engine, tok, prompts, params, stop_ids=stop_ids, rows=rows, guide=guide)
 
     talks = [[Message("user", it.question)] for it in items]
-    firsts = [_parse(r) for r in replies(talks)]
+    firsts = [read_reply(r, bare_calls=fmt.bare_calls) for r in replies(talks)]
     results: list[list[str]] = []
     for talk, first in zip(talks, firsts):
         talk.append(first)
@@ -81,7 +74,7 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
                         for c in first.tool_calls])
         talk += [Message("tool", r) for r in results[-1]]
     answered = [i for i, first in enumerate(firsts) if first.tool_calls]
-    finals = {i: _parse(r).content for i, r in zip(answered, replies([talks[i] for i in answered]))}
+    finals = {i: read_reply(r, bare_calls=fmt.bare_calls).content for i, r in zip(answered, replies([talks[i] for i in answered]))}
     per_item, correct = [], []
     for i, it in enumerate(items):
         computed = any(answers_match(r, it.answer) for r in results[i])

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from nanolm.chat import ReplyParser, ToolCall, message_from_dict, tools_from_value
+from nanolm.chat import ToolCall, message_from_dict, read_reply, tools_from_value
 from nanolm.errors import UserError
 from nanolm.eval.scoring import _NUMBER, answers_match, summary
 
@@ -166,10 +166,7 @@ class LocalBackend:
                                rows=self.rows, guide=guides)
         out = []
         for text in texts:
-            parser = ReplyParser(thinking=False, calls=True)
-            parser.push(text)
-            parser.finish()
-            msg = parser.message()
+            msg = read_reply(text, bare_calls=fmt.bare_calls)
             out.append(assistant_message(msg, [call_id() for _ in msg.tool_calls], thinking=False))
         return out
 

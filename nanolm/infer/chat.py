@@ -151,7 +151,7 @@ class ChatSession:
         """Generate one reply to the conversation and `pending`, streaming its events; appends it to pending."""
         ids, dropped = self.prompt_ids(pending)
         self._drop(dropped)
-        parser = ReplyParser(thinking=self.thinking, calls=self.tools is not None)
+        parser = ReplyParser(thinking=self.thinking, calls=self.tools is not None, bare_calls=self.fmt.bare_calls)
         guide = self.guide.fork() if self.guide is not None else None
         for piece in stream_text(self.engine, self.tok, ids, self.params, (self.tok.im_end_id, self.tok.eot_id),
                                  guide=guide):

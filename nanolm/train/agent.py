@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from nanolm.chat import Message, ReplyParser, ToolCall, message_from_dict
+from nanolm.chat import Message, ToolCall, message_from_dict, read_reply
 from nanolm.chat.templates import TURN_SEP
 from nanolm.config.sampling import SamplingParams
 from nanolm.data.kinds.prompts import PromptBatch, last_user_text
@@ -143,10 +143,7 @@ class ToolTurns:
         self.fmt = tokenizer.chat_format
 
     def parse(self, text: str) -> Message:
-        parser = ReplyParser(thinking=self.thinking, calls=True)
-        parser.push(text)
-        parser.finish()
-        return parser.message()
+        return read_reply(text, thinking=self.thinking, bare_calls=self.fmt.bare_calls)
 
     def results(self, calls: Sequence[ToolCall]) -> list[str]:
         return [self.tools.run(c) for c in calls]

@@ -43,6 +43,7 @@ class ChatPlan:
     calls: bool = False
     prefill: str = ""
     tools: tuple[Any, ...] = ()  # the tool objects offered, which a guide holds calls to
+    bare_calls: bool = False  # calls are bare JSON replies (a Llama 3 template), not <tool_call> blocks
 
 
 def call_id() -> str:
@@ -55,7 +56,8 @@ class Choice:
 
     def __init__(self, tokenizer: Tokenizer, plan: ChatPlan) -> None:
         self.plan = plan
-        self.parser = ReplyParser(thinking=plan.thinking, calls=plan.calls, prefill=plan.prefill)
+        self.parser = ReplyParser(thinking=plan.thinking, calls=plan.calls, prefill=plan.prefill,
+                                  bare_calls=plan.bare_calls)
         self._kinds = TokenKinds(tokenizer.tag_ids, thinking=plan.thinking, calls=plan.calls, in_call=bool(plan.prefill))
         self.ids: list[str] = []  # the id of each call, in order
         self.content_tokens: list[Token] = []  # the log-probabilities of the content's tokens

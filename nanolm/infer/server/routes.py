@@ -256,12 +256,12 @@ class ServerState:
         thinking = thinking and not prefill
         text = fmt.render(messages, tools, add_generation_prompt=True, thinking=thinking) + prefill
         return text, ChatPlan(thinking=thinking, calls=bool(tools), prefill=prefill,
-                              tools=tuple(req.tools or ()) if tools else ())
+                              tools=tuple(req.tools or ()) if tools else (), bare_calls=fmt.bare_calls)
 
     def guide(self, plan: ChatPlan) -> ToolCallGuide | None:
         """The guide that holds a reply's tool calls to the tools offered (ServeConfig.guide_calls), started
         on the prefilled opening of a forced call; None when no tools are offered or guiding is off."""
-        if not (self.config.guide_calls and plan.calls and plan.tools):
+        if not (self.config.guide_calls and plan.calls and plan.tools) or plan.bare_calls:  # guides <tool_call>s
             return None
         if self._guide_vocab is None:
             self._guide_vocab = GuideVocab.of(self.tokenizer, self.engine.model.config.vocab_size,
