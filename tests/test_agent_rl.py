@@ -160,7 +160,12 @@ def agent_cfg(prompts_dir, out, base, **over):  # noqa: F811
 
 
 def test_agentic_grpo_trains_and_logs_its_rewards(prompts_dir, base_run, tmp_path):  # noqa: F811
-    res = train(agent_cfg(prompts_dir, tmp_path / "run", base_run), quiet=True)
+    from nanolm.train import stages
+    cfg = agent_cfg(prompts_dir, tmp_path / "run", base_run)
+    # the start-up line says what a trajectory is: the model's tokens over its replies, the tool turns untrained
+    assert "(at most 8 tokens over up to 2 replies, calling tools builtin; tool results not trained)" in \
+        stages.get("grpo").describe(cfg)
+    res = train(cfg, quiet=True)
     assert res.step == 4
     steps = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

@@ -236,6 +236,13 @@ def _reference(trainer: Trainer, what: str) -> tuple[torch.nn.Module | None, Any
     return trainer.frozen(ckpt.build_model(cfg.model, src), src, what), None
 
 
+def _tool_rounds(section: GRPOConfig | PPOConfig) -> str:
+    """What describe() says of a trajectory with tools: the model's tokens over all its replies (the tool turns
+    between them are neither counted nor trained)."""
+    return (f" over up to {section.max_rounds} replies, calling tools {section.tools}; tool results not trained"
+            if section.tools else "")
+
+
 class RLStage(Stage):
     """What the RL stages share: RL prompts, trained weights to start from, small constant steps, validation by
     decoding held-out prompts."""
@@ -276,8 +283,8 @@ class GRPO(RLStage):
 
     def describe(self, cfg: Config) -> str | None:
         tc, g = cfg.train, cfg.grpo
-        return (f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens) per "
-                f"micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per rollout | "
+        return (f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens"
+                f"{_tool_rounds(g)}) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per rollout | "
                 f"loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | validation: greedy on "
                 f"up to {tc.eval_batches * tc.batch_size} held-out prompts")
 
@@ -324,7 +331,7 @@ class PPO(RLStage):
         tc, p = cfg.train, cfg.ppo
         stop = f", stopped past approx KL {p.target_kl:g}" if p.target_kl > 0 else ""
         return (f"ppo: {tc.batch_size} prompts x {p.samples_per_prompt} completion(s) (at most {p.max_new_tokens} "
-                f"tokens) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {p.inner_epochs} update(s) per "
+                f"tokens{_tool_rounds(p)}) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {p.inner_epochs} update(s) per "
                 f"rollout{stop} | epsilon {p.epsilon:g}, kl_coef {p.kl_coef:g} ({p.kl_estimator}), GAE gamma "
                 f"{p.gamma:g} lam {p.lam:g}, vf_coef {p.vf_coef:g}, value_clip {p.value_clip:g} | rewards {p.rewards} "
                 f"| validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
