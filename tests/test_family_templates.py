@@ -362,6 +362,9 @@ def test_llama_calls_are_bare_json_and_read_back_however_the_reply_is_cut(dirs):
             parser.finish()
             msg = parser.message()
             assert (list(msg.tool_calls), msg.content) == (calls, content), (text, cut)
+    after_thought = chat.read_reply("I add.\n</think>\n\n" + LLAMA_CALL, thinking=True, bare_calls=True)
+    assert (after_thought.reasoning, after_thought.tool_calls, after_thought.content) == ("I add.", (want,), "")
+    assert chat.read_reply("Hm.</think>\n\n{oops", thinking=True, bare_calls=True).content == "{oops"
     assert chat.read_reply(LLAMA_CALL).tool_calls == ()  # without bare_calls it is text
     assert chat.read_reply(LLAMA_CALL, bare_calls=True).tool_calls == (want,)
 

@@ -25,7 +25,7 @@ format's generation prompt (nanolm/chat/templates.py):
   next piece decides it, so events never depend on how the text was cut.
 - Llama 3's templates write a call as the whole reply, a bare JSON object
   `{"name": ..., "parameters": {...}}` with no tags (`bare_calls=True`, what
-  `TemplateFormat.call_layout` finds): content that starts with `{` is held
+  `TemplateFormat.bare_calls` finds): content that starts with `{` is held
   to the end of the reply, then read as one call or several separated by `;`
   or newlines; content that does not read as calls comes out as written.
 
@@ -292,7 +292,7 @@ class ReplyParser:
                 return out
             if '"name"' in self._bare:
                 self.problems.append(f"a tool call the model wrote is not a JSON call: {self._bare.strip()[:80]!r}")
-            buf, self._lead = self._bare + buf, False
+            buf = self._bare + buf  # as content (after </think>, the template's newlines still go)
         self._content(out, buf)
         if self.calls and not self._after_call:
             self._out(out, Content(self._held))  # the model's own whitespace: no call stands beside it
