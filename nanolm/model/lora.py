@@ -65,14 +65,18 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) -> (..., out), in x's dtype (a base kept in bf16 multiplies a cast of x, see cast_base)."""
         w = self.base.weight
-        if x.dtype == w.dtype or torch.is_autocast_enabled(x.device.type):
-            y = self.base(x)  # autocast casts x, W and the bias to its dtype itself
+        if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+            # cast once for both products (autocast would cast x for each); W and the bias it casts itself
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+            y = self.base(x)
+        elif x.dtype == w.dtype:
+            y = self.base(x)
         else:
             y = self.base(x.to(w.dtype)).to(x.dtype)
         if self.disabled:
             return y
-        h = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
-        return y + F.linear(h, self.lora_B) * self.scaling  # (..., out)
+        h = F.linear(self.lora_dropout(x), self.lora_A) * self.scaling  # (..., r): scaled at rank size
+        return y + F.linear(h, self.lora_B)  # (..., out)
 
     def merged_weight(self) -> torch.Tensor:
         return merged_weight(self.base.weight.detach(), self.lora_A.detach(), self.lora_B.detach(), self.scaling)
