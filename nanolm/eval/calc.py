@@ -74,7 +74,8 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
                         for c in first.tool_calls])
         talk += [Message("tool", r) for r in results[-1]]
     answered = [i for i, first in enumerate(firsts) if first.tool_calls]
-    finals = {i: read_reply(r, bare_calls=fmt.bare_calls).content for i, r in zip(answered, replies([talks[i] for i in answered]))}
+    finals = {i: read_reply(r, bare_calls=fmt.bare_calls).content
+              for i, r in zip(answered, replies([talks[i] for i in answered]))}
     per_item, correct = [], []
     for i, it in enumerate(items):
         computed = any(answers_match(r, it.answer) for r in results[i])

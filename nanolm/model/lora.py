@@ -64,15 +64,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) -> (..., out), in x's dtype (a base kept in bf16 multiplies a cast of x, see cast_base)."""
-        w = self.base.weight
         if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
             # cast once for both products (autocast would cast x for each); W and the bias it casts itself
             x = x.to(torch.get_autocast_dtype(x.device.type))
-            y = self.base(x)
-        elif x.dtype == w.dtype:
-            y = self.base(x)
-        else:
-            y = self.base(x.to(w.dtype)).to(x.dtype)
+        y = frozen_linear(self.base, x)
         if self.disabled:
             return y
         h = F.linear(self.lora_dropout(x), self.lora_A) * self.scaling  # (..., r): scaled at rank size
@@ -172,6 +167,25 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
     for name in chosen:
         _replace(model, name, LoRALinear(linears[name], rank, float(alpha), float(dropout)))
     return chosen
+
+
+def frozen_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` in x's dtype, for a layer whose weight may be kept in another dtype (cast_base): autocast
+    casts for it; without autocast x is cast to the weight's dtype and the result back."""
+    w = linear.weight
+    if x.dtype == w.dtype or torch.is_autocast_enabled(x.device.type):
+        return linear(x)
+    return linear(x.to(w.dtype)).to(x.dtype)
+
+
+def base_dtype(name: str, compute: torch.dtype) -> tuple[torch.dtype, str]:
+    """The dtype a LoRA run keeps its frozen base's matrices in (lora.base_dtype `name`: auto, float32,
+    bfloat16) when training computes in `compute`, and why (for the start-up line)."""
+    if name == "bfloat16":
+        return torch.bfloat16, "as configured"
+    if name == "auto" and compute == torch.bfloat16:
+        return torch.bfloat16, "auto: training computes in bf16, so each product casts its weight to it anyway"
+    return torch.float32, "as configured" if name == "float32" else "auto: training computes in float32"
 
 
 def cast_base(model: nn.Module, dtype: torch.dtype) -> int:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from nanolm.config.model import ModelConfig
 from nanolm.model.linear_ce import linear_cross_entropy
+from nanolm.model.lora import frozen_linear
 from nanolm.model.moe import MoE, moe_param_counts
 
 
@@ -450,10 +451,7 @@ class Transformer(nn.Module):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the normed stream h (..., C), in h's dtype; a head kept in another dtype (lora.cast_base)
         multiplies a cast of h where autocast does not cast for it."""
-        w = self.lm_head.weight if type(self.lm_head) is nn.Linear else None
-        if w is None or w.dtype == h.dtype or torch.is_autocast_enabled(h.device.type):
-            return self.lm_head(h)
-        return self.lm_head(h.to(w.dtype)).to(h.dtype)
+        return frozen_linear(self.lm_head, h) if type(self.lm_head) is nn.Linear else self.lm_head(h)
 
     def _decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per row after rows of different lengths (cache.lengths): idx (B, 1) -> logits (B, 1, V)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from nanolm.errors import UserError
+from nanolm.model import lora
 
 GIB = 2**30
 
@@ -52,7 +53,6 @@ class MemoryEstimate:
 def _param_counts(cfg) -> tuple[int, int, int, int]:
     """(all parameters, trained ones, the frozen base's matrices a LoRA run may keep in bf16, trained matrices)
     of the run's model, counted on the meta device (nothing is allocated)."""
-    from nanolm.model import lora
     from nanolm.model.transformer import Transformer
 
     with torch.device("meta"):
@@ -89,8 +89,7 @@ def estimate(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1)
     tc = cfg.train
     total, trained, castable, trained_matrices = _param_counts(cfg)
     loaded = 4 * total
-    base_bf16 = cfg.uses_lora and (cfg.lora.base_dtype == "bfloat16" or (
-        cfg.lora.base_dtype == "auto" and dtype == torch.bfloat16))
+    base_bf16 = cfg.uses_lora and lora.base_dtype(cfg.lora.base_dtype, dtype)[0] == torch.bfloat16
     kept = loaded - (2 * castable if base_bf16 else 0)
     # a gradient per trained parameter; AdamW keeps two moments, Muon one momentum per matrix (AdamW the rest)
     moments = 2 * trained - (trained_matrices if cfg.optim.name == "muon" else 0)
@@ -154,7 +153,7 @@ def check_fit(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1
                 fixes.append("--train.activation_checkpointing true")
         if not cfg.uses_lora and tc.stage in ("sft", "dpo", "grpo", "ppo"):
             fixes.append("LoRA adapters instead of every weight (--stage lora, or --lora.enabled)")
-        if cfg.uses_lora and dtype != torch.bfloat16 and cfg.lora.base_dtype != "bfloat16":
+        if cfg.uses_lora and lora.base_dtype(cfg.lora.base_dtype, dtype)[0] != torch.bfloat16:
             fixes.append("--lora.base_dtype bfloat16 (half the frozen base)")
         fixes.append("a smaller model")
         raise UserError(f"this run will not fit in memory: it needs {est.describe()}, and {free / GIB:.2f} GiB is "

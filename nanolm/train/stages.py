@@ -284,9 +284,9 @@ class GRPO(RLStage):
     def describe(self, cfg: Config) -> str | None:
         tc, g = cfg.train, cfg.grpo
         return (f"grpo: {tc.batch_size} prompts x {g.group_size} completions (at most {g.max_new_tokens} tokens"
-                f"{_tool_rounds(g)}) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} update(s) per rollout | "
-                f"loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | validation: greedy on "
-                f"up to {tc.eval_batches * tc.batch_size} held-out prompts")
+                f"{_tool_rounds(g)}) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {g.inner_epochs} "
+                f"update(s) per rollout | loss {g.loss}, {g.average} average, beta {g.beta:g} | rewards {g.rewards} | "
+                f"validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
 
 
 @register
@@ -331,10 +331,11 @@ class PPO(RLStage):
         tc, p = cfg.train, cfg.ppo
         stop = f", stopped past approx KL {p.target_kl:g}" if p.target_kl > 0 else ""
         return (f"ppo: {tc.batch_size} prompts x {p.samples_per_prompt} completion(s) (at most {p.max_new_tokens} "
-                f"tokens{_tool_rounds(p)}) per micro-batch, {tc.grad_accum} micro-batch(es) per step, {p.inner_epochs} update(s) per "
-                f"rollout{stop} | epsilon {p.epsilon:g}, kl_coef {p.kl_coef:g} ({p.kl_estimator}), GAE gamma "
-                f"{p.gamma:g} lam {p.lam:g}, vf_coef {p.vf_coef:g}, value_clip {p.value_clip:g} | rewards {p.rewards} "
-                f"| validation: greedy on up to {tc.eval_batches * tc.batch_size} held-out prompts")
+                f"tokens{_tool_rounds(p)}) per micro-batch, {tc.grad_accum} micro-batch(es) per step, "
+                f"{p.inner_epochs} update(s) per rollout{stop} | epsilon {p.epsilon:g}, kl_coef {p.kl_coef:g} "
+                f"({p.kl_estimator}), GAE gamma {p.gamma:g} lam {p.lam:g}, vf_coef {p.vf_coef:g}, value_clip "
+                f"{p.value_clip:g} | rewards {p.rewards} | validation: greedy on up to "
+                f"{tc.eval_batches * tc.batch_size} held-out prompts")
 
 
 @register

@@ -290,21 +290,12 @@ class Trainer:
             else:
                 lora.apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
             lora.mark_only_lora_as_trainable(model)
-            base_dtype, why = self._lora_base_dtype()
+            base_dtype, why = lora.base_dtype(cfg.lora.base_dtype, self.dtype)
             if base_dtype != torch.float32:
                 n = lora.cast_base(model, base_dtype)
                 self.say(f"LoRA: the frozen base ({n / 1e6:.2f}M weights: projections, embedding, head) kept in "
                          f"{str(base_dtype).removeprefix('torch.')} ({why})")
         return model, adapter_base
-
-    def _lora_base_dtype(self) -> tuple[torch.dtype, str]:
-        """The dtype a LoRA run keeps its frozen base's matrices in (lora.base_dtype), and why."""
-        name = self.cfg.lora.base_dtype
-        if name == "bfloat16":
-            return torch.bfloat16, "as configured"
-        if name == "auto" and self.dtype == torch.bfloat16:
-            return torch.bfloat16, "auto: training computes in bf16, so each product casts its weight to it anyway"
-        return torch.float32, "as configured" if name == "float32" else "auto: training computes in float32"
 
     def frozen(self, model: torch.nn.Module, src: Path, what: str) -> torch.nn.Module:
         """`model` (a DPO reference, a distillation teacher, built from checkpoint `src`) frozen on this device."""
