@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--rl", action="store_true",
                    help="add a GRPO stage (answer reward) on the arithmetic task after fine-tuning, with its row on "
                         "the report card")
-    q.add_argument("--bench-items", type=int, default=200, help="items of each benchmark on the report card")
+    q.add_argument("--bench-items", type=int, default=200, help="items of each benchmark on the report card (cloze: all of its items)")
     q.set_defaults(func=_cmd_quickstart)
 
     d = sub.add_parser("data", help="built-in corpora: list, fetch")

@@ -129,7 +129,7 @@ def train_splits(corpora, tmp_path_factory) -> dict[str, str]:
 
 
 def test_items_are_in_no_train_split(task, corpora, train_splits):
-    assert len(task.items) == 34
+    assert len(task.items) == 53
     for item in task.items:
         for name, train in train_splits.items():
             if name != "quickstart val":
@@ -204,8 +204,11 @@ def test_deterministic_mixed_and_cut_to_n(task, corpora):
     assert cloze_task(corpora, 10, max_chars=MAX_CHARS).items == task.items[:10]
     assert cloze_task(corpora, seed=1, max_chars=MAX_CHARS).items != task.items
     files = [item.where.rsplit(":", 2)[0] for item in task.items]
-    assert files[0::2] == [str(corpora[0])] * 17
-    assert set(files[1:8:2]) == {str(corpora[1]), str(corpora[2])}
+    # Chinese and English alternate while both last (the English works in turn), then the rest of the Chinese
+    assert [files.count(str(c)) for c in corpora] == [36, 10, 7]
+    assert files[0:34:2] == [str(corpora[0])] * 17 and files[34:] == [str(corpora[0])] * 19
+    assert files[1:14:2] == [str(corpora[1]), str(corpora[2])] * 3 + [str(corpora[1])]
+    assert task.metric == "acc_mutual_info"
 
 
 def test_built_in_corpora_are_fetched_by_name(corpora, monkeypatch):
@@ -244,7 +247,7 @@ def test_real_corpora(tmp_path, monkeypatch):
     files = [fetch(name, quiet=True) for name in TEXT_CORPORA]
     task = cloze_task()
     per_file = {str(f): [i for i in task.items if i.where.startswith(f"{f}:")] for f in files}
-    assert [len(v) for v in per_file.values()] == [123, 61, 62]
+    assert [len(v) for v in per_file.values()] == [159, 61, 62]
 
     def train_text(sources: list[Path], val_fraction: float) -> dict[str, str]:
         """Per source, the text prepare sends to train (the pieces it tags train)."""

@@ -91,6 +91,44 @@ def test_multiple_choice_scores_are_the_known_log_probabilities():
     assert res["centred"] == pytest.approx((0.5 - chance) / (1 - chance))
     assert res["stderr"] == pytest.approx(math.sqrt(0.25 * 4 / 3 / 4))  # sample std / sqrt(n)
     assert res["stderr_norm"] == pytest.approx(math.sqrt(0.75 * 0.25 * 4 / 3 / 4))
+    # each choice alone follows <|endoftext|>, without the delimiter (lm-eval's unconditional requests)
+    assert [it["logprobs_alone"] for it in res["items"]][0] == pytest.approx([model.lp("a"), model.lp("bbbb")])
+
+
+class BigramModel(torch.nn.Module):
+    """The next character's distribution depends on the current one only: after a character of `follow`, its
+    partner has the given probability and the other characters share the rest; after any other character
+    (and <|endoftext|>) every character is equally likely."""
+
+    def __init__(self, follow: dict[str, tuple[str, float]]) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(max_seq_len=512, vocab_size=V)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        table = torch.full((V, V), 1 / V, dtype=torch.float64)
+        for a, (b, p) in follow.items():
+            table[TOK.ids[a]] = (1 - p) / (V - 1)
+            table[TOK.ids[a], TOK.ids[b]] = p
+        self.logp = table.log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logp[x].to(torch.float32)
+
+
+def test_mutual_information_scores_what_the_context_adds():
+    # After "q", "u" has probability 0.3 (a third of the other characters' 0.7 / (V - 1) each); after "z", "a"
+    # has 0.9. The right choice "ua" follows the context "q", but "za" is the likelier text (its "a" follows
+    # "z"), likely enough to win the summed score; what the context adds to each (log p after "q" less log 1/V
+    # after <|endoftext|>, for the first character) picks "ua".
+    model = BigramModel({"q": ("u", 0.3), "z": ("a", 0.9)})
+    items = [MCItem("", ("za", "ua"), 1, "q", "", "t:1"), MCItem("", ("ua", "za"), 0, "q", "", "t:2")]
+    res = score_mc(model, TOK, items)
+    after_q, alone = math.log(0.7 / (V - 1)), math.log(1 / V)
+    assert res["items"][0]["logprobs"] == pytest.approx([after_q + math.log(0.9), math.log(0.3) + alone],
+                                                        abs=1e-5)
+    assert res["items"][0]["logprobs_alone"] == pytest.approx([alone + math.log(0.9), 2 * alone], abs=1e-5)
+    assert [it["pick"] for it in res["items"]] == [0, 1]  # the likelier text, wrong both times
+    assert [it["pick_mutual_info"] for it in res["items"]] == [1, 0]
+    assert (res["acc"], res["acc_mutual_info"], res["centred_mutual_info"]) == (0.0, 1.0, 1.0)
 
 
 def test_every_answer_right_is_centred_one_and_chance_zero():
@@ -372,8 +410,14 @@ def test_table_lists_each_task():
     rows = [{"task": "arc", "chat": False, "n": 10, "shots": 0, "acc": 0.5, "acc_norm": 0.6, "chance": 0.25,
              "centred": 1 / 3, "stderr": 0.1}]
     lines = format_table(rows).splitlines()
-    assert lines[0].split() == ["task", "n", "shots", "acc", "acc_norm", "chance", "centred", "stderr"]
-    assert lines[1].split() == ["arc", "10", "0", "0.5000", "0.6000", "0.2500", "+0.3333", "0.1000"]
+    assert lines[0].split() == ["task", "n", "shots", "acc", "acc_norm", "acc_mutual_info", "chance", "centred",
+                                "stderr", "score"]
+    assert lines[1].split() == ["arc", "10", "0", "0.5000", "0.6000", "-", "0.2500", "+0.3333", "0.1000", "acc"]
+    # centred and stderr are those of the task's score
+    rows[0] |= {"metric": "acc_mutual_info", "acc_mutual_info": 0.7, "centred_mutual_info": 0.6,
+                "stderr_mutual_info": 0.05}
+    assert format_table(rows).splitlines()[1].split()[5:] == ["0.7000", "0.2500", "+0.6000", "0.0500",
+                                                              "acc_mutual_info"]
 
 
 # --- nanolm eval --task, and scores during training ---------------------------------------------------------
@@ -451,7 +495,7 @@ def test_eval_errors(trained, tmp_path, capsys):
     assert "none.jsonl: no such task file" in capsys.readouterr().err
     assert main(["eval", str(root / "run"), "--task", f"{task}:shots=1"]) == 2
     assert "shots=1 needs a dev split; pass dev=FILE" in capsys.readouterr().err
-    with pytest.raises(UserError, match=r"train\.best_metric must be val_loss or task/<name>/<acc\|acc_norm\|centred>"):
+    with pytest.raises(UserError, match=r"train\.best_metric must be val_loss or task/<name>/<acc\|acc_norm\|acc_mutual_info\|centred>"):
         TrainConfig(best_metric="task/x/loss")
     with pytest.raises(UserError, match=r"needs that task in train\.eval_tasks"):
         TrainConfig(best_metric="task/x/acc")

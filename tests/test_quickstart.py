@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,8 +43,11 @@ def test_quickstart_end_to_end(tmp_path):
     card = json.loads((out / "report" / "report.json").read_text(encoding="utf-8"))
     assert [r["stage"] for r in card["runs"]] == ["pretrain", "sft", "grpo"]
     assert [t["task"] for t in card["tasks"]] == ["idioms", "cloze", "calc", "arith"]
-    for t in card["tasks"]:
-        assert [r["n"] for r in t["results"]] == [12, 12, 12]
+    for t in card["tasks"]:  # --bench-items of each, but cloze scored on all of its items
+        assert [r["n"] for r in t["results"]] == [282 if t["task"] == "cloze" else 12] * 3
+    assert [r["metric"] for t in card["tasks"] for r in t["results"]][1::3] == ["acc", "acc_mutual_info", "acc",
+                                                                               "acc"]
+    assert re.search(r"\| pretrain +\| cloze acc_mutual_info \(plain text, 282 items\) +\| \d+\.\d% ± ", r.stdout)
     assert "# nanolm report card" in r.stdout and "xz -9e" in r.stdout
     md = (out / "report" / "report.md").read_text(encoding="utf-8")
     assert md.split("\n![")[0] in r.stdout and "](curves.png)" in md  # the card as printed, and its curves

@@ -20,7 +20,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("tensorboard", "wandb", "swanlab")
 WANDB_MODES = ("offline", "online")
 SWANLAB_MODES = ("local", "offline", "online")
-TASK_METRICS = ("acc", "acc_norm", "centred")
+TASK_METRICS = ("acc", "acc_norm", "acc_mutual_info", "centred")
 PARALLEL = ("ddp", "fsdp")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
@@ -72,7 +72,7 @@ class TrainConfig:
     swanlab_project: str = "nanolm"
     swanlab_mode: str = "local"  # local/offline: files under <run>/swanlog (`swanlab watch`); online: uploads
     # Benchmarks scored at each validation (`nanolm eval --task` specs: idioms, a task file, `:n=...`), each on
-    # its first eval_task_items items unless its spec gives n; logged as task/<name>/acc, acc_norm, centred.
+    # its first eval_task_items items unless its spec gives n; logged as task/<name>/acc, acc_norm, acc_mutual_info, centred.
     eval_tasks: tuple[str, ...] = ()
     eval_task_items: int = 100
     degeneration_samples: int = 0  # sampled continuations of val-split prompts per validation (0 = none)

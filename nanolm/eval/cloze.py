@@ -14,13 +14,19 @@ whitespace in English, not after a capital (speaker tags such as "DUKE.",
 "U.S.") nor after Mr, Mrs, Dr, St. Continuations of one document follow each
 other (an item's context may hold the previous item's right continuation); a
 distractor never overlaps its item's context or right continuation, nor
-another distractor. Chance is 25%. Half the items are Chinese (sanguo), half
-English (shakespeare and sotu in turn), interleaved, so the first n of any
-size are a mix; each corpus's items are shuffled with a fixed seed, and the
-language with more items is cut to the other's count: 246 items on the
-built-in corpora (123 sanguo, 61 shakespeare, 62 sotu). An item's `where` is
-file:line:character (the JSONL line of the document, the context's first
-character in its text).
+another distractor. Chance is 25%. Chinese (sanguo) and English items
+(shakespeare and sotu in turn) alternate while both last, so the first n of
+any size are a mix; each corpus's items are shuffled with a fixed seed: 282
+items on the built-in corpora (159 sanguo, 61 shakespeare, 62 sotu). An
+item's `where` is file:line:character (the JSONL line of the document, the
+context's first character in its text).
+
+The task's score is `acc_mutual_info` (nanolm/eval/scoring.py): the choice
+the context raises most above its likelihood as a text of its own. Four
+passages of a book differ in how likely they are as text far more than a
+context of 200-300 characters moves them, so the summed log-probability
+(`acc`) mostly ranks the passages themselves; what the task asks is whether
+the model reads the context.
 
 Held out: text that no training path of nanolm reads as training data.
 `nanolm prepare` splits validation by document or by position
@@ -289,14 +295,9 @@ def cloze_task(files: Sequence[Path] | None = None, n: int | None = None, seed: 
                             "it")
         rng.shuffle(items)
         by_lang[language_of(items[0].prompt)].append(items)
-    zh, en = (_round_robin(lists) for lists in by_lang.values())
-    if zh and en:
-        m = min(len(zh), len(en))
-        items = [item for pair in zip(zh[:m], en[:m]) for item in pair]
-    else:
-        items = zh or en
+    items = _round_robin([_round_robin(lists) for lists in by_lang.values()])
     return Task("cloze", "mc", items[:n] if n else items, ", ".join(map(str, files)),
-                "built-in held-out continuation")
+                "built-in held-out continuation", metric="acc_mutual_info")
 
 
 def _round_robin(lists: Sequence[list[MCItem]]) -> list[MCItem]:

@@ -438,9 +438,15 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     for t in report["tasks"]:
         for r in t["results"]:
             how = "chat template" if r["chat"] else "plain text"
-            rows.append((r["label"], f"{t['task']} acc ({how}, {r['n']} items)",
-                         f"{_pct(r['acc'])} ± {_pct(r['stderr'])}", f"chance {_pct(r['chance'])}"))
+            rows.append((r["label"], f"{t['task']} {r.get('metric', 'acc')} ({how}, {r['n']} items)", _score(r),
+                         f"chance {_pct(r['chance'])}"))
     return rows
+
+
+def _score(r: dict[str, Any]) -> str:
+    """A task result's score, the task's own accuracy (acc, acc_norm or acc_mutual_info) ± its standard error."""
+    metric = r.get("metric", "acc")
+    return f"{_pct(r[metric])} ± {_pct(r['stderr' + metric.removeprefix('acc')])}"
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
@@ -460,8 +466,9 @@ def format_report(report: dict[str, Any]) -> str:
         out += ["", "Benchmarks (best checkpoint of each run, scored as `nanolm eval --task` does):", ""]
         for t in report["tasks"]:
             chance = {_pct(r["chance"]) for r in t["results"]}
-            scores = ", ".join(f"{r['label']} {_pct(r['acc'])} ± {_pct(r['stderr'])}" for r in t["results"])
-            out.append(f"- {t['task']} ({t['kind']}, {t['results'][0]['n']} items): {scores}; "
+            scores = ", ".join(f"{r['label']} {_score(r)}" for r in t["results"])
+            metric = t["results"][0].get("metric", "acc")
+            out.append(f"- {t['task']} ({t['kind']}, {t['results'][0]['n']} items, {metric}): {scores}; "
                        f"chance {' / '.join(sorted(chance))}")
     pre = [e for e in report["runs"] if e["baseline"] and "xz_bpb" in e["baseline"]]
     if pre:

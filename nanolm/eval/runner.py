@@ -175,22 +175,29 @@ def evaluate_tasks(model: torch.nn.Module, tok: Any, tasks: Sequence[LoadedTask]
                     params = sampling or SamplingParams(max_new_tokens=256, temperature=0.0)
                     res = score_gen(engine, tok, lt.task.items, params, shots=lt.shots, chat=chat, rows=rows)
             results.append({"task": lt.task.name, "path": lt.task.path, "layout": lt.task.layout,
-                            "shots": len(lt.shots), "chat": chat, **res})
+                            "metric": lt.task.metric, "shots": len(lt.shots), "chat": chat, **res})
     finally:
         model.train(was_training)
     return results
 
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
-    """The summary: task, n, accuracy (multiple choice: summed and length-normalised), chance-centred, stderr."""
-    rows = [("task", "n", "shots", "acc", "acc_norm", "chance", "centred", "stderr")]
+    """The summary: task, n, accuracy (multiple choice: summed, length-normalised and by mutual information),
+    chance-centred and stderr of the accuracy, and which accuracy is the task's score (nanolm/eval/tasks.py)."""
+    rows = [("task", "n", "shots", "acc", "acc_norm", "acc_mutual_info", "chance", "centred", "stderr", "score")]
     for r in results:
         rows.append((r["task"] + (" (chat)" if r["chat"] else ""), str(r["n"]), str(r["shots"]),
-                     f"{r['acc']:.4f}", f"{r['acc_norm']:.4f}" if "acc_norm" in r else "-", f"{r['chance']:.4f}",
-                     f"{r['centred']:+.4f}", f"{r['stderr']:.4f}"))
+                     *(f"{r[k]:.4f}" if k in r else "-" for k in ("acc", "acc_norm", "acc_mutual_info")),
+                     f"{r['chance']:.4f}", *_centred_stderr(r), r.get("metric", "acc")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)
+
+
+def _centred_stderr(r: dict[str, Any]) -> tuple[str, str]:
+    """The chance-centred accuracy and standard error of the task's score."""
+    key = r.get("metric", "acc").removeprefix("acc")
+    return f"{r['centred' + key]:+.4f}", f"{r['stderr' + key]:.4f}"
 
 
 def run_dir_of(ckpt_dir: Path) -> Path:
@@ -310,10 +317,11 @@ def format_degeneration(d: dict[str, Any]) -> str:
 
 
 def task_metrics(results: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Results as flat metrics for metrics.jsonl and the trackers: task/<name>/acc (and acc_norm, centred)."""
+    """Results as flat metrics for metrics.jsonl and the trackers: task/<name>/acc (and acc_norm,
+    acc_mutual_info, centred)."""
     out: dict[str, float] = {}
     for r in results:
-        for key in ("acc", "acc_norm", "centred"):
+        for key in ("acc", "acc_norm", "acc_mutual_info", "centred"):
             if key in r and math.isfinite(r[key]):
                 out[f"task/{r['task']}/{key}"] = r[key]
     return out

@@ -12,6 +12,12 @@ picks per item, both reported:
   byte-length normalisation). A long right answer is not punished for its
   length; on Chinese text characters, not UTF-8 bytes, are the unit, as in
   lm-eval.
+- `acc_mutual_info`: the highest log-probability after the prompt less the
+  choice's own log-probability as a text of its own (after <|endoftext|>),
+  as lm-evaluation-harness computes its acc_mutual_info: how much the prompt
+  raises the choice, whatever the choice's own likelihood (a common word or a
+  rare name). The score of tasks whose choices are texts as unlike as four
+  passages of a book (`cloze`).
 
 Accuracy is the mean of 0/1 correctness; `stderr` the standard error of that
 mean (the sample standard deviation over sqrt(n), as lm-eval reports it);
@@ -177,29 +183,36 @@ def score_mc(model: torch.nn.Module, tok: TokenizerLike, items: Sequence[MCItem]
              shots: Sequence[MCItem] = (), chat: bool = False, batch_size: int = 16,
              device: torch.device | str | None = None,
              on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Score multiple-choice items. Returns {"n", "acc", "acc_norm", "chance", "centred", "centred_norm",
-    "stderr", "stderr_norm", "items": [{"where", "answer", "pick", "pick_norm", "logprobs", "chars"}]}."""
+    """Score multiple-choice items. Returns {"n", "acc", "acc_norm", "acc_mutual_info", "chance", "centred",
+    "centred_norm", "centred_mutual_info", "stderr", "stderr_norm", "stderr_mutual_info", "items": [{"where",
+    "answer", "pick", "pick_norm", "pick_mutual_info", "logprobs", "logprobs_alone", "chars"}]}."""
     requests, spans = [], []
     for item in items:
         context, conts = mc_strings(item, shots, chat, tok)
         spans.append((len(requests), conts))
         requests += [encode_pair(tok, context, c) for c in conts]
-    scores = continuation_logprobs(model, requests, batch_size=batch_size, device=device, on_batch=on_batch)
-    per_item, correct, correct_norm = [], [], []
+    alone = [encode_pair(tok, "", c) for item in items for c in item.choices]  # each choice as a text of its own
+    scores = continuation_logprobs(model, requests + alone, batch_size=batch_size, device=device,
+                                   on_batch=on_batch)
+    per_item, correct = [], {"": [], "_norm": [], "_mutual_info": []}
     for item, (first, conts) in zip(items, spans):
-        lp = [scores[first + j][0] for j in range(len(conts))]
+        k = range(len(conts))
+        lp = [scores[first + j][0] for j in k]
+        lp_alone = [scores[len(requests) + first + j][0] for j in k]
         chars = [len(c) for c in item.choices]  # lm-eval's acc_norm: the choice's own length
-        pick = max(range(len(lp)), key=lambda j: (lp[j], -j))  # the first of equal scores
-        pick_norm = max(range(len(lp)), key=lambda j: (lp[j] / chars[j], -j))
-        correct.append(float(pick == item.answer))
-        correct_norm.append(float(pick_norm == item.answer))
-        per_item.append({"where": item.where, "answer": item.answer, "pick": pick, "pick_norm": pick_norm,
-                         "logprobs": lp, "chars": chars})
+        picks = {"": max(k, key=lambda j: (lp[j], -j)),  # the first of equal scores
+                 "_norm": max(k, key=lambda j: (lp[j] / chars[j], -j)),
+                 "_mutual_info": max(k, key=lambda j: (lp[j] - lp_alone[j], -j))}
+        for key, pick in picks.items():
+            correct[key].append(float(pick == item.answer))
+        per_item.append({"where": item.where, "answer": item.answer, **{f"pick{key}": p for key, p in picks.items()},
+                         "logprobs": lp, "logprobs_alone": lp_alone, "chars": chars})
     chance = sum(1 / len(it.choices) for it in items) / len(items)
-    s, s_norm = summary(correct, chance), summary(correct_norm, chance)
-    return {"kind": "mc", "n": len(items), "acc": s["acc"], "acc_norm": s_norm["acc"], "chance": chance,
-            "centred": s["centred"], "centred_norm": s_norm["centred"], "stderr": s["stderr"],
-            "stderr_norm": s_norm["stderr"], "items": per_item}
+    out: dict[str, Any] = {"kind": "mc", "n": len(items), "chance": chance}
+    for key, values in correct.items():
+        s = summary(values, chance)
+        out |= {f"acc{key}": s["acc"], f"centred{key}": s["centred"], f"stderr{key}": s["stderr"]}
+    return out | {"items": per_item}
 
 
 # ----------------------------------------------------------------------------- generation

@@ -80,6 +80,7 @@ class Task:
     items: list = field(default_factory=list)
     path: str = ""
     layout: str = ""
+    metric: str = "acc"  # the score the report card shows: acc, or acc_norm / acc_mutual_info of a "mc" task
 
 
 def cloze(question: str) -> tuple[str, str]:
