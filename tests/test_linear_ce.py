@@ -29,9 +29,11 @@ def _grads(fn, h, w, y):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    # 1000-token vocabulary, 2^11 logits per chunk: 2 rows per chunk, so 37 rows end in a partial chunk.
+    # 1000-token vocabulary, 2^11 logits per slice: products of 5 rows (MIN_ROWS) in slices of 2, 2 and 1, so
+    # 37 rows end in a partial product of 2 rows.
     monkeypatch.setitem(linear_ce.CHUNK_LOGITS, "cpu", 1 << 11)
-    monkeypatch.setattr(linear_ce, "MIN_ROWS", 1)
+    monkeypatch.setattr(linear_ce, "MIN_ROWS", 5)
+    assert (linear_ce._chunk_rows(torch.device("cpu"), 1000), linear_ce._slice_rows(torch.device("cpu"), 1000)) == (5, 2)
 
 
 def test_float32_equals_the_plain_path_with_ignored_rows_and_a_partial_chunk(small_chunks):
@@ -46,6 +48,17 @@ def test_float32_equals_the_plain_path_with_ignored_rows_and_a_partial_chunk(sma
     torch.testing.assert_close(dh, ref_dh, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-6)
     assert torch.equal(dh[::4], torch.zeros_like(dh[::4]))  # ignored rows get no gradient
+
+
+def test_without_gradients_the_loss_is_the_same(small_chunks):
+    torch.manual_seed(0)
+    h, w, y = torch.randn(37, 16), torch.randn(1000, 16) * 0.3, torch.randint(0, 1000, (37,))
+    y[::3] = IGNORE_INDEX
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, y), _plain(h, w, y), rtol=1e-6, atol=1e-4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(linear_cross_entropy(h, w, y), _plain(h, w, y, bf16=True), rtol=1e-5,
+                                       atol=1e-3)
 
 
 def test_hand_computed_two_token_loss():
