@@ -78,6 +78,25 @@ def test_calc_items_are_disjoint_from_the_tool_use_set(tmp_path):
     assert calc_items(50, calculator=calculator) == items[:50]
 
 
+def test_every_frame_asks_every_operator_in_words_the_benchmark_never_uses():
+    """The composed phrasings: each frame with each operator (so a sentence's shape tells no operator), and no
+    operator phrase inside a calc benchmark phrasing."""
+    from nanolm.data import tooluse as t
+    held = [q.lower() for q, _ in HELDOUT_ZH + HELDOUT_EN]
+    for frames, phrases, key, questions in ((t._FRAMES_EN, t._PHRASES_EN, "x", _QUESTIONS_EN),
+                                            (t._COMMANDS_EN, t._VERBS_EN, "v", _QUESTIONS_EN)):
+        ops = {expr.split()[1] for _, expr in phrases}
+        assert ops == {"+", "-", "*", "/"}
+        for frame in frames:
+            for phrase, expr in phrases:
+                text = frame.replace("{" + key + "}", phrase)
+                assert (text[0].upper() + text[1:] if frame[0] == "{" else text, expr) in questions
+        for phrase, _ in phrases:
+            assert not any(phrase.lower() in h for h in held), phrase
+    assert ("Multiply {a} with {b}.", "{a} * {b}") in _QUESTIONS_EN  # a verb starting the sentence, capitalised
+    assert len(_QUESTIONS_EN) == len(set(_QUESTIONS_EN))
+
+
 def test_operands_and_the_held_out_share():
     assert operands("(12 + 5) * 3") == (12, 5, 3)
     share = sum(numbers_held_out("calc", a, b) for a in range(10, 100) for b in range(10, 100)) / 90 ** 2

@@ -100,6 +100,36 @@ _QUESTIONS_EN: list[tuple[str, str]] = [
     ("What is the square root of {c}?", "sqrt({c})"),
     ("Calculate {a} * {b} - {c}.", "{a} * {b} - {c}"),
 ]
+
+# English frames x operator phrases: every frame is asked with every operator, so only the operator's words tell
+# which one a question wants. With one operator per sentence shape (the lists above alone), a small model learns the
+# shape: the quickstart's model answered "Multiply 11 by 67." with 11 / 67, the shape of "Divide {c} by {a}."
+# No phrase below occurs in a `calc` benchmark phrasing (tested).
+_FRAMES_EN = ("What is {x}?", "Can you work out {x}?", "Tell me {x}.")
+_PHRASES_EN = (("{a} plus {b}", "{a} + {b}"), ("the sum of {a} and {b}", "{a} + {b}"),
+               ("{a} minus {b}", "{a} - {b}"), ("the difference between {a} and {b}", "{a} - {b}"),
+               ("{a} times {b}", "{a} * {b}"), ("{a} multiplied by {b}", "{a} * {b}"),
+               ("{c} divided by {a}", "{c} / {a}"), ("{c} shared equally by {a}", "{c} / {a}"))
+_COMMANDS_EN = ("{v}.", "Could you {v}?")  # {v}: a verb phrase, capitalised at the start
+_VERBS_EN = (("add up {a} and {b}", "{a} + {b}"), ("sum {a} and {b}", "{a} + {b}"),
+             ("subtract {b} from {a}", "{a} - {b}"), ("deduct {b} from {a}", "{a} - {b}"),
+             ("multiply {a} with {b}", "{a} * {b}"), ("work out {a} times {b}", "{a} * {b}"),
+             ("divide {c} by {a}", "{c} / {a}"), ("split {c} into {a} equal parts", "{c} / {a}"))
+
+
+def _composed(frames: Sequence[str], phrases: Sequence[tuple[str, str]], key: str) -> list[tuple[str, str]]:
+    """Every frame with every phrase: (question template, expression template); a frame's phrase that starts the
+    sentence is capitalised."""
+    out = []
+    for frame in frames:
+        for phrase, expr in phrases:
+            text = frame.replace("{" + key + "}", phrase)
+            out.append((text[:1].upper() + text[1:] if frame.startswith("{") else text, expr))
+    return out
+
+
+_QUESTIONS_EN = list(dict.fromkeys(_QUESTIONS_EN + _composed(_FRAMES_EN, _PHRASES_EN, "x")
+                                   + _composed(_COMMANDS_EN, _VERBS_EN, "v")))
 _REPLIES_ZH = ["{expr} 的结果是 {result}。", "算出来是 {result}。", "答案是 {result}。"]
 _REPLIES_EN = ["{expr} = {result}.", "The answer is {result}.", "It comes to {result}."]
 # Questions that need no tool, answered directly.
