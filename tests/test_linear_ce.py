@@ -33,7 +33,8 @@ def small_chunks(monkeypatch):
     # 37 rows end in a partial product of 2 rows.
     monkeypatch.setitem(linear_ce.CHUNK_LOGITS, "cpu", 1 << 11)
     monkeypatch.setattr(linear_ce, "MIN_ROWS", 5)
-    assert (linear_ce._chunk_rows(torch.device("cpu"), 1000), linear_ce._slice_rows(torch.device("cpu"), 1000)) == (5, 2)
+    cpu = torch.device("cpu")
+    assert (linear_ce._chunk_rows(cpu, 1000), linear_ce._slice_rows(cpu, 1000)) == (5, 2)
 
 
 def test_float32_equals_the_plain_path_with_ignored_rows_and_a_partial_chunk(small_chunks):

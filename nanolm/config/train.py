@@ -72,7 +72,8 @@ class TrainConfig:
     swanlab_project: str = "nanolm"
     swanlab_mode: str = "local"  # local/offline: files under <run>/swanlog (`swanlab watch`); online: uploads
     # Benchmarks scored at each validation (`nanolm eval --task` specs: idioms, a task file, `:n=...`), each on
-    # its first eval_task_items items unless its spec gives n; logged as task/<name>/acc, acc_norm, acc_mutual_info, centred.
+    # its first eval_task_items items unless its spec gives n; logged as task/<name>/acc, acc_norm,
+    # acc_mutual_info, centred.
     eval_tasks: tuple[str, ...] = ()
     eval_task_items: int = 100
     degeneration_samples: int = 0  # sampled continuations of val-split prompts per validation (0 = none)

@@ -444,9 +444,10 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def _score(r: dict[str, Any]) -> str:
-    """A task result's score, the task's own accuracy (acc, acc_norm or acc_mutual_info) ± its standard error."""
-    metric = r.get("metric", "acc")
-    return f"{_pct(r[metric])} ± {_pct(r['stderr' + metric.removeprefix('acc')])}"
+    """A task result's score (the accuracy its task names) ± its standard error."""
+    from nanolm.eval.runner import score_of
+    acc, _, stderr = score_of(r)
+    return f"{_pct(acc)} ± {_pct(stderr)}"
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:

@@ -188,16 +188,18 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         rows.append((r["task"] + (" (chat)" if r["chat"] else ""), str(r["n"]), str(r["shots"]),
                      *(f"{r[k]:.4f}" if k in r else "-" for k in ("acc", "acc_norm", "acc_mutual_info")),
-                     f"{r['chance']:.4f}", *_centred_stderr(r), r.get("metric", "acc")))
+                     f"{r['chance']:.4f}", f"{score_of(r)[1]:+.4f}", f"{score_of(r)[2]:.4f}",
+                     r.get("metric", "acc")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)
 
 
-def _centred_stderr(r: dict[str, Any]) -> tuple[str, str]:
-    """The chance-centred accuracy and standard error of the task's score."""
+def score_of(r: dict[str, Any]) -> tuple[float, float, float]:
+    """A task result's score, the accuracy its task names (acc, acc_norm or acc_mutual_info): (accuracy,
+    chance-centred accuracy, standard error)."""
     key = r.get("metric", "acc").removeprefix("acc")
-    return f"{r['centred' + key]:+.4f}", f"{r['stderr' + key]:.4f}"
+    return r["acc" + key], r["centred" + key], r["stderr" + key]
 
 
 def run_dir_of(ckpt_dir: Path) -> Path:
