@@ -1,0 +1,129 @@
+"""Agentic GRPO from the quickstart's fine-tuned model: held-out `calc` before and after.
+
+Per seed: `nanolm quickstart --out DIR` (or an existing quickstart directory with `--from`, `{seed}` in it
+replaced), then calculator prompts in the built-in tool-use set's phrasings (`nanolm.data.tooluse`: the
+question, and the calculator's result as the reference answer; the `calc` benchmark's phrasings and number
+pairs are never among them, tested there), prepared as prompts, and GRPO from the quickstart's SFT run with
+the built-in tools in the loop (`grpo.tools builtin`: each trajectory's calls are run and their results fed
+back, up to `--max-rounds` replies) and the `answer` reward. The held-out `calc` benchmark (its first
+`--items` items, scored as `nanolm eval --task calc` scores them) is measured on the SFT model and on the
+GRPO run's last checkpoint; prints both for each seed and the median gain. `--flip-sign` runs the control:
+every advantage negated. Run from the repository root:
+
+    PYTHONPATH=. python bench/agent_calc.py --seeds 0 1 2                      # a quickstart per seed
+    PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs           # an existing quickstart
+    PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs --flip-sign
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def calc_prompts(out: Path, n: int, seed: int) -> Path:
+    """n calculator prompts in the tool-use set's phrasings: {"prompt": question, "answer": result}."""
+    from nanolm.data.tooluse import build_calculator_conversations
+    from nanolm.infer.tools import BUILTIN_TOOLS, calculator
+    convs = build_calculator_conversations(out.with_suffix(".tools.jsonl"), 2 * n, seed, calculator=calculator,
+                                           tools=BUILTIN_TOOLS)
+    lines = []
+    for line in convs.read_text(encoding="utf-8").splitlines():
+        m = json.loads(line)["messages"]
+        if len(m) == 4 and len(lines) < n:  # a question answered through the calculator
+            lines.append(json.dumps({"prompt": m[0]["content"], "answer": m[2]["content"]}, ensure_ascii=False) + "\n")
+    out.write_text("".join(lines), encoding="utf-8")
+    return out
+
+
+def calc_accuracy(run: Path, which: str, items: int, work: Path) -> dict[str, float]:
+    from nanolm.eval.runner import run_eval
+    res = run_eval(run, [f"calc:n={items}"], which=which, out=work / f"calc-{run.name}.json")["tasks"][0]
+    return {k: res[k] for k in ("acc", "called", "computed")}
+
+
+def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from nanolm.config.load import load_config
+    from nanolm.data.prepare import prepare
+    from nanolm.tokenizer import Tokenizer
+    from nanolm.train.trainer import train
+
+    t0 = time.perf_counter()
+    qs = Path(a.from_dir.format(seed=seed)) if a.from_dir else work / "qs"
+    if not a.from_dir:
+        subprocess.run([sys.executable, "-m", "nanolm", "quickstart", "--out", str(qs)], check=True,
+                       stdout=subprocess.DEVNULL)
+    t1 = time.perf_counter()
+    tok_dir = qs / "tokenizer"
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed)
+    prepare([prompts], tok_dir, work / "prompts", format="prompts", val_fraction=0.05, workers=0, quiet=True)
+    before = calc_accuracy(qs / "sft", "best", a.items, work)
+    seq = 2 * load_config(a.preset).train.seq_len  # the quickstart's fine-tuning length
+    cfg = load_config(a.preset, overrides={
+        "data.path": str(work / "prompts"), "train.out_dir": str(work / "agent"), "train.stage": "grpo",
+        "train.init_from": str(qs / "sft"), "model.vocab_size": Tokenizer.load(tok_dir).vocab_size,
+        "model.max_seq_len": seq, "train.max_steps": a.steps, "train.batch_size": a.batch,
+        "train.eval_interval": 0, "train.save_interval": 0, "train.log_interval": 1, "train.seed": seed,
+        "optim.name": "adamw", "optim.lr": a.lr, "optim.min_lr": a.lr,  # the preset's Muon at 0.02 wrecks RL
+        "grpo.group_size": a.group, "grpo.max_new_tokens": a.max_new_tokens,
+        "grpo.temperature": a.temperature, "grpo.tools": "builtin", "grpo.max_rounds": a.max_rounds,
+        "grpo.rewards": "answer"})
+    train(cfg, quiet=True)
+    t2 = time.perf_counter()
+    after = calc_accuracy(work / "agent", "last", a.items, work)
+    rows = [json.loads(line) for line in (work / "agent" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    return {"seed": seed, "before": before, "after": after, "quickstart_s": t1 - t0, "grpo_s": t2 - t1,
+            "reward_first": statistics.mean(r["reward"] for r in steps[:10]),
+            "reward_last": statistics.mean(r["reward"] for r in steps[-10:])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--from", dest="from_dir", default="", help="an existing quickstart directory ({seed} replaced)")
+    p.add_argument("--preset", default="cpu-small", help="the quickstart's preset")
+    p.add_argument("--prompts", type=int, default=2000)
+    p.add_argument("--items", type=int, default=200, help="held-out calc items scored before and after")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=8, help="prompts per step")
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-5, help="AdamW's, for every weight")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the model's tokens over a whole trajectory")
+    p.add_argument("--max-rounds", type=int, default=2)
+    p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
+    p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
+    a = p.parse_args()
+    if a.flip_sign:
+        import nanolm.train.grpo as grpo_module
+        from nanolm.train.rl import group_advantages
+        grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
+    res = []
+    for s in a.seeds:
+        if a.keep:
+            r = run(s, a, Path(a.keep) / f"seed{s}")
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                r = run(s, a, Path(d))
+        res.append(r)
+        b, f = r["before"], r["after"]
+        print(f"seed {s}: held-out calc {b['acc']:.3f} -> {f['acc']:.3f} (called {b['called']:.2f} -> "
+              f"{f['called']:.2f}, computed {b['computed']:.3f} -> {f['computed']:.3f}) | sampled reward (first 10 "
+              f"steps -> last 10) {r['reward_first']:.3f} -> {r['reward_last']:.3f} | quickstart "
+              f"{r['quickstart_s']:.0f} s, GRPO {r['grpo_s']:.0f} s", flush=True)
+    gains = [r["after"]["acc"] - r["before"]["acc"] for r in res]
+    print(f"median of {len(res)} seeds: held-out calc {statistics.median(r['before']['acc'] for r in res):.3f} -> "
+          f"{statistics.median(r['after']['acc'] for r in res):.3f} (gain {statistics.median(gains):+.3f})")
+
+
+if __name__ == "__main__":
+    main()
