@@ -22,7 +22,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -103,17 +102,11 @@ def main() -> None:
     p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
     p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
+    from grpo_arith import flip_advantage_sign, per_seed  # bench/ is the script's directory
     if a.flip_sign:
-        import nanolm.train.grpo as grpo_module
-        from nanolm.train.rl import group_advantages
-        grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
+        flip_advantage_sign()
     res = []
-    for s in a.seeds:
-        if a.keep:
-            r = run(s, a, Path(a.keep) / f"seed{s}")
-        else:
-            with tempfile.TemporaryDirectory() as d:
-                r = run(s, a, Path(d))
+    for s, r in per_seed(run, a):
         res.append(r)
         b, f = r["before"], r["after"]
         print(f"seed {s}: held-out calc {b['acc']:.3f} -> {f['acc']:.3f} (called {b['called']:.2f} -> "

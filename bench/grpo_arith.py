@@ -33,7 +33,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -106,6 +106,24 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "sft_pick": sft_pick}
 
 
+def flip_advantage_sign() -> None:
+    """The control: every advantage negated (GRPO then follows the wrong answers)."""
+    import nanolm.train.grpo as grpo_module
+    from nanolm.train.rl import group_advantages
+    grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
+
+
+def per_seed(run_seed: Any, a: argparse.Namespace) -> Iterator[tuple[int, Any]]:
+    """(seed, run_seed(seed, a, work)) for each of a.seeds, work being <a.keep>/seed<n> or a temporary
+    directory."""
+    for s in a.seeds:
+        if a.keep:
+            yield s, run_seed(s, a, Path(a.keep) / f"seed{s}")
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                yield s, run_seed(s, a, Path(d))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -136,17 +154,10 @@ def main() -> None:
     p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
     p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
-    if a.flip_sign:  # the control: every advantage negated (GRPO then follows the wrong answers)
-        import nanolm.train.grpo as grpo_module
-        from nanolm.train.rl import group_advantages
-        grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
+    if a.flip_sign:
+        flip_advantage_sign()
     res = []
-    for s in a.seeds:
-        if a.keep:
-            r = run(s, a, Path(a.keep) / f"seed{s}")
-        else:
-            with tempfile.TemporaryDirectory() as d:
-                r = run(s, a, Path(d))
+    for s, r in per_seed(run, a):
         res.append(r)
         print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | greedy on the train prompts "
               f"{r['train_before']:.3f} -> {r['train_after']:.3f} | sampled train reward (first 5 steps -> last 5) "
