@@ -129,6 +129,28 @@ def test_on_the_real_engine_each_round_joins_the_batch_and_runs_out_of_rounds(to
     assert agent.tokens[0] == call + [tok.im_end_id] + call + [tok.im_end_id]
 
 
+def test_a_tool_turn_past_the_context_ends_the_trajectory_before_it(tok):
+    """A call whose tool turn would carry the row past the model's context ends the trajectory at the call: the
+    row holds what the model wrote and fits the model (a GRPO run at temperature 1.0 once failed on a 544-token
+    row of a 512-token model, in the reference model's forward)."""
+    from server_helpers import tiny_model
+
+    from nanolm.infer.engine import Engine
+    turns = ToolTurns(tok, AgentTools.from_spec("builtin"), thinking=False)
+    prompt, call = prompt_ids(tok, "17*23?"), tok.encode(CALL)
+    tool = turns.tokens(["391"])
+    context = len(prompt) + len(call) + 1 + len(tool) - 1  # room for the call, one token short of its turn
+    engine = Engine(tiny_model(max_seq_len=context))
+    guide = Forced(call + [tok.im_end_id], 400)
+    params = [SamplingParams(max_new_tokens=512, temperature=1.0, seed=3)]
+    (t,) = run_trajectories(engine.batch(), [prompt], 1, params, tok.im_end_id, turns, max_rounds=2, guides=[guide])
+    assert t.ids() == prompt + call + [tok.im_end_id]
+    assert t.finish == "length" and not t.finished and t.replies == [CALL]
+    x, y = trajectory_rows([t])
+    assert x.shape[1] == len(t.ids()) - 1 < context
+    assert engine.model(x).shape[1] == x.shape[1]  # the reference's forward of the row runs
+
+
 def test_the_calculator_computes_and_user_functions_and_errors_answer(tmp_path):
     tools = AgentTools.from_spec("builtin")
     assert tools.run(ToolCall("calculator", '{"expression": "17*23"}')) == "391"

@@ -199,7 +199,8 @@ def run_trajectories(batch: Any, prompts: Sequence[list[int]], n: int, params: S
             guide = guides[i] if guides is not None else None
             try:
                 (row,) = batch.add(t.ids(), again, (stop_id,), n=1, guide=guide, first=t.sample)
-            except ValueError:  # the trajectory fills the model's context: it ends unfinished, cut there
+            except ValueError:  # the tool turn fills the model's context: the trajectory ends unfinished
+                t.segments.pop()  # before it, so that its row fits the model (the turn trains nothing)
                 t.finish = "length"
                 continue
             live[row] = (t, rnd + 1, [])
