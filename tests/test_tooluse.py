@@ -84,7 +84,9 @@ def test_every_frame_asks_every_operator_in_words_the_benchmark_never_uses():
     from nanolm.data import tooluse as t
     held = [q.lower() for q, _ in HELDOUT_ZH + HELDOUT_EN]
     for frames, phrases, key, questions in ((t._FRAMES_EN, t._PHRASES_EN, "x", _QUESTIONS_EN),
-                                            (t._COMMANDS_EN, t._VERBS_EN, "v", _QUESTIONS_EN)):
+                                            (t._COMMANDS_EN, t._VERBS_EN, "v", _QUESTIONS_EN),
+                                            (t._FRAMES_ZH, t._PHRASES_ZH, "x", _QUESTIONS_ZH),
+                                            (t._COMMANDS_ZH, t._VERBS_ZH, "v", _QUESTIONS_ZH)):
         ops = {expr.split()[1] for _, expr in phrases}
         assert ops == {"+", "-", "*", "/"}
         for frame in frames:
@@ -94,7 +96,7 @@ def test_every_frame_asks_every_operator_in_words_the_benchmark_never_uses():
         for phrase, _ in phrases:
             assert not any(phrase.lower() in h for h in held), phrase
     assert ("Multiply {a} with {b}.", "{a} * {b}") in _QUESTIONS_EN  # a verb starting the sentence, capitalised
-    assert len(_QUESTIONS_EN) == len(set(_QUESTIONS_EN))
+    assert len(_QUESTIONS_EN) == len(set(_QUESTIONS_EN)) and len(_QUESTIONS_ZH) == len(set(_QUESTIONS_ZH))
 
 
 def test_operands_and_the_held_out_share():

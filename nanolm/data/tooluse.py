@@ -91,6 +91,7 @@ _QUESTIONS_EN: list[tuple[str, str]] = [
     ("What do {a} and {b} multiply to?", "{a} * {b}"),
     ("Work out the product: {a} x {b}.", "{a} * {b}"),
     ("Please multiply {a} with {b}.", "{a} * {b}"),
+    ("What product do {a} and {b} give?", "{a} * {b}"),
     ("What is {c} divided by {a}?", "{c} / {a}"),
     ("Split {c} dollars among {a} people: how much does each get?", "{c} / {a}"),
     ("{a} people split {c} dollars evenly. What is each share?", "{c} / {a}"),
@@ -101,7 +102,7 @@ _QUESTIONS_EN: list[tuple[str, str]] = [
     ("Calculate {a} * {b} - {c}.", "{a} * {b} - {c}"),
 ]
 
-# English frames x operator phrases: every frame is asked with every operator, so only the operator's words tell
+# Frames x operator phrases: every frame is asked with every operator, so only the operator's words tell
 # which one a question wants. With one operator per sentence shape (the lists above alone), a small model learns the
 # shape: the quickstart's model answered "Multiply 11 by 67." with 11 / 67, the shape of "Divide {c} by {a}."
 # No phrase below occurs in a `calc` benchmark phrasing (tested).
@@ -109,12 +110,29 @@ _FRAMES_EN = ("What is {x}?", "Can you work out {x}?", "Tell me {x}.")
 _PHRASES_EN = (("{a} plus {b}", "{a} + {b}"), ("the sum of {a} and {b}", "{a} + {b}"),
                ("{a} minus {b}", "{a} - {b}"), ("the difference between {a} and {b}", "{a} - {b}"),
                ("{a} times {b}", "{a} * {b}"), ("{a} multiplied by {b}", "{a} * {b}"),
-               ("{c} divided by {a}", "{c} / {a}"), ("{c} shared equally by {a}", "{c} / {a}"))
+               ("{c} divided by {a}", "{c} / {a}"), ("{c} shared equally by {a}", "{c} / {a}"),
+               # "the ... of {a} and {b}" for three operators, so that only the noun tells which; and an operand
+               # order the sentence reverses ("{b} ... {a}" -> {a} - {b})
+               ("the difference of {a} and {b}", "{a} - {b}"), ("the quotient of {c} and {a}", "{c} / {a}"),
+               ("{b} less than {a}", "{a} - {b}"))
 _COMMANDS_EN = ("{v}.", "Could you {v}?")  # {v}: a verb phrase, capitalised at the start
 _VERBS_EN = (("add up {a} and {b}", "{a} + {b}"), ("sum {a} and {b}", "{a} + {b}"),
              ("subtract {b} from {a}", "{a} - {b}"), ("deduct {b} from {a}", "{a} - {b}"),
              ("multiply {a} with {b}", "{a} * {b}"), ("work out {a} times {b}", "{a} * {b}"),
-             ("divide {c} by {a}", "{c} / {a}"), ("split {c} into {a} equal parts", "{c} / {a}"))
+             ("divide {c} by {a}", "{c} / {a}"), ("split {c} into {a} equal parts", "{c} / {a}"),
+             ("remove {b} from {a}", "{a} - {b}"))
+# The same in Chinese: "{a} 与 {b} 相乘得多少？" had been answered {a} + {b} by every model, the shape of the
+# training set's "求 {a} 与 {b} 的和。"
+_FRAMES_ZH = ("{x}等于多少？", "请帮我算算{x}。", "{x}的结果是什么？")
+_PHRASES_ZH = (("{a} 加 {b}", "{a} + {b}"), ("{a} 跟 {b} 的总和", "{a} + {b}"),
+               ("{a} 减 {b}", "{a} - {b}"), ("{a} 跟 {b} 的差", "{a} - {b}"),
+               ("{a} 乘 {b}", "{a} * {b}"), ("{a} 跟 {b} 的乘积", "{a} * {b}"),
+               ("{c} 除以 {a}", "{c} / {a}"), ("{c} 被 {a} 除", "{c} / {a}"))
+_COMMANDS_ZH = ("请{v}。", "你能{v}吗？")
+_VERBS_ZH = (("把 {a} 和 {b} 相加", "{a} + {b}"), ("算出 {a} 加 {b} 的和", "{a} + {b}"),
+             ("用 {a} 减去 {b}", "{a} - {b}"), ("从 {a} 中去掉 {b}", "{a} - {b}"),
+             ("把 {a} 和 {b} 相乘", "{a} * {b}"), ("算出 {a} 乘 {b} 的积", "{a} * {b}"),
+             ("用 {c} 除以 {a}", "{c} / {a}"), ("把 {c} 平分成 {a} 份", "{c} / {a}"))
 
 
 def _composed(frames: Sequence[str], phrases: Sequence[tuple[str, str]], key: str) -> list[tuple[str, str]]:
@@ -130,6 +148,8 @@ def _composed(frames: Sequence[str], phrases: Sequence[tuple[str, str]], key: st
 
 _QUESTIONS_EN = list(dict.fromkeys(_QUESTIONS_EN + _composed(_FRAMES_EN, _PHRASES_EN, "x")
                                    + _composed(_COMMANDS_EN, _VERBS_EN, "v")))
+_QUESTIONS_ZH = list(dict.fromkeys(_QUESTIONS_ZH + _composed(_FRAMES_ZH, _PHRASES_ZH, "x")
+                                   + _composed(_COMMANDS_ZH, _VERBS_ZH, "v")))
 _REPLIES_ZH = ["{expr} 的结果是 {result}。", "算出来是 {result}。", "答案是 {result}。"]
 _REPLIES_EN = ["{expr} = {result}.", "The answer is {result}.", "It comes to {result}."]
 # Questions that need no tool, answered directly.
