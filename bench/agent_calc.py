@@ -86,8 +86,9 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
+    from grpo_arith import per_seed, seed_options  # bench/ is the script's directory
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    seed_options(p)
     p.add_argument("--from", dest="from_dir", default="", help="an existing quickstart directory ({seed} replaced)")
     p.add_argument("--preset", default="cpu-small", help="the quickstart's preset")
     p.add_argument("--prompts", type=int, default=2000)
@@ -99,12 +100,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-new-tokens", type=int, default=256, help="the model's tokens over a whole trajectory")
     p.add_argument("--max-rounds", type=int, default=2)
-    p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
-    p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
-    from grpo_arith import flip_advantage_sign, per_seed  # bench/ is the script's directory
-    if a.flip_sign:
-        flip_advantage_sign()
     res = []
     for s, r in per_seed(run, a):
         res.append(r)

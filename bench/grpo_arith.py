@@ -113,9 +113,18 @@ def flip_advantage_sign() -> None:
     grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
 
 
+def seed_options(p: argparse.ArgumentParser) -> None:
+    """The options `per_seed` reads: --seeds, --flip-sign, --keep."""
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
+    p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
+
+
 def per_seed(run_seed: Any, a: argparse.Namespace) -> Iterator[tuple[int, Any]]:
     """(seed, run_seed(seed, a, work)) for each of a.seeds, work being <a.keep>/seed<n> or a temporary
-    directory."""
+    directory; with a.flip_sign, every advantage is negated first (the control)."""
+    if a.flip_sign:
+        flip_advantage_sign()
     for s in a.seeds:
         if a.keep:
             yield s, run_seed(s, a, Path(a.keep) / f"seed{s}")
@@ -126,7 +135,7 @@ def per_seed(run_seed: Any, a: argparse.Namespace) -> Iterator[tuple[int, Any]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    seed_options(p)
     p.add_argument("--n-sft", type=int, default=2400)
     p.add_argument("--n-prompts", type=int, default=1600)
     p.add_argument("--n-heldout", type=int, default=200)
@@ -151,11 +160,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=0, help="also score the held-out prompts every this many "
                    "GRPO steps (printed as a curve)")
-    p.add_argument("--flip-sign", action="store_true", help="the control: negate every advantage")
-    p.add_argument("--keep", default="", help="a directory to keep each seed's files and runs in (seed<n>/)")
     a = p.parse_args()
-    if a.flip_sign:
-        flip_advantage_sign()
     res = []
     for s, r in per_seed(run, a):
         res.append(r)
