@@ -181,6 +181,33 @@ def test_real_model_scores_do_not_depend_on_the_batch(tok):
     assert "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n" in ctx and conts == list(items[0].choices)
 
 
+def test_choices_sharing_a_context_run_it_once_and_score_as_each_alone():
+    from nanolm.model.transformer import ModelConfig, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=24,
+                                    tie_embeddings=False, init_std=0.2)).eval()
+    ctx, other = list(range(3, 15)), [7, 8, 9]
+    # four choices of one context (one of a single token), a second item's two, and one request past the model's
+    # 24 + 1 tokens, which loses its oldest context tokens (so it shares nothing)
+    requests = [(ctx, [20, 21, 22]), (ctx, [30]), (ctx, [31, 32, 33, 34, 35]), (ctx, [40, 41]),
+                (other, [5, 6]), (other, [6]), (ctx, list(range(20, 34)))]
+    lengths = []
+    hook = model.register_forward_hook(lambda m, args, out: lengths.append(tuple(args[0].shape)))
+    for batch_size in (1, 2, 16):
+        lengths.clear()
+        together = continuation_logprobs(model, requests, batch_size=batch_size)
+        assert lengths.count((1, len(ctx))) == 1 and lengths.count((1, len(other))) == 1  # each context once
+        alone = [continuation_logprobs(model, [r])[0] for r in requests]  # each request on its own, uncached
+        assert [g for _, g in together] == [g for _, g in alone]
+        assert [lp for lp, _ in together] == pytest.approx([lp for lp, _ in alone], abs=1e-5)
+    hook.remove()
+    # the scores are those of the model's own log-softmax over the whole sequence
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ctx + [31, 32, 33, 34, 35]])).float(), dim=-1)[0]
+    want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate([31, 32, 33, 34, 35]))
+    assert together[2][0] == pytest.approx(want, abs=1e-5)
+
+
 # --- task files --------------------------------------------------------------------------------------------
 
 def write(path: Path, text: str) -> Path:

@@ -49,6 +49,7 @@ import torch
 from nanolm.chat import Message
 from nanolm.eval.tasks import GenItem, MCItem
 from nanolm.infer.engine import run_to_end
+from nanolm.model.transformer import KVCache, Transformer
 
 
 class TokenizerLike(Protocol):
@@ -89,6 +90,10 @@ def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Seque
 
     Rows are run longest first in batches of `batch_size`, padded on the right: under causal attention a
     row's positions never see its padding, so its scores do not depend on what it is batched with.
+    Continuations that share a long context (a multiple-choice item's choices after a passage) run it once
+    when the model is nanolm's causal Transformer: the context's keys and values are cached, and the
+    continuations run after it together (`_shared_context`), so such an item of four choices costs one
+    context, not four.
     """
     max_len = model.config.max_seq_len
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -101,8 +106,27 @@ def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Seque
         full = [*ctx, *cont][-(max_len + 1):]
         n_cont = min(len(cont), len(full) - 1)
         seqs.append((full, n_cont))
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
     out: list[tuple[float, bool]] = [(0.0, False)] * len(seqs)
+    alone = list(range(len(seqs)))
+    if isinstance(model, Transformer) and model.config.causal:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, cont) in enumerate(requests):
+            if len(ctx) + len(cont) <= max_len + 1:  # uncut: the context is the same tokens for each
+                groups.setdefault(tuple(ctx), []).append(i)
+        # Worth it when the context is long beside its continuations: one pass of a context costs a forward of
+        # its own, which a long one pays back (cloze: 184-token passages, four 50-token choices: 1.6x faster;
+        # idioms' 12-token questions before 21-token choices ran 1.6x slower shared).
+        shared = [(ctx, ids) for ctx, ids in groups.items()
+                  if (len(ids) - 1) * len(ctx) >= sum(len(requests[i][1]) for i in ids)]
+        in_groups = {i for _, ids in shared for i in ids}
+        alone = [i for i in alone if i not in in_groups]
+        for ctx, ids in shared:
+            conts = [list(requests[i][1]) for i in ids]
+            for i, score in zip(ids, _shared_context(model, list(ctx), conts, batch_size, device)):
+                out[i] = score
+            if on_batch is not None:
+                on_batch(len(ids))
+    order = sorted(alone, key=lambda i: -len(seqs[i][0]))
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         width = max(len(seqs[i][0]) for i in rows) - 1
@@ -115,13 +139,43 @@ def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Seque
             full, n_cont = seqs[i]
             t = len(full) - 1  # input positions of this row
             target = torch.tensor(full[-n_cont:], device=device)
-            # (n_cont, V): only the positions that predict the continuation are normalised
-            rows_logp = torch.log_softmax(logits[r, t - n_cont:t].float(), dim=-1)
-            picked = rows_logp.gather(-1, target[:, None]).squeeze(-1)
-            greedy = bool((rows_logp.argmax(-1) == target).all())
-            out[i] = (float(picked.double().sum()), greedy)
+            out[i] = _picked(logits[r, t - n_cont:t], target)
         if on_batch is not None:
             on_batch(len(rows))
+    return out
+
+
+def _picked(logits: torch.Tensor, target: torch.Tensor) -> tuple[float, bool]:
+    """logits (n, V) at the positions that predict target (n,) -> (summed log-probability, all greedy)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # only the positions that predict the continuation
+    picked = logp.gather(-1, target[:, None]).squeeze(-1)
+    return float(picked.double().sum()), bool((logp.argmax(-1) == target).all())
+
+
+def _shared_context(model: Transformer, ctx: list[int], conts: list[list[int]], batch_size: int,
+                    device: torch.device) -> list[tuple[float, bool]]:
+    """The scores of continuations after one context: the context runs once, filling a KV cache whose
+    last logits predict every continuation's first token; then the continuations (longest first, padded on
+    the right) run in batches after copies of that cache, each position predicting the next token."""
+    cache = KVCache.empty(model.config, 1, len(ctx) + max(len(c) for c in conts), device,
+                          model.norm.weight.dtype)  # the residual stream's dtype
+    first = model(torch.tensor([ctx], device=device), cache)[0, -1:]  # (1, V): predicts each first token
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(conts)
+    order = sorted(range(len(conts)), key=lambda j: -len(conts[j]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = len(conts[rows[0]]) - 1  # tokens each row feeds: its continuation but the last
+        logits = first.new_empty(len(rows), 0, first.shape[-1])
+        if width > 0:
+            x = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, j in enumerate(rows):
+                x[r, :len(conts[j]) - 1] = torch.tensor(conts[j][:-1])
+            rows_cache = KVCache([k.expand(len(rows), -1, -1, -1).clone() for k in cache.k],
+                                 [v.expand(len(rows), -1, -1, -1).clone() for v in cache.v], pos=len(ctx))
+            logits = model(x.to(device), rows_cache)  # (B, width, V)
+        for r, j in enumerate(rows):
+            cont = conts[j]
+            out[j] = _picked(torch.cat([first, logits[r, :len(cont) - 1]]), torch.tensor(cont, device=device))
     return out
 
 
