@@ -112,3 +112,22 @@ def test_muon_refuses_fsdp_and_bad_settings(data_dir, tmp_path, monkeypatch):
         OptimConfig(name="sgd")
     with pytest.raises(UserError, match="optim.muon_lr must be > 0"):
         OptimConfig(name="muon", muon_lr=0)
+
+
+def test_fine_tuning_stages_divide_the_muon_rate_as_they_divide_lr():
+    """A stage's smaller steps reach the Muon matrices too: at cpu-small's 0.02 the quickstart's GRPO had wrecked
+    its model. The matrices' group gets muon_lr at the schedule's peak, and a rate given by the user wins."""
+    from nanolm.config.load import load_config
+    base = load_config("cpu-small")
+    assert base.optim.name == "muon"
+    for stage in ("sft", "lora", "dpo", "grpo", "ppo"):
+        cfg = load_config("cpu-small", overrides={"train.stage": stage})
+        div = base.optim.lr / cfg.optim.lr
+        assert div in (2, 10, 50)
+        assert cfg.optim.muon_lr == pytest.approx(base.optim.muon_lr / div), stage
+        opt = build_optimizer(Transformer(cfg.model), cfg.optim, torch.device("cpu"))
+        assert opt.param_groups[0]["lr_scale"] * cfg.optim.lr == pytest.approx(base.optim.muon_lr / div)
+    distill = load_config("cpu-small", overrides={"train.stage": "distill", "distill.teacher": "runs/t"})
+    assert distill.optim.muon_lr == base.optim.muon_lr  # distillation trains like pretraining
+    given = load_config("cpu-small", overrides={"train.stage": "grpo", "optim.muon_lr": 0.01})
+    assert given.optim.muon_lr == 0.01
