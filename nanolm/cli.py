@@ -521,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, "
                          "style=cloze|letters, name=; repeatable")
     ev.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
-                    help="score tasks through the chat template (auto: for sft/lora/dpo runs)")
+                    help="score tasks through the chat template (auto: for sft/lora/dpo/grpo/ppo runs)")
     ev.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks and --degeneration")
     ev.add_argument("--temperature", type=float, default=0.0, help="generative tasks: 0 = greedy")
     ev.add_argument("--seed", type=int, default=0, help="generative tasks at temperature > 0, and --degeneration")

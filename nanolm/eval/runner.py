@@ -11,7 +11,7 @@ see `builtin.py`; `toolcall:FILE`, tool use scored on calls and answers, see
   `<subject>_dev.csv` beside `<subject>_val.csv`, CMMLU's `dev/<subject>.csv`
   beside `test/<subject>.csv`, `<name>_dev.*` / `dev.*` beside others);
 - `chat=true|false`: through the tokenizer's chat template or as plain text
-  (default: chat for a fine-tuned run, train.stage sft, lora or dpo);
+  (default: chat for a run trained on chat data: train.stage sft, lora, dpo, grpo or ppo);
 - `style=cloze|letters`: multiple choice scored by each choice's text after
   the question (cloze, the default: informative for small models), or with
   the choices listed under the question and their letters scored (letters:
@@ -207,11 +207,16 @@ def run_dir_of(ckpt_dir: Path) -> Path:
     return ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else ckpt_dir
 
 
+# Stages whose data is in the chat layout (RL prompts are rendered in it too): their runs are scored through it.
+CHAT_STAGES = ("sft", "lora", "dpo", "grpo", "ppo")
+
+
 def is_finetuned(ckpt_dir: Path) -> bool:
-    """Whether the checkpoint's run trained on chat data (train.stage sft, lora or dpo)."""
+    """Whether the checkpoint's run trained on chat data (train.stage sft, lora or dpo, or the RL stages, whose
+    prompts are in the chat layout)."""
     from nanolm.checkpoint import read_run_config
     try:
-        return read_run_config(ckpt_dir).train.stage in ("sft", "lora", "dpo")
+        return read_run_config(ckpt_dir).train.stage in CHAT_STAGES
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return False
 
