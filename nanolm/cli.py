@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     q = sub.add_parser("quickstart", help="every stage at tiny scale on the built-in corpora, in minutes")
-    q.add_argument("--minutes", type=float, default=6.0, help="total time budget (default 6)")
+    q.add_argument("--minutes", type=float, default=None,
+                   help="total time budget (default 6; 7.5 with --rl, so that the stages before RL train as long)")
     q.add_argument("--out", default="runs/quickstart", help="where every artefact goes")
     q.add_argument("--corpora", nargs="+", default=["sanguo", "shakespeare", "sotu"],
                    help="pretraining text: built-in corpora or your own files/directories")
