@@ -207,16 +207,13 @@ def run_dir_of(ckpt_dir: Path) -> Path:
     return ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else ckpt_dir
 
 
-# Stages whose data is in the chat layout (RL prompts are rendered in it too): their runs are scored through it.
-CHAT_STAGES = ("sft", "lora", "dpo", "grpo", "ppo")
-
-
 def is_finetuned(ckpt_dir: Path) -> bool:
-    """Whether the checkpoint's run trained on chat data (train.stage sft, lora or dpo, or the RL stages, whose
-    prompts are in the chat layout)."""
+    """Whether the checkpoint's run is of a fine-tuning stage (the registry's `fine_tunes`: sft, lora, dpo, grpo,
+    ppo), whose data is chat, pairs or RL prompts in the chat layout."""
     from nanolm.checkpoint import read_run_config
+    from nanolm.train import stages
     try:
-        return read_run_config(ckpt_dir).train.stage in CHAT_STAGES
+        return stages.get(read_run_config(ckpt_dir).train.stage).fine_tunes
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return False
 
