@@ -183,7 +183,8 @@ def child(job):
     def rmtree(path, *a, **k):
         name = Path(path).name
         if (name.startswith("step-") or name.startswith(".del-step-")) and hit("prune"):
-            (Path(path) / "model.safetensors").unlink()
+            # missing_ok: a directory a kill left half deleted (cleared as a leftover) may have lost it already
+            (Path(path) / "model.safetensors").unlink(missing_ok=True)
             die(f"pruning {name} while saving {now['save']} (model.safetensors deleted, the rest not)")
         return real_rmtree(path, *a, **k)
     shutil.rmtree = rmtree
