@@ -13,7 +13,8 @@ bits per byte over the UTF-8 bytes of the held-out text.
 Variants (`--variants`, comma-separated):
 
     default        no preset, only the budget: the path a user with N minutes types (a budget of at most 30
-                   minutes trains the cpu-small preset: Muon + AdamW, bf16 autocast where the CPU has it)
+                   minutes trains the cpu-small preset: Muon + AdamW, bf16 autocast where the CPU has it; 256
+                   wide instead of 128 where the budget would see the data many times, nanolm/train/sizing.py)
     default-26m    the same with the model nanolm's defaults built before budget sizing (minimind-26m shape)
     adamw, muon    the default path with --optim.name adamw / muon
     fp32, bf16     the default path with --train.dtype float32 / bfloat16

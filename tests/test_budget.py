@@ -142,3 +142,53 @@ def test_a_short_time_budget_without_a_preset_trains_the_budget_preset(tmp_path)
     assert load_config(overrides={"train.max_minutes": "60"}).model.d_model == 512
     assert load_config(overrides={"train.max_tokens": "100000"}).model.d_model == 512
     assert load_config().note == "" and load_config().model.d_model == 512
+
+
+def test_the_default_path_widens_its_model_where_the_budget_would_see_the_data_many_times(data_dir, tmp_path,
+                                                                                          monkeypatch):
+    from nanolm.config import preset
+    from nanolm.train import sizing
+    n = json.loads((data_dir / "manifest.json").read_text())["splits"]["train"]["n_tokens"]
+    over = {"data.path": str(data_dir), "train.out_dir": str(tmp_path / "run"), "train.max_minutes": "3"}
+    assert sizing.train_tokens(load_config(overrides=over)) == n
+    assert sizing.passes(3, 1000.0, 36_000) == 5.0
+    rate = {"value": sizing.WIDE_PASSES * n / 180}  # 3 minutes at this rate see the data exactly WIDE_PASSES times
+    monkeypatch.setattr(sizing, "step_rate", lambda cfg: rate["value"])
+    small = preset("cpu-small").model
+    cfg = load_config(overrides=over)
+    assert cfg.model == small
+    assert cfg.note.endswith(f"; width 128: at {rate['value']:,.0f} tokens/s (timed here) the 128-wide model would "
+                             f"see the {n:,} training tokens about {sizing.WIDE_PASSES:.1f} times in 3 minutes, at "
+                             f"most {sizing.WIDE_PASSES:g}")
+    rate["value"] *= 1.01
+    cfg = load_config(overrides=over)
+    assert cfg.model == load_config("cpu-small", overrides={"model.d_model": str(sizing.WIDE_D_MODEL)}).model
+    assert f"; width {sizing.WIDE_D_MODEL}: at {rate['value']:,.0f} tokens/s" in cfg.note
+    # A run resumed in its directory keeps the width it started with, whatever the rate now.
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    rate["value"] = 1.0
+    cfg = load_config(overrides=over)
+    assert cfg.model.d_model == sizing.WIDE_D_MODEL
+    assert cfg.note.endswith(f"; width {sizing.WIDE_D_MODEL}: the width the run in {tmp_path / 'run'} was started with")
+    # Data that cannot be read, and several processes, leave the preset's width.
+    assert load_config(overrides={**over, "data.path": str(tmp_path / "nothing"),
+                                  "train.out_dir": str(tmp_path / "new")}).model == small
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(overrides={**over, "train.out_dir": str(tmp_path / "new")})
+    assert cfg.model == small and cfg.note.endswith("under torchrun the width is not sized (pass --model.d_model)")
+
+
+def test_the_default_path_times_its_step_and_trains_the_width_it_chose(data_dir, tmp_path, capsys):
+    from nanolm.train import sizing
+    from nanolm.train.trainer import train
+    cfg = load_config("tiny", overrides={"train.batch_size": 2, "train.seq_len": 32})
+    assert 0 < sizing.step_rate(cfg, steps=1) < 1e9
+    # The test corpus is small: 30 minutes of the default path would see it many times, so it trains the wide
+    # model (here for 3 steps).
+    cfg = load_config(overrides={"data.path": str(data_dir), "train.out_dir": str(tmp_path / "run"),
+                                 "train.max_minutes": "30", "train.max_steps": "3"})
+    assert cfg.model.d_model == sizing.WIDE_D_MODEL
+    train(cfg)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_model"] == sizing.WIDE_D_MODEL
+    assert f"width {sizing.WIDE_D_MODEL}: at " in capsys.readouterr().out

@@ -134,6 +134,13 @@ def load_config(preset_name: str | None = None, config_file: str | Path | None =
             and not any("max_steps" in t for t in given):
         d["train"]["max_steps"] = 0
     cfg = Config.from_dict(d, source)
+    if picked is not None:  # its width, for the budget and the data (nanolm/train/sizing.py)
+        from nanolm.train.sizing import width_for_budget
+        model, why = width_for_budget(cfg)
+        if model:
+            d["model"].update(model)
+            cfg = Config.from_dict(d, source)
+        note += f"; {why}" if why else ""
     try:
         stages.get(cfg.train.stage).check(cfg)
     except UserError as e:
