@@ -165,8 +165,8 @@ def test_the_default_path_widens_its_model_where_the_budget_would_see_the_data_m
     assert cfg.model == load_config("cpu-small", overrides={"model.d_model": str(sizing.WIDE_D_MODEL)}).model
     assert f"; width {sizing.WIDE_D_MODEL}: at {rate['value']:,.0f} tokens/s" in cfg.note
     # A run resumed in its directory keeps the width it started with, whatever the rate now.
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "run" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "run" / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000010" / "config.json").write_text(json.dumps(cfg.to_dict()))
     rate["value"] = 1.0
     cfg = load_config(overrides=over)
     assert cfg.model.d_model == sizing.WIDE_D_MODEL

@@ -23,7 +23,6 @@ its own step).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -32,7 +31,9 @@ from typing import Any
 
 import torch
 
+from nanolm import checkpoint
 from nanolm.config import Config
+from nanolm.errors import UserError
 
 WIDE_PASSES = 7.0
 WIDE_D_MODEL = 256
@@ -42,13 +43,14 @@ TIMED_STEPS = 3  # after one untimed step (the optimizer's first use pays one-ti
 def train_tokens(cfg: Config) -> int | None:
     """The training tokens of the run's data (all sets of a curriculum or mixture), from their manifests; None
     when one cannot be read (the trainer then says what is wrong with it)."""
+    from nanolm.data.shards import Manifest
+
     paths = [cfg.data.path] if cfg.data.path else [s.path for s in cfg.data.sets]
     total = 0
     for p in paths:
         try:
-            manifest = json.loads((Path(p) / "manifest.json").read_text(encoding="utf-8"))
-            total += int(manifest["splits"]["train"]["n_tokens"])
-        except (OSError, ValueError, KeyError, TypeError):
+            total += int(Manifest.read(Path(p)).splits["train"]["n_tokens"])
+        except (UserError, KeyError, TypeError, ValueError):
             return None
     return total or None
 
@@ -90,11 +92,11 @@ def passes(minutes: float, tokens_per_s: float, n_train_tokens: int) -> float:
 def width_for_budget(cfg: Config) -> tuple[dict[str, Any], str]:
     """The model settings the default path changes for cfg's budget and data ({} or {"d_model": WIDE_D_MODEL}),
     and the sentence that says why (start-up); ({}, "") when the data cannot be read."""
-    saved = Path(cfg.train.out_dir) / "config.json"
-    if (Path(cfg.train.out_dir) / "checkpoints").is_dir() and saved.is_file():
+    saved = checkpoint.step_dirs(Path(cfg.train.out_dir))
+    if saved:  # the checkpoint the trainer resumes from, and whose config its resume check compares
         try:
-            d_model = int(json.loads(saved.read_text(encoding="utf-8"))["model"]["d_model"])
-        except (OSError, ValueError, KeyError, TypeError):
+            d_model = checkpoint.read_run_config(saved[-1]).model.d_model
+        except UserError:
             d_model = None
         if d_model is not None:
             return ({"d_model": d_model} if d_model != cfg.model.d_model else {},
