@@ -12,6 +12,7 @@ from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, Reply, run_to_end
 from nanolm.infer.sampling import (Penalties, apply_penalties, nucleus, presence_frequency_penalty, repetition_penalty,
                                    sample_next, sample_rows)
+from nanolm.infer import fuse
 from nanolm.infer.fuse import SMALL_ROWS, DecodeLinear, FusedAttention, FusedMLP, decode_linear, fuse_projections
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
@@ -184,6 +185,36 @@ def test_the_nucleus_of_rows_together_is_each_rows_alone():
         n = int(one_count)
         assert torch.equal(ids[i, :n], one_ids[0, :n]) and torch.equal(w[i, :n], one_w[0, :n])
         assert (w[i, n:] == 0).all()
+
+
+def _nucleus_by_hand(row: list[float], k: int, p: float) -> tuple[list[int], list[float]]:
+    """One row's candidates in id order and their weights, by the rule nucleus documents, in plain Python."""
+    kth = sorted(row, reverse=True)[k - 1] if 0 < k < len(row) else float("-inf")
+    ranked = sorted((i for i, x in enumerate(row) if x >= kth and x > float("-inf")), key=lambda i: (-row[i], i))
+    top = row[ranked[0]]
+    weights = {i: math.exp(row[i] - top) for i in ranked}
+    total, above, kept = sum(weights.values()), 0.0, {}
+    for i in ranked:
+        kept[i] = weights[i] if p >= 1.0 or above / total < p else 0.0
+        above += weights[i]
+    return sorted(kept), [kept[i] for i in sorted(kept)]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_nucleus_ranks_by_logit_then_id(ties):
+    """Top-k and top-p of rows without and with tied logits (which nucleus ranks by id itself) equal the
+    documented rule computed by hand."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 40, generator=g)
+    if ties:
+        logits[:, 20:30] = logits[:, 0:10]  # every row's values twice
+    k, p = torch.tensor([3, 5, 10, 12, 1, 7]), torch.tensor([1.0, 0.6, 0.9, 0.3, 1.0, 0.95])
+    ids, w, counts = nucleus(logits, k, p)
+    for i in range(6):
+        want_ids, want_w = _nucleus_by_hand(logits[i].tolist(), int(k[i]), float(p[i]))
+        n = int(counts[i])
+        assert ids[i, :n].tolist() == want_ids
+        assert w[i, :n].tolist() == pytest.approx(want_w, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -423,7 +454,9 @@ def test_logprobs_are_the_models_own_distribution():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, SMALL_ROWS, SMALL_ROWS + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_linear_is_the_linear_product(rows, dtype):
+@pytest.mark.parametrize("right", [True, False])  # both forms, whichever this CPU takes
+def test_decode_linear_is_the_linear_product(rows, dtype, right, monkeypatch):
+    monkeypatch.setattr(fuse, "ROWS_ON_THE_RIGHT", right)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(48, 32, generator=g).to(dtype)
     x = torch.randn(rows, 1, 32, generator=g).to(dtype)

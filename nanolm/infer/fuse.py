@@ -30,18 +30,23 @@ import torch.nn.functional as F
 from nanolm.model.transformer import MLP, Attention, apply_rope, swiglu
 
 
-# A product with 2 to SMALL_ROWS activation rows on a CPU in float32 runs as (W @ x.T).T: MKL's product with
-# few rows on the left of W.T took 2-2.5x the time of the same product with them on the right of W (2-16
-# rows, minimind-26m's matrices, 2 cores: 33-42 ms against 13-26 ms per weight pass), which is what decoding
-# rows together multiplies by. One row stays F.linear (a matrix-vector product); so do long prefills.
+# A product with 2 to SMALL_ROWS activation rows on a CPU whose vector width is AVX2 runs in float32 as
+# (W @ x.T).T: there MKL's product with few rows on the left of W.T took 2-2.5x the time of the same product
+# with them on the right of W (2-16 rows, minimind-26m's matrices, 2 cores: 33-42 ms against 13-26 ms per
+# weight pass), which is what decoding rows together multiplies by. With AVX-512 the plain product is the
+# faster one (2 cores, AVX-512 BF16, a decode step of 16 rows: tiny 2.7 against 3.1 ms, minimind-26m 23
+# against 25.5 ms), so every other CPU keeps F.linear; so do one row (a matrix-vector product) and long
+# prefills. The choice is the CPU's, made once, so a machine always computes a row the same way.
 SMALL_ROWS = 32
+ROWS_ON_THE_RIGHT = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x (..., in), weight (out, in) and bias (out,), in the faster form for few rows
-    on a CPU."""
+    on this CPU."""
     rows = x.numel() // x.shape[-1]
-    if 1 < rows <= SMALL_ROWS and x.device.type == "cpu" and weight.dtype == torch.float32:
+    if (ROWS_ON_THE_RIGHT and 1 < rows <= SMALL_ROWS and x.device.type == "cpu"
+            and weight.dtype == torch.float32):
         y = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)

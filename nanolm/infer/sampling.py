@@ -88,9 +88,10 @@ def nucleus(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[
         if top is None or width > top.values.shape[-1]:
             top = torch.topk(x, width, dim=-1)
         logits, ids = top.values[:, :width], top.indices[:, :width]  # the first `width` of a longer top: the same
-        ids, order = ids.sort(dim=-1)
-        logits, order = logits.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-        ids = ids.gather(-1, order)
+        if bool((logits[:, 1:] == logits[:, :-1]).any()):  # without ties, topk's order is already that ranking
+            ids, order = ids.sort(dim=-1)
+            logits, order = logits.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+            ids = ids.gather(-1, order)
     inside = torch.arange(width, device=x.device) < counts.unsqueeze(-1)
     weights = torch.exp(logits - logits[:, :1]).masked_fill(~inside, 0.0)
     # cumsum runs along each row in order, so a row's sums do not depend on the columns past its own count
