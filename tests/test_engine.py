@@ -12,7 +12,7 @@ from nanolm.errors import UserError
 from nanolm.infer.engine import Engine, Reply, run_to_end
 from nanolm.infer.sampling import (Penalties, apply_penalties, nucleus, presence_frequency_penalty, repetition_penalty,
                                    sample_next, sample_rows)
-from nanolm.infer import fuse
+from nanolm.infer import engine as engine_module, fuse
 from nanolm.infer.fuse import SMALL_ROWS, DecodeLinear, FusedAttention, FusedMLP, decode_linear, fuse_projections
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
@@ -311,6 +311,44 @@ def test_rows_decoded_together_equal_each_alone(dtype, temperature):
                 finish[out.row] = out.finish
     assert [got[r] for r in rows] == alone
     assert finish == {r: "stop" if i == 1 else "length" for i, r in enumerate(rows)}
+
+
+@pytest.mark.parametrize("limit, forwards", [(8192, 1), (30, 4)])
+def test_prompts_added_together_are_prefilled_together(monkeypatch, limit, forwards):
+    """Prompts of different lengths added before a step are prefilled in one right-padded forward (in as many as
+    PREFILL_TOKENS allows: prompts of 3, 25, 1, 12 and 6 tokens within 30 padded positions take 4), and every
+    row makes the tokens it makes alone."""
+    monkeypatch.setattr(engine_module, "PREFILL_TOKENS", limit)
+    engine = Engine(_varied_model())
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    alone = [engine.generate_all(p, params) for p in prompts]
+    prefills = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: prefills.append(args[0].shape[0]) if "last" in kwargs else None, with_kwargs=True)
+    try:
+        got = engine.generate_many(prompts, params)
+    finally:
+        hook.remove()
+    assert got == alone
+    assert len(prefills) == forwards and sum(prefills) == len(prompts)
+
+
+def test_logits_at_the_last_positions_only():
+    model = _varied_model()
+    x = torch.randint(0, 61, (3, 9), generator=torch.Generator().manual_seed(2))
+    last = torch.tensor([8, 0, 4])
+    with torch.no_grad():
+        full, picked = model(x), model(x, last=last)
+    assert picked.shape == (3, 1, 61)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(3), last], rtol=1e-6, atol=1e-6)
+
+
+def test_a_prompt_outside_the_vocabulary_is_refused_when_added():
+    batch = Engine(_varied_model()).batch()
+    with pytest.raises(ValueError, match="token id 61, outside the model's vocabulary of 61"):
+        batch.add([3, 61, 4], SamplingParams())
+    assert len(batch) == 0
 
 
 def test_rows_join_and_leave_between_steps():

@@ -192,9 +192,9 @@ def test_the_chat_session_guides_the_calls_of_a_model_that_opens_one(tok, tmp_pa
             super().__init__()
             self.inner, self.config = model, model.config
 
-        def forward(self, x, cache=None):
-            logits = self.inner(x, cache)
-            if cache is not None and x.shape[1] > 1:  # the prefill: the reply's first token opens a call
+        def forward(self, x, cache=None, last=None):
+            logits = self.inner(x, cache, last=last)
+            if last is not None:  # the prefill: the reply's first token opens a call
                 logits[:, -1, call_id] = 1e4
             return logits
 

@@ -41,9 +41,9 @@ def tok(tokenizer_dir) -> Tokenizer:
     return Tokenizer.load(tokenizer_dir)
 
 
-async def run_job(engine, tok, max_new_tokens: int, stops=(), client=None, n=1) -> list[tuple]:
+async def run_job(engine, tok, max_new_tokens: int, stops=(), client=None, n=1, stream=True) -> list[tuple]:
     worker = Worker(engine, max_queue=1, max_batch=4)
-    job = Job(tok, [0], SamplingParams(max_new_tokens=max_new_tokens), stops, n=n)
+    job = Job(tok, [0], SamplingParams(max_new_tokens=max_new_tokens), stops, n=n, stream=stream)
     assert worker.submit(job)
     out = [e async for e in events(client or Client(), job)]
     worker.close()
@@ -72,6 +72,20 @@ def test_a_job_posts_its_text_then_how_it_ended(tok):
     evs = asyncio.run(run_job(ScriptEngine(script), tok, 4, n=3))  # three choices, each its own events
     assert [texts(evs, i) for i in range(3)] == [tok.decode(script[:4])] * 3
     assert sorted(e[1:4] for e in evs if e[0] == "end") == [(i, "length", 4) for i in range(3)]
+
+
+def test_a_job_not_streamed_posts_each_choice_whole_at_its_end(tok):
+    """The same texts and ends as streamed, as one text event per choice: the event loop wakes per choice, not
+    per token."""
+    script = tok.encode("To be, or not to be")
+    for stops, budget, n in (((), 50, 1), (["not"], 50, 1), ((), 4, 3)):
+        streamed = asyncio.run(run_job(ScriptEngine(script), tok, budget, stops=stops, n=n))
+        whole = asyncio.run(run_job(ScriptEngine(script), tok, budget, stops=stops, n=n, stream=False))
+        assert len([e for e in streamed if e[0] == "text"]) > n  # streamed: a piece per token or so
+        for i in range(n):
+            mine = [e for e in whole if e[1] == i]
+            assert [e[0] for e in mine] == ["text", "end"]
+            assert mine[0][2] == texts(streamed, i) and mine[1] == next(e for e in streamed if e[:2] == ("end", i))
 
 
 def test_the_queue_admits_at_most_max_queue_and_frees_the_slot(tok):

@@ -7,8 +7,10 @@ training, say) is never changed by it.
 
 Decoding a small model reads every weight once per step whatever the number of
 rows, so rows decoded together cost little more than one. A `DecodeBatch` holds the
-rows being decoded: `add` prefills a prompt (once for its `n` samples) and the
-row joins at the next `step`; each step decodes one token for every row, each
+rows being decoded: `add` queues a prompt and its `n` samples, and at the next
+`step` the prompts added since the last one are prefilled together (one
+forward, right-padded, once for each prompt's samples) and their rows join;
+each step decodes one token for every row, each
 row at its own position with its own sampling parameters, penalties and random
 generator, so a row's tokens do not depend on which other rows run beside it;
 a row leaves on its stop ids, its budget or `cancel`. `Engine.generate` is one
@@ -97,6 +99,10 @@ class Engine:
             raise ValueError("the prompt must hold at least one token")
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_seq_len}")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise ValueError(f"the prompt holds token id {bad}, outside the model's vocabulary of {vocab}")
 
     def generate(self, prompt: Sequence[int], params: SamplingParams,
                  stop_ids: Sequence[int] = (), guide: Guide | None = None) -> Iterator[int]:
@@ -204,17 +210,23 @@ class Guide(Protocol):
 class _Row:
     """One sequence being decoded: its settings and where it stands."""
 
-    def __init__(self, row_id: int, prompt_len: int, budget: int, params: SamplingParams, stops: frozenset[int],
+    def __init__(self, row_id: int, prompt: list[int], budget: int, params: SamplingParams, stops: frozenset[int],
                  generator: torch.Generator | None, penalties: Penalties, logprobs: int | None,
                  guide: Guide | None = None) -> None:
-        self.id, self.prompt_len, self.budget = row_id, prompt_len, budget
+        self.id, self.prompt_len, self.budget = row_id, len(prompt), budget
         self.params, self.stops, self.generator, self.penalties = params, stops, generator, penalties
         self.logprobs = logprobs
         self.guide = guide
         self.produced = 0
         self.last = -1  # the latest token, to be decoded at the next step
+        self.prompt: list[int] | None = prompt  # until prefilled; the samples of one `add` share the list
         self.logits: torch.Tensor | None = None  # (1, V): the first token's, from prefill, until it is drawn
-        self.prefill: KVCache | None = None  # its own cache from prefill, until it joins the batch's
+        self.slot = -1  # its row in the step's prefill cache, until it joins the batch's
+
+
+# The most token positions (prompts x the longest of them) one prefill forward takes: prompts added together are
+# prefilled together up to it, so a step's prefill activations stay bounded whatever the prompts.
+PREFILL_TOKENS = 8192
 
 
 def _seeded(seed: int | None, i: int, device: torch.device) -> torch.Generator | None:
@@ -249,7 +261,8 @@ class DecodeBatch:
     @torch.inference_mode()
     def add(self, prompt: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = (), n: int = 1,
             logprobs: int | None = None, guide: Guide | None = None, first: int = 0) -> list[int]:
-        """Prefill `prompt` once and add `n` rows sampling from it; returns their row ids.
+        """Add `n` rows sampling from `prompt`; returns their row ids. The prompt is prefilled once for all n, at
+        the next `step`, together with the other prompts added before it.
 
         Sample i of a seeded request draws with seed + i, so a request of n = 1 draws as its seed alone; `first`
         numbers the rows from there (a request's samples added in parts draw as if added at once).
@@ -262,17 +275,11 @@ class DecodeBatch:
             raise ValueError(f"n must be at least 1, got {n}")
         budget = min(params.max_new_tokens, engine.max_seq_len - len(prompt))
         vocab = engine.model.config.vocab_size
-        rows = [_Row(self._next_id + i, len(prompt), budget, params, frozenset(stop_ids),
-                     _seeded(params.seed, first + i, engine.device), Penalties(params, list(prompt), vocab, engine.device),
+        prompt = list(prompt)
+        rows = [_Row(self._next_id + i, prompt, budget, params, frozenset(stop_ids),
+                     _seeded(params.seed, first + i, engine.device), Penalties(params, prompt, vocab, engine.device),
                      logprobs, guide.fork() if guide is not None else None) for i in range(n)]
         self._next_id += n
-        if budget > 0:
-            capacity = max(len(prompt) + budget, self._cache.max_len if self._cache is not None else 0)
-            cache = KVCache.empty(engine.model.config, 1, capacity, engine.device, engine.cache_dtype)
-            x = torch.tensor([list(prompt)], dtype=torch.long, device=engine.device)  # (1, T)
-            logits = engine.model(x, cache)[:, -1, :]  # (1, V): the one prefill of all n samples
-            for row in rows:
-                row.logits, row.prefill = logits, cache
         self._joining += rows
         return [row.id for row in rows]
 
@@ -288,6 +295,7 @@ class DecodeBatch:
             self._leave({r.id for r in self._running if r.id in self._cancelled})
             self._joining = [r for r in self._joining if r.id not in self._cancelled]
             self._cancelled.clear()
+        prefill = self._prefill([r for r in self._joining if r.budget > 0])
         parts = []
         if self._running:
             x = torch.tensor([[r.last] for r in self._running], dtype=torch.long, device=self.engine.device)
@@ -308,9 +316,46 @@ class DecodeBatch:
         tokens = [out[r.id] for r in self._running + self._joining]
         ended = {t.row for t in tokens if t.finish is not None}
         self._leave({r.id for r in self._running if r.id in ended})
-        self._join([r for r in self._joining if r.id not in ended])
+        self._join([r for r in self._joining if r.id not in ended], prefill)
         self._joining = []
         return tokens
+
+    def _prefill(self, rows: list[_Row]) -> KVCache | None:
+        """Prefill the prompts of the rows about to join, each prompt once for its samples, as few forwards as
+        PREFILL_TOKENS allows (right-padded: a row's causal attention never reaches the padding after it, whose
+        cache positions its own tokens overwrite); sets each row's first logits and its slot in the returned
+        cache, whose rows are the prompts in order."""
+        if not rows:
+            return None
+        engine = self.engine
+        prompts: dict[int, list[int]] = {}  # by identity: the samples of one add share their prompt list
+        for r in rows:
+            r.slot = prompts.setdefault(id(r.prompt), (len(prompts), r.prompt))[0]
+        order = list(prompts.values())
+        capacity = max([r.prompt_len + r.budget for r in rows] + [self._cache.max_len if self._cache is not None else 0])
+        chunks, logits = [], []
+        start = 0
+        while start < len(order):  # the next prompts while their padded positions fit PREFILL_TOKENS
+            end, longest = start + 1, len(order[start][1])
+            while end < len(order) and (end + 1 - start) * max(longest, len(order[end][1])) <= PREFILL_TOKENS:
+                longest = max(longest, len(order[end][1]))
+                end += 1
+            part = [p for _, p in order[start:end]]
+            x = torch.zeros(len(part), longest, dtype=torch.long, device=engine.device)
+            for i, p in enumerate(part):
+                x[i, :len(p)] = torch.tensor(p, dtype=torch.long, device=engine.device)
+            cache = KVCache.empty(engine.model.config, len(part), capacity, engine.device, engine.cache_dtype)
+            last = torch.tensor([len(p) - 1 for p in part], dtype=torch.long, device=engine.device)
+            logits.append(engine.model(x, cache, last=last)[:, 0, :])  # (P, V): each prompt's last position
+            chunks.append(cache)
+            start = end
+        first = torch.cat(logits) if len(logits) > 1 else logits[0]
+        for r in rows:
+            r.logits, r.prompt = first[r.slot:r.slot + 1], None
+        if len(chunks) == 1:
+            return chunks[0]
+        return KVCache([torch.cat(k) for k in zip(*(c.k for c in chunks))],
+                       [torch.cat(v) for v in zip(*(c.v for c in chunks))])
 
     def _draw(self, rows: list[_Row], raw: torch.Tensor) -> list[Token]:
         """Every row's next token from its logits (raw: (B, V), a row per entry of `rows`), as tensor operations
@@ -376,25 +421,28 @@ class DecodeBatch:
         self._cache = KVCache([k.index_select(0, index) for k in c.k], [v.index_select(0, index) for v in c.v],
                               lengths=c.lengths.index_select(0, index))
 
-    def _join(self, rows: list[_Row]) -> None:
+    def _join(self, rows: list[_Row], prefill: KVCache | None) -> None:
+        """The rows' prefill cache rows (`slot`) join the batch's cache, after the running rows."""
         if not rows:
             return
-        caches = ([self._cache] if self._cache is not None else []) + [r.prefill for r in rows]
-        lengths = [self._cache.lengths] if self._cache is not None else []
-        lengths.append(torch.tensor([r.prompt_len + r.produced - 1 for r in rows], dtype=torch.long,
-                                    device=self.engine.device))
-        if len(caches) == 1:  # one row and no batch yet: its prefill cache becomes the batch's, uncopied
-            self._cache = KVCache(caches[0].k, caches[0].v, lengths=lengths[0])
+        device = self.engine.device
+        lengths = torch.tensor([r.prompt_len + r.produced - 1 for r in rows], dtype=torch.long, device=device)
+        slots = [r.slot for r in rows]
+        if slots == list(range(len(prefill.k[0]))):  # the prefill's rows as they are (one prompt, one sample each)
+            k, v = prefill.k, prefill.v
         else:
-            capacity = max(c.max_len for c in caches)
+            index = torch.tensor(slots, dtype=torch.long, device=device)
+            k, v = [t.index_select(0, index) for t in prefill.k], [t.index_select(0, index) for t in prefill.v]
+        if self._cache is None:  # no batch yet: the joining rows' cache becomes the batch's
+            self._cache = KVCache(k, v, lengths=lengths)
+        else:
+            c = self._cache
+            capacity = max(c.max_len, prefill.max_len)
 
-            def stacked(layers: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-                return [torch.cat([_padded(t, capacity) for t in per_layer]) for per_layer in zip(*layers)]
+            def stacked(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [torch.cat([_padded(a, capacity), _padded(b, capacity)]) for a, b in zip(old, new)]
 
-            self._cache = KVCache(stacked([c.k for c in caches]), stacked([c.v for c in caches]),
-                                  lengths=torch.cat(lengths))
-        for r in rows:
-            r.prefill = None
+            self._cache = KVCache(stacked(c.k, k), stacked(c.v, v), lengths=torch.cat([c.lengths, lengths]))
         self._running += rows
 
 

@@ -394,8 +394,10 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, pos: torch.Tensor | None = None,
-                seg: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, V); with `targets` (B, T), their summed cross-entropy instead.
+                seg: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, V); with `targets` (B, T), their summed cross-entropy instead;
+        with `last` (B,), only the logits at position last[b] of each row, (B, 1, V) (a prefill needs no more).
 
         With a cache, idx are the tokens after cache.pos. For packed sequences
         (several conversations in one row), `seg` (B, T) gives each token's
@@ -441,6 +443,8 @@ class Transformer(nn.Module):
                 return linear_cross_entropy(h, self.lm_head.weight, targets.flatten())
             return F.cross_entropy(self.lm_head(h).float(), targets.flatten().clamp_min(-1), ignore_index=-1,
                                    reduction="sum")
+        if last is not None:
+            x = x[torch.arange(B, device=x.device), last].unsqueeze(1)  # (B, 1, C)
         return self._head(self.norm(x))  # (B, T, V)
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:

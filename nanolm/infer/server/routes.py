@@ -290,7 +290,7 @@ class ServerState:
             raise ApiError(400, f"n: {req.n} choices asked for, and this server decodes at most {self.max_batch} "
                                 "rows together (nanolm serve --max-batch); ask for fewer", "n")
         job = Job(self.tokenizer, prompt_ids, self.sampling_params(req, max_tokens), req.stop, n=req.n,
-                  logprobs=req.logprobs_wanted(), guide=guide)
+                  logprobs=req.logprobs_wanted(), guide=guide, stream=bool(req.stream))
         if not self.worker.submit(job):
             raise ApiError(429, f"the server is busy: {self.worker.max_queue} requests are already queued; "
                                 "retry shortly", None, "queue_full", "rate_limit_error")

@@ -46,16 +46,19 @@ class Job:
 
     Events posted to `events`, for choice i: ("text", i, piece, logprobs) with the token log-probabilities
     (a list of `Token`s) that came since the last piece (empty unless asked for), then ("end", i,
-    finish_reason, completion_tokens, logprobs); or one ("error", message) for the whole job.
+    finish_reason, completion_tokens, logprobs); or one ("error", message) for the whole job. A job that is
+    not streamed (`stream` false) gets each choice's whole text as one piece at its end: a waking of the
+    event loop per choice, not per token.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, stops: Sequence[str],
-                 n: int = 1, logprobs: int | None = None, guide: Any = None) -> None:
+                 n: int = 1, logprobs: int | None = None, guide: Any = None, stream: bool = True) -> None:
         self.tok = tokenizer
         self.guide = guide  # the rows' guide (infer/guide.py), or None
         self.prompt_ids = prompt_ids
         self.params = params
         self.n = n
+        self.stream = stream
         self.logprobs = logprobs  # None: none; k: the token's own and the k most likely
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -64,6 +67,7 @@ class Job:
         self._texts = [TextStream(tokenizer, stops) for _ in range(n)]
         self._tokens = [0] * n
         self._lps: list[list[Token]] = [[] for _ in range(n)]
+        self._held: list[list[str]] = [[] for _ in range(n)]  # a choice's pieces not yet posted (not streamed)
         self._open = n  # choices not yet ended
         self.started = 0  # choices whose rows have joined the batch
         self._over = False
@@ -105,6 +109,12 @@ class Job:
         if finish is not None and not text.stopped:
             piece += text.finish()  # the rest held back for stop strings or an unfinished character
             finish = "stop" if text.stopped else finish  # a stop string the held rest held
+        if finish is None and not self.stream:
+            if piece:
+                self._held[i].append(piece)
+            return False
+        if self._held[i]:
+            piece, self._held[i] = "".join(self._held[i]) + piece, []
         if piece:
             self._post(("text", i, piece, self._lps[i]))
             self._lps[i] = []
