@@ -373,8 +373,9 @@ def generation_throughput(model: nn.Module, device: torch.device, dtype: torch.d
 def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtype, prompt_len: int,
                        new_tokens: int, batch_sizes: list[int], seed: int, sampled: bool = False) -> dict[str, Any]:
     """Per batch size B: B different prompts added to one Engine.batch() and decoded together, greedy (or
-    sampled with the default parameters, each row seeded), to new_tokens each. The decode step's time is the median over the steps after the first (the first samples
-    from the prefills); aggregate decode tokens/s = B / that time."""
+    sampled with the default parameters, each row seeded), to new_tokens each. The prefill is the first step
+    (the prompts prefilled together and their first tokens drawn); the decode step's time is the median over
+    the steps after it; aggregate decode tokens/s = B / that time."""
     engine = Engine(model, device, dtype)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
@@ -387,13 +388,14 @@ def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtyp
             t0 = time.perf_counter()
             for i, prompt in enumerate(prompts):
                 batch.add(prompt, SamplingParams(max_new_tokens=new_tokens, seed=seed + i) if sampled else params)
+            made = sum(out.token is not None for out in batch.step())
             prefill_s = time.perf_counter() - t0
-            steps, made = [], 0
+            steps = []
             while batch:
                 t = time.perf_counter()
                 made += sum(out.token is not None for out in batch.step())  # .item() inside syncs
                 steps.append(time.perf_counter() - t)
-        step_s = statistics.median(steps[1:])
+        step_s = statistics.median(steps)
         rows.append({"batch": b, "prefill_s": prefill_s, "step_s": step_s, "tokens": made,
                      "tokens_per_s": b / step_s, "peak_mem_bytes": mem.peak_bytes})
         say(f"batch {dtype_name(dtype)} x{b}{' sampled' if sampled else ''}: {step_s * 1e3:.2f} ms/step, "
