@@ -388,6 +388,21 @@ def test_chat_runs_a_llama_call_and_feeds_the_result_back_through_the_template(d
     assert "<|start_header_id|>ipython<|end_header_id|>\n\n84<|eot_id|>" in tok.decode(eng.prompts[1])
 
 
+@pytest.mark.parametrize("family, guided", [("qwen2.5", True), ("llama3", False)])
+def test_the_chat_guides_a_templates_tool_call_blocks_as_the_server_does(dirs, family, guided):
+    """The chat session holds calls to the tools' schemas wherever the server does: a template's own
+    <tool_call> blocks (Qwen's) as nanolm's layout, not Llama 3's bare JSON calls."""
+    from test_chat import BUILTIN, Replies
+
+    from nanolm.config import SamplingParams
+    from nanolm.infer.chat import ChatSession
+    tok = Tokenizer.load(dirs[family])
+    assert tok.chat_format.guided_calls == guided
+    session = ChatSession(Replies(tok, []), tok, SamplingParams(), tools=BUILTIN)
+    assert (session.guide is not None) == guided
+    assert ChatSession(Replies(tok, []), tok, SamplingParams(), tools=BUILTIN, guide_calls=False).guide is None
+
+
 def test_serve_returns_a_llama_call_as_tool_calls(dirs):
     httpx = pytest.importorskip("httpx")
     from server_helpers import ScriptedEngine, running  # skips without uvicorn

@@ -91,6 +91,13 @@ class ChatFormat:
     # rather than in <tool_call> tags: replies are read back so (ReplyParser's bare_calls).
     bare_calls: bool = False
 
+    @property
+    def guided_calls(self) -> bool:
+        """Whether its calls are <tool_call> blocks, which the call guide (infer/guide.py) holds to the offered
+        tools' schemas: nanolm's layouts and a template's own that writes them (Qwen's), not Llama 3's bare JSON
+        calls nor a layout without tools. The chat session and the server both guide by it."""
+        return self.tools and not self.bare_calls
+
     def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
               final_only: bool = False) -> list[Span]:
         raise NotImplementedError

@@ -95,9 +95,7 @@ class ChatSession:
         self.system = checked_text(system, "the system prompt")
         self.guide = (ToolCallGuide(GuideVocab.of(tokenizer, engine.model.config.vocab_size, engine.device),
                                     list(self.tools.tools))
-                      # the guide writes nanolm's <tool_call> layout, not a tokenizer's own template's
-                      if guide_calls and self.tools is not None and self.fmt.tools and self.fmt.nanolm_layout
-                      else None)
+                      if guide_calls and self.tools is not None and self.fmt.guided_calls else None)
         self.history: list[Message] = []  # the conversation without the system prompt, oldest first
         self.dropped_total = 0
         self.last_dropped = 0  # exchanges dropped to fit the last turn

@@ -261,7 +261,8 @@ class ServerState:
     def guide(self, plan: ChatPlan) -> ToolCallGuide | None:
         """The guide that holds a reply's tool calls to the tools offered (ServeConfig.guide_calls), started
         on the prefilled opening of a forced call; None when no tools are offered or guiding is off."""
-        if not (self.config.guide_calls and plan.calls and plan.tools) or plan.bare_calls:  # guides <tool_call>s
+        # plan.calls: tools rendered, so the format has them; bare_calls: Llama 3's (ChatFormat.guided_calls)
+        if not (self.config.guide_calls and plan.calls and plan.tools) or plan.bare_calls:
             return None
         if self._guide_vocab is None:
             self._guide_vocab = GuideVocab.of(self.tokenizer, self.engine.model.config.vocab_size,
