@@ -97,8 +97,8 @@ def width_for_budget(cfg: Config) -> tuple[dict[str, Any], str]:
         try:
             d_model = checkpoint.read_run_config(saved[-1]).model.d_model
         except UserError:
-            d_model = None
-        if d_model is not None:
+            pass  # unreadable: sized below as a new run would be
+        else:
             return ({"d_model": d_model} if d_model != cfg.model.d_model else {},
                     f"width {d_model}: the width the run in {cfg.train.out_dir} was started with")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would time its own step, and might differ
