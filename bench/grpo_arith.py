@@ -20,6 +20,12 @@ One seed takes about 14 minutes (two seeds at once, a core each). Run from the r
     PYTHONPATH=. python bench/grpo_arith.py --seeds 0 --flip-sign
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/grpo_arith.py --seeds 1   # two at once share 2 cores
 
+With `--grpo-steps 0` it stops after SFT and prints the SFT model's held-out accuracy; beside
+`--no-split-digits` (a tokenizer that keeps multi-digit tokens), that measures what the digit split does
+to arithmetic learnt from scratch:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/grpo_arith.py --sft-target 0 --grpo-steps 0 [--no-split-digits]
+
 Without the pick (`--sft-target 0 --sft-steps 3000`: GRPO from the end of a 3,000-step SFT) the median gain
 was +0.040. The earlier settings (bench/RESULTS.md): `--max-number 9 --d-model 64 --n-layer 2 --n-sft 200
 --n-prompts 200 --n-heldout 50 --sft-steps 300 --sft-lr 1e-2 --grpo-steps 100 --lr 3e-4 --vocab 400`.
@@ -47,7 +53,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     files = write_arith(work / "arith", a.n_sft, a.n_prompts, a.n_heldout, seed=seed, level=a.level,
                         max_number=a.max_number)
-    train_tokenizer(iter_texts([files["sft"]], format="chat"), work / "tok", vocab_size=a.vocab, quiet=True)
+    train_tokenizer(iter_texts([files["sft"]], format="chat"), work / "tok", vocab_size=a.vocab, quiet=True,
+                    split_digits=not a.no_split_digits)
     prepare([files["sft"]], work / "tok", work / "sft", format="chat", val_fraction=0, workers=0, quiet=True)
     # the prompts file then the held-out file; the val split (every 4th record) is the held-out set
     prepare([files["prompts"], files["heldout"]], work / "tok", work / "prompts", format="prompts",
@@ -68,7 +75,7 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         return load_config("tiny", overrides={
             **common, "data.path": str(work / "prompts"),
             "train.out_dir": str(work / "grpo"), "train.stage": "grpo", "train.init_from": str(init_from),
-            "train.max_steps": a.grpo_steps, "train.batch_size": a.prompts_per_step, "train.eval_batches": 64,
+            "train.max_steps": max(1, a.grpo_steps), "train.batch_size": a.prompts_per_step, "train.eval_batches": 64,
             "optim.lr": a.lr, "optim.min_lr": a.lr, "grpo.group_size": a.group, "grpo.max_new_tokens": a.max_new_tokens,
             "grpo.temperature": a.temperature, "grpo.rewards": "answer", "grpo.beta": a.beta,
             "train.eval_interval": a.eval_every})
@@ -92,6 +99,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 break
     t = Trainer(grpo_cfg(start), quiet=True)
     before = t.evaluate()
+    if not a.grpo_steps:  # the SFT model alone: its held-out accuracy
+        return {"seed": seed, "before": before["val_reward"], "sft_s": t1 - t0}
     train_before = train_greedy(t)
     t.run()
     train_after = train_greedy(t)
@@ -160,10 +169,16 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=0, help="also score the held-out prompts every this many "
                    "GRPO steps (printed as a curve)")
+    p.add_argument("--no-split-digits", action="store_true", help="the tokenizer without the digit split "
+                   "(numbers learnt as multi-digit tokens); with --grpo-steps 0, compares digit splitting by the SFT "
+                   "model's held-out accuracy")
     a = p.parse_args()
     res = []
     for s, r in per_seed(run, a):
         res.append(r)
+        if not a.grpo_steps:
+            print(f"seed {s}: held-out answer accuracy after SFT {r['before']:.3f} | SFT {r['sft_s']:.0f} s", flush=True)
+            continue
         print(f"seed {s}: held-out answer accuracy {r['before']:.3f} -> {r['after']:.3f} | greedy on the train prompts "
               f"{r['train_before']:.3f} -> {r['train_after']:.3f} | sampled train reward (first 5 steps -> last 5) "
               f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f} | zero-var groups at step 1 "
@@ -172,6 +187,9 @@ def main() -> None:
               + (" | held out by step: " + ", ".join(f"{step}: {v:.3f}" for step, v in r["curve"]) if a.eval_every else ""),
               flush=True)
     med = statistics.median
+    if not a.grpo_steps:
+        print(f"median of {len(res)} seeds, held out after SFT: {med(r['before'] for r in res):.3f}")
+        return
     print(f"median of {len(res)} seeds, held out: {med(r['before'] for r in res):.3f} -> "
           f"{med(r['after'] for r in res):.3f} "
           f"(gain {med(r['after'] - r['before'] for r in res):+.3f}); on the train prompts "
