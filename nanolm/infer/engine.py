@@ -100,8 +100,8 @@ class Engine:
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_seq_len}")
         vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            bad = next(t for t in prompt if not 0 <= t < vocab)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
             raise ValueError(f"the prompt holds token id {bad}, outside the model's vocabulary of {vocab}")
 
     def generate(self, prompt: Sequence[int], params: SamplingParams,
@@ -328,19 +328,22 @@ class DecodeBatch:
         if not rows:
             return None
         engine = self.engine
-        prompts: dict[int, list[int]] = {}  # by identity: the samples of one add share their prompt list
+        slots: dict[int, int] = {}  # by identity: the samples of one add share their prompt list
+        order: list[list[int]] = []  # the prompts, each once, in the order added
         for r in rows:
-            r.slot = prompts.setdefault(id(r.prompt), (len(prompts), r.prompt))[0]
-        order = list(prompts.values())
+            if id(r.prompt) not in slots:
+                slots[id(r.prompt)] = len(order)
+                order.append(r.prompt)
+            r.slot = slots[id(r.prompt)]
         capacity = max([r.prompt_len + r.budget for r in rows] + [self._cache.max_len if self._cache is not None else 0])
         chunks, logits = [], []
         start = 0
         while start < len(order):  # the next prompts while their padded positions fit PREFILL_TOKENS
-            end, longest = start + 1, len(order[start][1])
-            while end < len(order) and (end + 1 - start) * max(longest, len(order[end][1])) <= PREFILL_TOKENS:
-                longest = max(longest, len(order[end][1]))
+            end, longest = start + 1, len(order[start])
+            while end < len(order) and (end + 1 - start) * max(longest, len(order[end])) <= PREFILL_TOKENS:
+                longest = max(longest, len(order[end]))
                 end += 1
-            part = [p for _, p in order[start:end]]
+            part = order[start:end]
             x = torch.zeros(len(part), longest, dtype=torch.long, device=engine.device)
             for i, p in enumerate(part):
                 x[i, :len(p)] = torch.tensor(p, dtype=torch.long, device=engine.device)
