@@ -171,12 +171,11 @@ def equal_time_tokens(names: list[str], tokens: int, threads: int | None, rates_
 
 NANOGPT_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
                   "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
-                  "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0",
-                  "--eval_interval=100", "--always_save_checkpoint=True"]
+                  "--n_embd=128", "--dropout=0.0", "--eval_interval=100", "--always_save_checkpoint=True"]
 
 
 def run_nanogpt(src: Path, text: Path, work: Path, minutes: float, i: int, threads: int | None,
-                tag: str = "") -> dict:
+                tag: str = "", iters: int = 2000) -> dict:
     """nanoGPT's README CPU recipe on `text` for `minutes`, its last checkpoint scored on the held-out part:
     every character after the held-out part's first predicted once, in windows of its block size (64), as
     nats / ln 2 over the UTF-8 bytes predicted."""
@@ -201,7 +200,8 @@ def run_nanogpt(src: Path, text: Path, work: Path, minutes: float, i: int, threa
     log = out.parent / f"{out.name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "train.py", *NANOGPT_RECIPE, f"--dataset={ds}", f"--out_dir={out}"],
+        proc = subprocess.Popen([sys.executable, "train.py", *NANOGPT_RECIPE, f"--max_iters={iters}",
+                                 f"--lr_decay_iters={iters}", f"--dataset={ds}", f"--out_dir={out}"],
                                 cwd=src, stdout=f, stderr=subprocess.STDOUT, env=env)
         try:
             proc.wait(timeout=minutes * 60 + 10)  # its start (imports, data) takes a few seconds
@@ -290,6 +290,8 @@ def main() -> None:
                          "again, new ones are added (time once, then run invocations side by side; --runs 0 "
                          "only times)")
     ap.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout, for the nanogpt variant")
+    ap.add_argument("--nanogpt-iters", type=int, default=2000,
+                    help="the nanogpt variant's max_iters and lr_decay_iters (its README recipe's: 2000)")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--variants", default="default,adamw,fp32,tiny,default-26m")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the training processes")
@@ -314,7 +316,7 @@ def main() -> None:
                 if not args.nanogpt or args.tokens:
                     raise SystemExit("the nanogpt variant needs --nanogpt DIR and a time budget (--minutes)")
                 r = run_nanogpt(args.nanogpt, work / f"{args.corpus}.txt", work, args.minutes, i, args.threads,
-                                args.tag)
+                                args.tag, args.nanogpt_iters)
             else:
                 r = run_one(data, work, name, i, budgets[name], args.threads, args.tag)
             print(f"{name} run {i}: {r['bpb']:.4f} bpb, {r['steps']} steps, {r['tokens_per_s']:.0f} tok/s "

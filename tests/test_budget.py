@@ -159,18 +159,28 @@ def test_the_default_path_widens_its_model_where_the_budget_would_see_the_data_m
     assert cfg.model == small
     assert cfg.note.endswith(f"; width 128: at {rate['value']:,.0f} tokens/s (timed here) the 128-wide model would "
                              f"see the {n:,} training tokens about {sizing.WIDE_PASSES:.1f} times in 3 minutes, at "
-                             f"most {sizing.WIDE_PASSES:g}")
+                             f"most {sizing.WIDE_PASSES:g}; weight decay {sizing.MANY_PASSES_WEIGHT_DECAY:g} (not "
+                             f"0.1): more than {sizing.DECAY_PASSES:g} passes")
+    assert cfg.optim.weight_decay == sizing.MANY_PASSES_WEIGHT_DECAY
+    # A weight decay the user gives is kept; at most DECAY_PASSES passes keep the preset's.
+    assert load_config(overrides={**over, "optim.weight_decay": "0.05"}).optim.weight_decay == 0.05
+    rate["value"] = sizing.DECAY_PASSES * n / 180
+    cfg = load_config(overrides=over)
+    assert cfg.optim.weight_decay == preset("cpu-small").optim.weight_decay == 0.1
+    assert cfg.note.endswith(f"at most {sizing.WIDE_PASSES:g}")
+    rate["value"] = sizing.WIDE_PASSES * n / 180
     rate["value"] *= 1.01
     cfg = load_config(overrides=over)
     assert cfg.model == load_config("cpu-small", overrides={"model.d_model": str(sizing.WIDE_D_MODEL)}).model
     assert f"; width {sizing.WIDE_D_MODEL}: at {rate['value']:,.0f} tokens/s" in cfg.note
-    # A run resumed in its directory keeps the width it started with, whatever the rate now.
+    # A run resumed in its directory keeps the width and weight decay it started with, whatever the rate now.
     (tmp_path / "run" / "checkpoints" / "step-00000010").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000010" / "config.json").write_text(json.dumps(cfg.to_dict()))
     rate["value"] = 1.0
     cfg = load_config(overrides=over)
-    assert cfg.model.d_model == sizing.WIDE_D_MODEL
-    assert cfg.note.endswith(f"; width {sizing.WIDE_D_MODEL}: the width the run in {tmp_path / 'run'} was started with")
+    assert (cfg.model.d_model, cfg.optim.weight_decay) == (sizing.WIDE_D_MODEL, sizing.MANY_PASSES_WEIGHT_DECAY)
+    assert cfg.note.endswith(f"; width {sizing.WIDE_D_MODEL}, weight decay {sizing.MANY_PASSES_WEIGHT_DECAY:g}: the "
+                             f"run in {tmp_path / 'run'} was started with them")
     # Data that cannot be read, and several processes, leave the preset's width.
     assert load_config(overrides={**over, "data.path": str(tmp_path / "nothing"),
                                   "train.out_dir": str(tmp_path / "new")}).model == small

@@ -134,11 +134,13 @@ def load_config(preset_name: str | None = None, config_file: str | Path | None =
             and not any("max_steps" in t for t in given):
         d["train"]["max_steps"] = 0
     cfg = Config.from_dict(d, source)
-    if picked is not None:  # its width, for the budget and the data (nanolm/train/sizing.py)
-        from nanolm.train.sizing import width_for_budget
-        model, why = width_for_budget(cfg)
-        if model:
-            d["model"].update(model)
+    if picked is not None:  # its width and weight decay, for the budget and the data (nanolm/train/sizing.py)
+        from nanolm.train.sizing import shape_for_budget
+        decay_given = any(isinstance(o := g.get("optim"), dict) and "weight_decay" in o for g in (file_d, over_d))
+        changed, why = shape_for_budget(cfg, decay_given)
+        if changed:
+            for part, values in changed.items():
+                d[part].update(values)
             cfg = Config.from_dict(d, source)
         note += f"; {why}" if why else ""
     try:

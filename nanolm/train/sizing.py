@@ -1,4 +1,4 @@
-"""The default path's model width, chosen for the time budget and the data.
+"""The default path's model width and weight decay, chosen for the time budget and the data.
 
 A time budget with no preset and no model settings trains the `cpu-small` preset
 (nanolm/config/load.py, BUDGET_PRESET). How wide that model should be depends on
@@ -8,17 +8,23 @@ whole, at 3, 6 and 10 minutes (bench/RESULTS.md, "The default path's width:
 budget and data"): where the 128-wide preset saw its training tokens 3 to 6
 times it was better than the same model 256 wide (by 0.03-0.10 bits per byte),
 and where it saw them 8 to 20 times the 256-wide one was better (by 0.01-0.03):
-it learns more from each pass and overfits later.
+it learns more from each pass and overfits later. Around the preset, at the
+tokens each shape trains in 3 minutes (5 and 7 passes; bench/RESULTS.md, "The
+default path's neighbourhood, at equal time"), depth, sequence length, batch,
+learning rate and dropout changed nothing or lost on one of the two texts, and
+weight decay 0.3 instead of 0.1 won on both (and at 10 minutes' tokens on the
+wide model), so the default path decays by 0.3 where the data is seen more than
+DECAY_PASSES times; fewer passes keep the preset's 0.1 (not measured there).
 
-How many times is not known before training, so `width_for_budget` times the preset's
+How many times is not known before training, so `shape_for_budget` times the preset's
 step on this machine (a few steps of its model, micro-batch and optimizer on
 random tokens, about a second before the run's clock starts) and divides the
 tokens the budget buys at that rate by the data's training tokens; this
 estimate runs 10-25% above the passes a run makes (evaluations, data loading
 and checkpoints are left out), and WIDE_PASSES sits between the two measured
-ranges with that in mind. A run resumed in its directory keeps the width it was
-started with; under torchrun the width is not sized (each process would time
-its own step).
+ranges with that in mind. A run resumed in its directory keeps the width and
+weight decay it was started with; under torchrun nothing is sized (each process
+would time its own step).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from nanolm.errors import UserError
 
 WIDE_PASSES = 7.0
 WIDE_D_MODEL = 256
+DECAY_PASSES, MANY_PASSES_WEIGHT_DECAY = 5.0, 0.3
 TIMED_STEPS = 3  # after one untimed step (the optimizer's first use pays one-time costs)
 
 
@@ -89,18 +96,25 @@ def passes(minutes: float, tokens_per_s: float, n_train_tokens: int) -> float:
     return minutes * 60 * tokens_per_s / n_train_tokens
 
 
-def width_for_budget(cfg: Config) -> tuple[dict[str, Any], str]:
-    """The model settings the default path changes for cfg's budget and data ({} or {"d_model": WIDE_D_MODEL}),
-    and the sentence that says why (start-up); ({}, "") when the data cannot be read."""
+def shape_for_budget(cfg: Config, decay_given: bool = False) -> tuple[dict[str, dict[str, Any]], str]:
+    """The settings the default path changes for cfg's budget and data ({"model": {"d_model": WIDE_D_MODEL}}
+    and/or {"optim": {"weight_decay": MANY_PASSES_WEIGHT_DECAY}}, or {}), and the sentence that says why
+    (start-up); ({}, "") when the data cannot be read. `decay_given`: the user set optim.weight_decay, which
+    is then kept."""
     saved = checkpoint.step_dirs(Path(cfg.train.out_dir))
     if saved:  # the checkpoint the trainer resumes from, and whose config its resume check compares
         try:
-            d_model = checkpoint.read_run_config(saved[-1]).model.d_model
+            old = checkpoint.read_run_config(saved[-1])
         except UserError:
             pass  # unreadable: sized below as a new run would be
         else:
-            return ({"d_model": d_model} if d_model != cfg.model.d_model else {},
-                    f"width {d_model}: the width the run in {cfg.train.out_dir} was started with")
+            changed: dict[str, dict[str, Any]] = {}
+            if old.model.d_model != cfg.model.d_model:
+                changed["model"] = {"d_model": old.model.d_model}
+            if not decay_given and old.optim.weight_decay != cfg.optim.weight_decay:
+                changed["optim"] = {"weight_decay": old.optim.weight_decay}
+            return changed, (f"width {old.model.d_model}, weight decay {old.optim.weight_decay:g}: the run in "
+                             f"{cfg.train.out_dir} was started with them")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would time its own step, and might differ
         return {}, f"width {cfg.model.d_model}: under torchrun the width is not sized (pass --model.d_model)"
     n = train_tokens(cfg)
@@ -110,7 +124,15 @@ def width_for_budget(cfg: Config) -> tuple[dict[str, Any], str]:
     seen = passes(cfg.train.max_minutes, rate, n)
     measured = (f"at {rate:,.0f} tokens/s (timed here) the {cfg.model.d_model}-wide model would see the {n:,} "
                 f"training tokens about {seen:.1f} times in {cfg.train.max_minutes:g} minutes")
+    changed = {}
     if seen > WIDE_PASSES:
-        return {"d_model": WIDE_D_MODEL}, (f"width {WIDE_D_MODEL}: {measured}, more than {WIDE_PASSES:g}; a wider "
-                                           f"model learns more from each pass")
-    return {}, f"width {cfg.model.d_model}: {measured}, at most {WIDE_PASSES:g}"
+        changed["model"] = {"d_model": WIDE_D_MODEL}
+        why = (f"width {WIDE_D_MODEL}: {measured}, more than {WIDE_PASSES:g}; a wider model learns more from each "
+               f"pass")
+    else:
+        why = f"width {cfg.model.d_model}: {measured}, at most {WIDE_PASSES:g}"
+    if seen > DECAY_PASSES and not decay_given:
+        changed["optim"] = {"weight_decay": MANY_PASSES_WEIGHT_DECAY}
+        why += (f"; weight decay {MANY_PASSES_WEIGHT_DECAY:g} (not {cfg.optim.weight_decay:g}): more than "
+                f"{DECAY_PASSES:g} passes")
+    return changed, why
