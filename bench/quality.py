@@ -336,7 +336,8 @@ def main() -> None:
         each = ", ".join(f"{r['bpb']:.3f}" for r in rs)
         last = rs[-1]
         print(f"| {name} | {med:.3f} | {each} | {statistics.median(r['steps'] for r in rs):.0f} | "
-              f"{statistics.median(r['tokens'] for r in rs):,.0f} | {statistics.median(r['epochs'] for r in rs):.2f} | {last['params'] / 1e6:.2f}M | "
+              f"{statistics.median(r['tokens'] for r in rs):,.0f} | "
+              f"{statistics.median(r['epochs'] for r in rs):.2f} | {last['params'] / 1e6:.2f}M | "
               f"{statistics.median(r['tokens_per_s'] for r in rs):.0f} | {last['dtype']} | {last['optim']} |")
     print(json.dumps({"corpus": args.corpus, "chars": args.chars, "vocab_size": args.vocab_size, "budget": what,
                       "load_avg": os.getloadavg(), "results": results}))

@@ -181,6 +181,9 @@ def test_the_default_path_widens_its_model_where_the_budget_would_see_the_data_m
     assert (cfg.model.d_model, cfg.optim.weight_decay) == (sizing.WIDE_D_MODEL, sizing.MANY_PASSES_WEIGHT_DECAY)
     assert cfg.note.endswith(f"; width {sizing.WIDE_D_MODEL}, weight decay {sizing.MANY_PASSES_WEIGHT_DECAY:g}: the "
                              f"run in {tmp_path / 'run'} was started with them")
+    given = load_config(overrides={**over, "optim.weight_decay": "0.05"})
+    assert (given.model.d_model, given.optim.weight_decay) == (sizing.WIDE_D_MODEL, 0.05)
+    assert given.note.endswith(f"; width {sizing.WIDE_D_MODEL}: the run in {tmp_path / 'run'} was started with it")
     # Data that cannot be read, and several processes, leave the preset's width.
     assert load_config(overrides={**over, "data.path": str(tmp_path / "nothing"),
                                   "train.out_dir": str(tmp_path / "new")}).model == small

@@ -113,8 +113,8 @@ def shape_for_budget(cfg: Config, decay_given: bool = False) -> tuple[dict[str, 
                 changed["model"] = {"d_model": old.model.d_model}
             if not decay_given and old.optim.weight_decay != cfg.optim.weight_decay:
                 changed["optim"] = {"weight_decay": old.optim.weight_decay}
-            return changed, (f"width {old.model.d_model}, weight decay {old.optim.weight_decay:g}: the run in "
-                             f"{cfg.train.out_dir} was started with them")
+            kept = f"width {old.model.d_model}" + ("" if decay_given else f", weight decay {old.optim.weight_decay:g}")
+            return changed, f"{kept}: the run in {cfg.train.out_dir} was started with {'it' if decay_given else 'them'}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would time its own step, and might differ
         return {}, f"width {cfg.model.d_model}: under torchrun the width is not sized (pass --model.d_model)"
     n = train_tokens(cfg)
