@@ -226,12 +226,13 @@ def run_nanogpt(src: Path, text: Path, work: Path, minutes: float, i: int, threa
     whole = text.read_text(encoding="utf-8")
     cut = int(len(whole) * 0.9)  # prepare.py's split
     n_bytes = len(whole[cut + 1:].encode("utf-8"))
+    seen = ckpt["iter_num"] * ckpt["config"]["batch_size"] * block  # characters trained on
     return {"variant": "nanogpt", "run": i, "bpb": nats / math.log(2) / n_bytes, "val_tokens": len(val) - 1,
-            "val_bytes": n_bytes, "steps": ckpt["iter_num"], "tokens": ckpt["iter_num"] * 12 * 64,
-            "epochs": ckpt["iter_num"] * 12 * 64 / cut, "stop": "time",
+            "val_bytes": n_bytes, "steps": ckpt["iter_num"], "tokens": seen, "epochs": seen / cut,
+            "stop": "max_iters" if ckpt["iter_num"] >= iters else "time",
             "tokens_per_s": 0.0, "params": sum(p.numel() for p in model.parameters()), "dtype": "float32",
-            "optim": "adamw", "wall_s": round(wall, 1), "model": ckpt["model_args"], "batch": [12, block],
-            "lr": 1e-3}
+            "optim": "adamw", "wall_s": round(wall, 1), "model": ckpt["model_args"],
+            "batch": [ckpt["config"]["batch_size"], block], "lr": ckpt["config"]["learning_rate"]}
 
 
 def run_one(data: Path, work: Path, name: str, i: int, budget: list[str], threads: int | None,
