@@ -7,12 +7,16 @@ pairs are never among them, tested there), prepared as prompts, and GRPO from th
 the built-in tools in the loop (`grpo.tools builtin`: each trajectory's calls are run and their results fed
 back, up to `--max-rounds` replies) and the `answer` reward. The held-out `calc` benchmark (its first
 `--items` items, scored as `nanolm eval --task calc` scores them) is measured on the SFT model and on the
-GRPO run's last checkpoint; prints both for each seed and the median gain. `--flip-sign` runs the control:
-every advantage negated. Run from the repository root:
+GRPO run's last checkpoint; prints both for each seed (with the misses by kind and each held-out phrasing's
+count, before and after) and the median gain. `--pass-rates K` first samples K answers to GRPO prompts and to
+held-out items at the rollout's temperature: the share the SFT model gets never, sometimes and always right
+(only prompts answered sometimes give a group something to learn from). `--set KEY=VALUE` changes any other
+setting of the GRPO run. `--flip-sign` runs the control: every advantage negated. Run from the repository root:
 
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 1 2                      # a quickstart per seed
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs           # an existing quickstart
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs --flip-sign
+    PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs --pass-rates 8 --set grpo.beta=0.2
 """
 
 from __future__ import annotations
@@ -45,7 +49,36 @@ def calc_prompts(out: Path, n: int, seed: int) -> Path:
 def calc_accuracy(run: Path, which: str, items: int, work: Path) -> dict[str, float]:
     from nanolm.eval.runner import run_eval
     res = run_eval(run, [f"calc:n={items}"], which=which, out=work / f"calc-{run.name}.json")["tasks"][0]
-    return {k: res[k] for k in ("acc", "called", "computed")}
+    return {k: res[k] for k in ("acc", "called", "computed", "misses", "by_phrasing")}
+
+
+def pass_rates(run: Path, prompts: Path, k: int, items: int, temperature: float) -> dict[str, dict[str, Any]]:
+    """How often the SFT model samples a right answer, at the rollout's temperature, k tries each: over the first
+    `items` GRPO prompts and the first `items` held-out `calc` items, the share never right, sometimes right and
+    always right; and per held-out phrasing, [items never right, items]. Only prompts answered sometimes give
+    a group whose rewards differ, something to learn from."""
+    from nanolm.checkpoint import load_model
+    from nanolm.data.tooluse import CalcItem
+    from nanolm.eval.calc import calc_task, score_calc
+    from nanolm.infer.engine import Engine
+    from nanolm.tokenizer import Tokenizer
+    model, ckpt = load_model(run, "best", "cpu")
+    engine, tok = Engine(model), Tokenizer.load(ckpt)
+    rl = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()[:items]]
+    sets = {"GRPO prompts": [CalcItem(r["prompt"], "", r["answer"]) for r in rl],
+            "held-out calc": list(calc_task(items).items)}
+    out = {}
+    for name, its in sets.items():
+        res = score_calc(engine, tok, [it for it in its for _ in range(k)], rows=32, temperature=temperature)
+        right = [sum(p["correct"] for p in res["items"][i * k:(i + 1) * k]) for i in range(len(its))]
+        out[name] = {"never": sum(r == 0 for r in right) / len(its), "always": sum(r == k for r in right) / len(its)}
+        out[name]["sometimes"] = 1 - out[name]["never"] - out[name]["always"]
+        for it, r in zip(its, right):
+            if it.phrasing:  # the held-out items: their phrasings' items never sampled right
+                count = out.setdefault("held-out phrasings", {}).setdefault(it.phrasing, [0, 0])
+                count[0] += r == 0
+                count[1] += 1
+    return out
 
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -59,12 +92,13 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     if not a.from_dir:
         subprocess.run([sys.executable, "-m", "nanolm", "quickstart", "--out", str(qs)], check=True,
                        stdout=subprocess.DEVNULL)
-    t1 = time.perf_counter()
+    quickstart_s = time.perf_counter() - t0
     tok_dir = qs / "tokenizer"
     work.mkdir(parents=True, exist_ok=True)
     prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed)
     prepare([prompts], tok_dir, work / "prompts", format="prompts", val_fraction=0.05, workers=0, quiet=True)
     before = calc_accuracy(qs / "sft", "best", a.items, work)
+    rates = pass_rates(qs / "sft", prompts, a.pass_rates, a.pass_items, a.temperature) if a.pass_rates else {}
     seq = 2 * load_config(a.preset).train.seq_len  # the quickstart's fine-tuning length
     cfg = load_config(a.preset, overrides={
         "data.path": str(work / "prompts"), "train.out_dir": str(work / "agent"), "train.stage": "grpo",
@@ -74,13 +108,15 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "optim.name": "adamw", "optim.lr": a.lr, "optim.min_lr": a.lr,  # the preset's Muon at 0.02 wrecks RL
         "grpo.group_size": a.group, "grpo.max_new_tokens": a.max_new_tokens,
         "grpo.temperature": a.temperature, "grpo.tools": "builtin", "grpo.max_rounds": a.max_rounds,
-        "grpo.rewards": "answer"})
+        "grpo.rewards": "answer", **dict(kv.split("=", 1) for kv in a.set)})
+    t1 = time.perf_counter()  # GRPO's time is the training run's alone
     train(cfg, quiet=True)
     t2 = time.perf_counter()
     after = calc_accuracy(work / "agent", "last", a.items, work)
     rows = [json.loads(line) for line in (work / "agent" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
-    return {"seed": seed, "before": before, "after": after, "quickstart_s": t1 - t0, "grpo_s": t2 - t1,
+    return {"seed": seed, "before": before, "after": after, "pass_rates": rates, "quickstart_s": quickstart_s,
+            "grpo_s": t2 - t1, "total_s": time.perf_counter() - t0,
             "reward_first": statistics.mean(r["reward"] for r in steps[:10]),
             "reward_last": statistics.mean(r["reward"] for r in steps[-10:])}
 
@@ -100,6 +136,12 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-new-tokens", type=int, default=256, help="the model's tokens over a whole trajectory")
     p.add_argument("--max-rounds", type=int, default=2)
+    p.add_argument("--pass-rates", type=int, default=0, metavar="K",
+                   help="first sample K answers to each of --pass-items GRPO prompts and held-out items at the "
+                        "rollout's temperature: the share the SFT model gets never, sometimes and always right")
+    p.add_argument("--pass-items", type=int, default=100)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other setting of the GRPO run (repeatable), e.g. grpo.beta=0.1")
     a = p.parse_args()
     res = []
     for s, r in per_seed(run, a):
@@ -108,7 +150,21 @@ def main() -> None:
         print(f"seed {s}: held-out calc {b['acc']:.3f} -> {f['acc']:.3f} (called {b['called']:.2f} -> "
               f"{f['called']:.2f}, computed {b['computed']:.3f} -> {f['computed']:.3f}) | sampled reward (first 10 "
               f"steps -> last 10) {r['reward_first']:.3f} -> {r['reward_last']:.3f} | quickstart "
-              f"{r['quickstart_s']:.0f} s, GRPO {r['grpo_s']:.0f} s", flush=True)
+              f"{r['quickstart_s']:.0f} s, GRPO {r['grpo_s']:.0f} s, the seed in all {r['total_s']:.0f} s", flush=True)
+        print("  missed, before -> after: " + ", ".join(f"{k} {b['misses'][k]} -> {f['misses'][k]}"
+                                                     for k in b["misses"]))
+        rates = r["pass_rates"]
+        for name in ("GRPO prompts", "held-out calc"):
+            if name in rates:
+                pr = rates[name]
+                print(f"  {name}, {a.pass_rates} samples each at temperature {a.temperature}: never right "
+                      f"{pr['never']:.0%}, sometimes {pr['sometimes']:.0%}, always {pr['always']:.0%}")
+        never = rates.get("held-out phrasings", {})
+        print("  held-out calc right, before -> after" + (f" (items never right in {a.pass_rates} samples)"
+                                                         if never else "") + ":")
+        for phrasing, c in b["by_phrasing"].items():
+            extra = f" ({never[phrasing][0]} of {never[phrasing][1]})" if phrasing in never else ""
+            print(f"  {c['correct']:>3} -> {f['by_phrasing'][phrasing]['correct']:>3} of {c['n']:<3}{extra:10} {phrasing}")
     gains = [r["after"]["acc"] - r["before"]["acc"] for r in res]
     print(f"median of {len(res)} seeds: held-out calc {statistics.median(r['before']['acc'] for r in res):.3f} -> "
           f"{statistics.median(r['after']['acc'] for r in res):.3f} (gain {statistics.median(gains):+.3f})")

@@ -316,6 +316,10 @@ def _cmd_eval(args: argparse.Namespace) -> None:
                           degeneration=args.degeneration, data=args.data, out=args.out)
         if report["tasks"]:
             print(format_table(report["tasks"]))
+        for r in report["tasks"]:
+            if r.get("kind") == "calc":
+                from nanolm.eval.calc import format_calc
+                print(format_calc(r))
         if "degeneration" in report:
             print(format_degeneration(report["degeneration"]))
         print(f"results -> {report['path']}")

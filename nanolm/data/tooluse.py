@@ -209,6 +209,7 @@ class CalcItem:
     expression: str
     answer: str
     where: str = ""
+    phrasing: str = ""  # the question's template (HELDOUT_ZH / HELDOUT_EN), for results by phrasing
 
 
 def _offered(rng: random.Random, tools: Sequence[dict], needs: dict | None) -> list[dict]:
@@ -314,5 +315,6 @@ def calc_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> l
         if text in seen or not numbers_held_out("calc", *operands(expression)):
             continue
         seen.add(text)
-        items.append(CalcItem(text, expression, calculator({"expression": expression}), f"calc:{len(items)}"))
+        items.append(CalcItem(text, expression, calculator({"expression": expression}), f"calc:{len(items)}",
+                              question))
     return items

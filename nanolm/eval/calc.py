@@ -10,7 +10,9 @@ right number and the final reply states it. Chance is 0. Besides the
 accuracy, the result says how often the model called the calculator at all
 (`called`) and how often a call computed the right number (`computed`), so a
 model that has learnt the format but not to copy the question's numbers shows
-as such.
+as such; `misses` counts each missed item by what went wrong first (`MISSES`),
+and `by_phrasing` gives the accuracy of each held-out phrasing, which a model
+tends to get all right or all wrong.
 
 Items are scored in batches of rows (`scoring.generate_texts`), two rounds:
 the replies that call, then the replies to the tool results.
@@ -18,16 +20,22 @@ the replies that call, then the replies to the tool results.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 from nanolm.chat import Message, read_reply
-from nanolm.data.tooluse import CalcItem, calc_items
+from nanolm.data.tooluse import CalcItem, calc_items, operands
 from nanolm.errors import UserError
 from nanolm.eval.scoring import _NUMBER, answers_match, generate_texts, summary
 from nanolm.eval.tasks import Task
 
 SEED = 0
 DEFAULT_ITEMS = 200
+# What went wrong with a missed item, the first that applies: no call at all; a call that computed the answer
+# and a reply that does not state it; a call with exactly the question's numbers that computed something else
+# (the wrong operation, or the operands in the wrong order); any other call (a number not the question's, one
+# left out, an argument that is not an expression).
+MISSES = ("no call", "misstated", "operation", "numbers")
 
 
 def calc_task(n: int | None = None, seed: int = SEED) -> Task:
@@ -42,10 +50,32 @@ def states(reply: str, answer: str) -> bool:
     return any(answers_match(x.replace("$", ""), answer) for x in _NUMBER.findall(reply))
 
 
+def miss(question: str, calls: Sequence[str], computed: bool, correct: bool) -> str | None:
+    """What went wrong with an item (one of MISSES), None when it counts. calls: each call's arguments (JSON)."""
+    if correct:
+        return None
+    if not calls:
+        return "no call"
+    if computed:
+        return "misstated"
+    wanted = sorted(operands(question))
+    for arguments in calls:
+        try:
+            expression = json.loads(arguments).get("expression")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(expression, str) and sorted(operands(expression)) == wanted:
+            return "operation"
+    return "numbers"
+
+
 def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 16,
-               max_new_tokens: int = 64) -> dict[str, Any]:
-    """Score `calc` items with greedy replies through the chat template with the built-in tools offered.
-    Returns {"kind": "calc", "n", "acc", "chance": 0, "centred", "stderr", "called", "computed", "items"}."""
+               max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Score `calc` items with greedy replies (or sampled at `temperature`, nothing else cut, item i of each
+    round drawing with seed + i) through the chat template with the built-in tools offered.
+    Returns {"kind": "calc", "n", "acc", "chance": 0, "centred", "stderr", "called", "computed", "misses",
+    "by_phrasing", "items"}: misses, the missed items counted by MISSES; by_phrasing, {phrasing: {"n",
+    "correct"}} over the items that carry their phrasing."""
     from nanolm.config.sampling import SamplingParams
     from nanolm.infer.guide import GuideVocab, ToolCallGuide
     from nanolm.infer.tools import Toolbox
@@ -57,7 +87,8 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
     box = Toolbox.from_specs(["builtin"])
     texts = box.texts()
     guide = ToolCallGuide(GuideVocab.of(tok, engine.model.config.vocab_size, engine.device), list(box.tools))
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=0, top_p=1.0,
+                            seed=seed if temperature > 0 else None)
     stop_ids = (tok.im_end_id, tok.eot_id)
 
     def replies(conversations: list[list[Message]]) -> list[str]:
@@ -82,10 +113,28 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
         final = finals.get(i, firsts[i].content)
         ok = computed and states(final, it.answer)
         correct.append(float(ok))
-        per_item.append({"where": it.where, "question": it.question, "answer": it.answer,
-                         "calls": [c.arguments for c in firsts[i].tool_calls], "results": results[i],
-                         "reply": final, "computed": computed, "correct": ok})
+        calls = [c.arguments for c in firsts[i].tool_calls]
+        per_item.append({"where": it.where, "question": it.question, "answer": it.answer, "calls": calls,
+                         "results": results[i], "reply": final, "computed": computed, "correct": ok,
+                         "miss": miss(it.question, calls, computed, ok), "phrasing": it.phrasing})
     s = summary(correct, 0.0)
     n = len(items)
+    by_phrasing: dict[str, dict[str, int]] = {}
+    for p in per_item:
+        if p["phrasing"]:
+            count = by_phrasing.setdefault(p["phrasing"], {"n": 0, "correct": 0})
+            count["n"] += 1
+            count["correct"] += p["correct"]
     return {"kind": "calc", "n": n, "acc": s["acc"], "chance": 0.0, "centred": s["centred"], "stderr": s["stderr"],
-            "called": len(answered) / n, "computed": sum(p["computed"] for p in per_item) / n, "items": per_item}
+            "called": len(answered) / n, "computed": sum(p["computed"] for p in per_item) / n,
+            "misses": {k: sum(p["miss"] == k for p in per_item) for k in MISSES}, "by_phrasing": by_phrasing,
+            "items": per_item}
+
+
+def format_calc(res: dict[str, Any]) -> str:
+    """A `calc` result's misses and, where known, its accuracy by phrasing, as lines under the summary table."""
+    lines = [f"calc: {res['n'] - sum(res['misses'].values())} of {res['n']} right; missed: "
+             + ", ".join(f"{k} {v}" for k, v in res["misses"].items())]
+    for phrasing, c in res.get("by_phrasing", {}).items():
+        lines.append(f"  {c['correct']:>3}/{c['n']:<3} {phrasing}")
+    return "\n".join(lines)
