@@ -216,3 +216,15 @@ def test_a_path_that_is_not_a_run_is_named(runs, tmp_path):
         build_report([step], tasks=[])
     with pytest.raises(UserError, match="no runs given"):
         build_report([], tasks=[])
+
+
+def test_calc_misses_are_listed_under_the_benchmark_line(report):
+    calc = {"task": "calc", "kind": "calc", "path": "built-in", "results": [
+        {"label": label, "n": 200, "acc": acc, "centred": acc, "stderr": 0.03, "chance": 0.0, "chat": True,
+         "metric": "acc", "misses": misses} for label, acc, misses in (
+            ("pretrain", 0.155, {"no call": 90, "misstated": 20, "operation": 30, "numbers": 29}),
+            ("sft", 0.7, {"no call": 1, "misstated": 6, "operation": 31, "numbers": 22}))]}
+    lines = format_report({**report, "tasks": [calc]}).splitlines()
+    i = lines.index("- calc (calc, 200 items, acc): pretrain 15.5% ± 3.0%, sft 70.0% ± 3.0%; chance 0.0%")
+    assert lines[i + 1:i + 3] == ["  - pretrain missed: no call 90, misstated 20, operation 30, numbers 29",
+                                  "  - sft missed: no call 1, misstated 6, operation 31, numbers 22"]
