@@ -164,7 +164,8 @@ def main() -> None:
                                                          if never else "") + ":")
         for phrasing, c in b["by_phrasing"].items():
             extra = f" ({never[phrasing][0]} of {never[phrasing][1]})" if phrasing in never else ""
-            print(f"  {c['correct']:>3} -> {f['by_phrasing'][phrasing]['correct']:>3} of {c['n']:<3}{extra:10} {phrasing}")
+            after = f["by_phrasing"][phrasing]["correct"]
+            print(f"  {c['correct']:>3} -> {after:>3} of {c['n']:<3}{extra:10} {phrasing}")
     gains = [r["after"]["acc"] - r["before"]["acc"] for r in res]
     print(f"median of {len(res)} seeds: held-out calc {statistics.median(r['before']['acc'] for r in res):.3f} -> "
           f"{statistics.median(r['after']['acc'] for r in res):.3f} (gain {statistics.median(gains):+.3f})")
