@@ -11,7 +11,8 @@ GRPO run's last checkpoint; prints both for each seed (with the misses by kind a
 count, before and after) and the median gain. `--pass-rates K` first samples K answers to GRPO prompts and to
 held-out items at the rollout's temperature: the share the SFT model gets never, sometimes and always right
 (only prompts answered sometimes give a group something to learn from). `--set KEY=VALUE` changes any other
-setting of the GRPO run. `--flip-sign` runs the control: every advantage negated. Run from the repository root:
+setting of the GRPO run; `--written-out` keeps only the prompts that write their operation out ("23 + 95
+等于几？"). `--flip-sign` runs the control: every advantage negated. Run from the repository root:
 
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 1 2                      # a quickstart per seed
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs           # an existing quickstart
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -31,16 +33,21 @@ from pathlib import Path
 from typing import Any
 
 
-def calc_prompts(out: Path, n: int, seed: int) -> Path:
-    """n calculator prompts in the tool-use set's phrasings: {"prompt": question, "answer": result}."""
+WRITTEN_OUT = re.compile(r"\d+ [-+*x/] \d+")  # a question that writes its operation out: "23 + 95 等于几？"
+
+
+def calc_prompts(out: Path, n: int, seed: int, written_out: bool = False) -> Path:
+    """n calculator prompts in the tool-use set's phrasings: {"prompt": question, "answer": result}; with
+    written_out, only questions that write their operation out (WRITTEN_OUT), none that names it in words."""
     from nanolm.data.tooluse import build_calculator_conversations
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
-    convs = build_calculator_conversations(out.with_suffix(".tools.jsonl"), 2 * n, seed, calculator=calculator,
-                                           tools=BUILTIN_TOOLS)
+    convs = build_calculator_conversations(out.with_suffix(".tools.jsonl"), (20 if written_out else 2) * n, seed,
+                                           calculator=calculator, tools=BUILTIN_TOOLS)
     lines = []
     for line in convs.read_text(encoding="utf-8").splitlines():
         m = json.loads(line)["messages"]
-        if len(m) == 4 and len(lines) < n:  # a question answered through the calculator
+        # a question answered through the calculator
+        if len(m) == 4 and len(lines) < n and (not written_out or WRITTEN_OUT.search(m[0]["content"])):
             lines.append(json.dumps({"prompt": m[0]["content"], "answer": m[2]["content"]}, ensure_ascii=False) + "\n")
     out.write_text("".join(lines), encoding="utf-8")
     return out
@@ -95,7 +102,7 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     quickstart_s = time.perf_counter() - t0
     tok_dir = qs / "tokenizer"
     work.mkdir(parents=True, exist_ok=True)
-    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed)
+    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed, written_out=a.written_out)
     prepare([prompts], tok_dir, work / "prompts", format="prompts", val_fraction=0.05, workers=0, quiet=True)
     before = calc_accuracy(qs / "sft", "best", a.items, work)
     rates = pass_rates(qs / "sft", prompts, a.pass_rates, a.pass_items, a.temperature) if a.pass_rates else {}
@@ -136,6 +143,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-new-tokens", type=int, default=256, help="the model's tokens over a whole trajectory")
     p.add_argument("--max-rounds", type=int, default=2)
+    p.add_argument("--written-out", action="store_true",
+                   help="only prompts that write their operation out (23 + 95), none that names it in words")
     p.add_argument("--pass-rates", type=int, default=0, metavar="K",
                    help="first sample K answers to each of --pass-items GRPO prompts and held-out items at the "
                         "rollout's temperature: the share the SFT model gets never, sometimes and always right")
