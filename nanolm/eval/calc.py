@@ -131,10 +131,15 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
             "items": per_item}
 
 
+def format_misses(misses: dict[str, int]) -> str:
+    """The missed items by kind, in MISSES' order: "no call 1, misstated 0, operation 9, numbers 7"."""
+    return ", ".join(f"{k} {v}" for k, v in misses.items())
+
+
 def format_calc(res: dict[str, Any]) -> str:
     """A `calc` result's misses and, where known, its accuracy by phrasing, as lines under the summary table."""
     lines = [f"calc: {res['n'] - sum(res['misses'].values())} of {res['n']} right; missed: "
-             + ", ".join(f"{k} {v}" for k, v in res["misses"].items())]
+             + format_misses(res["misses"])]
     for phrasing, c in res.get("by_phrasing", {}).items():
         lines.append(f"  {c['correct']:>3}/{c['n']:<3} {phrasing}")
     return "\n".join(lines)

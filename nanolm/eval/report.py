@@ -473,7 +473,8 @@ def format_report(report: dict[str, Any]) -> str:
                        f"chance {' / '.join(sorted(chance))}")
             for r in t["results"]:
                 if r.get("misses"):  # calc: what went wrong with the items each model missed
-                    out.append(f"  - {r['label']} missed: " + ", ".join(f"{k} {v}" for k, v in r["misses"].items()))
+                    from nanolm.eval.calc import format_misses
+                    out.append(f"  - {r['label']} missed: {format_misses(r['misses'])}")
     pre = [e for e in report["runs"] if e["baseline"] and "xz_bpb" in e["baseline"]]
     if pre:
         out += ["", "Baselines, on the same held-out tokens as the model's bits per byte:", ""]
