@@ -36,11 +36,15 @@ from typing import Any
 WRITTEN_OUT = re.compile(r"\d+ [-+*x/] \d+")  # a question that writes its operation out: "23 + 95 等于几？"
 
 
-def calc_prompts(out: Path, n: int, seed: int, written_out: bool = False) -> Path:
-    """n calculator prompts in the tool-use set's phrasings: {"prompt": question, "answer": result}; with
-    written_out, only questions that write their operation out (WRITTEN_OUT), none that names it in words."""
-    from nanolm.data.tooluse import build_calculator_conversations
+def calc_prompts(out: Path, n: int, seed: int, phrasings: str = "rl", written_out: bool = False) -> Path:
+    """n calculator prompts, {"prompt": question, "answer": result}: with phrasings "rl", the built-in RL prompts
+    (`nanolm.data.tooluse.calculator_prompts`: phrasings neither fine-tuning nor the benchmark uses); with
+    "tooluse", questions of the fine-tuning set's own phrasings, and with written_out only those that write their
+    operation out (WRITTEN_OUT), none that names it in words."""
+    from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
+    if phrasings == "rl":
+        return calculator_prompts(out, n, seed, calculator=calculator)
     convs = build_calculator_conversations(out.with_suffix(".tools.jsonl"), (20 if written_out else 2) * n, seed,
                                            calculator=calculator, tools=BUILTIN_TOOLS)
     lines = []
@@ -102,7 +106,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     quickstart_s = time.perf_counter() - t0
     tok_dir = qs / "tokenizer"
     work.mkdir(parents=True, exist_ok=True)
-    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed, written_out=a.written_out)
+    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed,
+                           phrasings="tooluse" if a.written_out else a.phrasings, written_out=a.written_out)
     prepare([prompts], tok_dir, work / "prompts", format="prompts", val_fraction=0.05, workers=0, quiet=True)
     before = calc_accuracy(qs / "sft", "best", a.items, work)
     rates = pass_rates(qs / "sft", prompts, a.pass_rates, a.pass_items, a.temperature) if a.pass_rates else {}
@@ -143,8 +148,10 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-new-tokens", type=int, default=256, help="the model's tokens over a whole trajectory")
     p.add_argument("--max-rounds", type=int, default=2)
+    p.add_argument("--phrasings", choices=("rl", "tooluse"), default="rl",
+                   help="the GRPO prompts' phrasings: the built-in RL prompts' own (rl) or the fine-tuning set's")
     p.add_argument("--written-out", action="store_true",
-                   help="only prompts that write their operation out (23 + 95), none that names it in words")
+                   help="only prompts of the fine-tuning set's phrasings that write their operation out (23 + 95)")
     p.add_argument("--pass-rates", type=int, default=0, metavar="K",
                    help="first sample K answers to each of --pass-items GRPO prompts and held-out items at the "
                         "rollout's temperature: the share the SFT model gets never, sometimes and always right")

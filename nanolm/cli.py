@@ -26,11 +26,16 @@ def _cmd_data(args: argparse.Namespace) -> None:
                                       args.seed)
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     elif args.data_cmd == "tools":
-        from nanolm.data.tooluse import build_calculator_conversations
+        from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
         from nanolm.infer.tools import BUILTIN_TOOLS, calculator
-        out = build_calculator_conversations(Path(args.out), args.n, args.seed, calculator=calculator,
-                                             tools=BUILTIN_TOOLS)
-        print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
+        if args.prompts:
+            out = calculator_prompts(Path(args.out), args.n, args.seed, calculator=calculator)
+            print(f"{args.n} calculator prompts for --stage grpo / ppo with --grpo.tools builtin (in phrasings the "
+                  f"conversations never use; each answer the calculator's) -> {out}")
+        else:
+            out = build_calculator_conversations(Path(args.out), args.n, args.seed, calculator=calculator,
+                                                 tools=BUILTIN_TOOLS)
+            print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
     elif args.data_cmd == "arith":
         from nanolm.data.arith import write_arith
         for name, path in write_arith(Path(args.out), args.n_sft, args.n_prompts, args.n_heldout, args.seed,
@@ -383,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     tl = dsub.add_parser("tools", help="a tool-use SFT set: arithmetic questions answered through the built-in "
                                        "calculator, its result fed back and quoted")
     tl.add_argument("--out", required=True, help="the JSONL file to write")
-    tl.add_argument("--n", type=int, default=2000, help="number of conversations")
+    tl.add_argument("--n", type=int, default=2000, help="number of conversations (or prompts)")
+    tl.add_argument("--prompts", action="store_true",
+                    help="write RL prompts instead ({\"prompt\", \"answer\"} records for `nanolm prepare --format "
+                         "prompts`), in phrasings of their own")
     tl.add_argument("--seed", type=int, default=0)
     ar = dsub.add_parser("arith", help="arithmetic word problems with computed answers (English and Chinese): an SFT "
                                        "set with worked answers, and RL prompts (train and held out) for --stage grpo")

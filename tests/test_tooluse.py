@@ -142,3 +142,46 @@ def test_the_drill_is_the_set_rendered_without_tool_lists(tmp_path):
             assert f'{{"expression": "{expression}"}}' in text and f"<tool_response>\n{m[2].content}\n" in text
             assert not numbers_held_out("calc", *operands(expression))
     assert calls > 200
+
+
+def test_rl_prompts_use_phrasings_of_their_own_and_the_calculators_answers(tmp_path):
+    """The built-in RL prompts: each in an RL phrasing that is neither a tool-use template nor a calc benchmark
+    phrasing, over training numbers, its answer the calculator's (no negative difference, whole quotients); every
+    operator in both languages; the same n and seed give the same file; the CLI writes them."""
+    import subprocess
+    import sys
+    from nanolm.data import tooluse as t
+    from nanolm.data.tooluse import RL_EN, RL_ZH, calculator_prompts
+    rl = [q for q, _ in RL_ZH + RL_EN]
+    others = {q for q, _ in _QUESTIONS_ZH + _QUESTIONS_EN + HELDOUT_ZH + HELDOUT_EN}
+    assert len(set(rl)) == len(rl) and not set(rl) & others
+    for phrasings in (RL_ZH, RL_EN):
+        assert {expr.split()[1] for _, expr in phrasings} == {"+", "-", "*", "/"}
+    held = [q.lower() for q, _ in HELDOUT_ZH + HELDOUT_EN]
+    for frames, phrases in ((t._RL_FRAMES_EN, t._RL_PHRASES_EN), (t._RL_FRAMES_ZH, t._RL_PHRASES_ZH)):
+        assert {expr.split()[1] for _, expr in phrases} == {"+", "-", "*", "/"}
+        for phrase, expr in phrases:  # every frame asks every operator phrase; none is inside a benchmark phrasing
+            assert not any(phrase.lower() in h for h in held), phrase
+            assert all(any(_template_re(q).match(f.replace("{x}", phrase).format(a=12, b=34, c=56))
+                           for q, e in RL_ZH + RL_EN if e == expr) for f in frames)
+    out = calculator_prompts(tmp_path / "p.jsonl", 400, seed=2, calculator=calculator)
+    assert out.read_bytes() == calculator_prompts(tmp_path / "q.jsonl", 400, seed=2, calculator=calculator).read_bytes()
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == 400 and len({r["prompt"] for r in records}) > 350
+    assert sum(bool(re.search("[\u4e00-\u9fff]", r["prompt"])) for r in records) == 200
+    used = set()
+    for r in records:
+        (template, expr), = [(q, e) for q, e in RL_ZH + RL_EN if _template_re(q).match(r["prompt"])]
+        used.add(template)
+        # the numbers, in the template's order, fill its expression: its answer is the calculator's
+        nums = dict(zip(re.findall(r"\{([abc])\}", template), map(int, re.findall(r"\d+", r["prompt"]))))
+        expression = expr.format(**nums)
+        assert r["answer"] == calculator({"expression": expression}) and re.fullmatch(r"\d+", r["answer"])
+        assert not numbers_held_out("calc", *operands(expression))
+        assert not any(_template_re(q).match(r["prompt"]) for q in others)
+    assert used == set(rl)  # 400 prompts meet every phrasing
+    cli = subprocess.run([sys.executable, "-m", "nanolm", "data", "tools", "--prompts", "--n", "400", "--seed", "2",
+                          "--out", str(tmp_path / "cli.jsonl")], capture_output=True, text=True, check=True)
+    assert "400 calculator prompts" in cli.stdout and (tmp_path / "cli.jsonl").read_bytes() == out.read_bytes()
+    with pytest.raises(Exception, match="positive integer"):
+        calculator_prompts(tmp_path / "r.jsonl", 0, calculator=calculator)

@@ -193,6 +193,52 @@ HELDOUT_EN: list[tuple[str, str]] = [
     ("What do you get when you add {b} to {a}?", "{a} + {b}"),
     ("Find the product of {a} and {b}.", "{a} * {b}"),
 ]
+# Phrasings of their own for reinforcement-learning prompts (`calculator_prompts`): neither a template of the
+# tool-use set above nor a `calc` benchmark phrasing, and no operator phrase of theirs inside a benchmark phrasing
+# (tested), so that RL meets questions the fine-tuned model has never been taught to read, as the
+# benchmark's are, and its rewards, not fine-tuning, decide what it calls. Word problems, each its own sentence,
+# and frames x operator phrases (every frame with every operator, some phrases naming their operands in the
+# reverse order: "{b} more than {a}"), where only the operator's words tell which call is right.
+_RL_SENTENCES_ZH: list[tuple[str, str]] = [
+    ("篮子里有 {a} 个鸡蛋，又放进 {b} 个，现在一共几个？", "{a} + {b}"),
+    ("把 {b} 加到 {a} 上，得到几？", "{a} + {b}"),
+    ("书架上有 {a} 本书，借走了 {b} 本，还剩几本？", "{a} - {b}"),
+    ("{a} 比 {b} 大多少？", "{a} - {b}"),
+    ("每盒有 {a} 支笔，{b} 盒共有几支？", "{a} * {b}"),
+    ("{a} 行座位，每行 {b} 个，一共多少个座位？", "{a} * {b}"),
+    ("{c} 米长的绳子，每段 {a} 米，能剪成几段？", "{c} / {a}"),
+    ("{c} 里面有几个 {a}？", "{c} / {a}"),
+]
+_RL_SENTENCES_EN: list[tuple[str, str]] = [
+    ("I have {a} stickers and get {b} more. How many do I have now?", "{a} + {b}"),
+    ("Combine {a} with {b}: what is the result?", "{a} + {b}"),
+    ("A tank holds {a} liters and {b} leak out. How many liters are left?", "{a} - {b}"),
+    ("By how much does {a} exceed {b}?", "{a} - {b}"),
+    ("Each of {a} bags holds {b} coins. How many coins are there in all?", "{a} * {b}"),
+    ("There are {a} rows of {b} chairs. How many chairs is that?", "{a} * {b}"),
+    ("{c} cookies are packed {a} to a box. How many boxes are needed?", "{c} / {a}"),
+    ("How many times does {a} go into {c}?", "{c} / {a}"),
+]
+_RL_FRAMES_EN = ("I need {x}.", "Help me figure out {x}.", "Do you know {x}?")
+_RL_PHRASES_EN = (("{a} increased by {b}", "{a} + {b}"), ("the total of {a} and {b}", "{a} + {b}"),
+                  ("{b} more than {a}", "{a} + {b}"),
+                  ("{a} decreased by {b}", "{a} - {b}"), ("{a} reduced by {b}", "{a} - {b}"),
+                  ("{b} fewer than {a}", "{a} - {b}"),
+                  ("{a} groups of {b}", "{a} * {b}"), ("{a} lots of {b}", "{a} * {b}"),
+                  ("{a} scaled by {b}", "{a} * {b}"),
+                  ("{c} over {a}", "{c} / {a}"), ("{c} shared among {a}", "{c} / {a}"),
+                  ("how many {a}s fit in {c}", "{c} / {a}"))
+_RL_FRAMES_ZH = ("{x}是多少？", "我想知道{x}。", "麻烦算一下{x}。")
+_RL_PHRASES_ZH = (("{a} 增加 {b} 后的数", "{a} + {b}"), ("{a} 与 {b} 的合计", "{a} + {b}"),
+                  ("比 {a} 多 {b} 的数", "{a} + {b}"),
+                  ("{a} 扣掉 {b} 后的数", "{a} - {b}"), ("{a} 和 {b} 的差", "{a} - {b}"),
+                  ("比 {a} 少 {b} 的数", "{a} - {b}"),
+                  ("{a} 个 {b} 相加的和", "{a} * {b}"), ("{a} 和 {b} 的乘积", "{a} * {b}"),
+                  ("{a} 组、每组 {b} 个的总数", "{a} * {b}"),
+                  ("{c} 被 {a} 平分后的每份", "{c} / {a}"), ("{a} 去除 {c} 的商", "{c} / {a}"),
+                  ("{c} 分成 {a} 等份的一份", "{c} / {a}"))
+RL_ZH: list[tuple[str, str]] = _RL_SENTENCES_ZH + _composed(_RL_FRAMES_ZH, _RL_PHRASES_ZH, "x")
+RL_EN: list[tuple[str, str]] = _RL_SENTENCES_EN + _composed(_RL_FRAMES_EN, _RL_PHRASES_EN, "x")
 _OPERANDS = re.compile(r"\d+")
 
 
@@ -290,6 +336,36 @@ def build_tool_drill(out: Path, n: int, seed: int = 1, *, calculator: Callable[[
     """
     lines = [json.dumps({"text": render_chat(m)}, ensure_ascii=False) + "\n"
              for m, _ in _conversations(n, seed, calculator, tools)]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, "".join(lines).encode("utf-8"))
+    return out
+
+
+def calculator_prompts(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> Path:
+    """Write n reinforcement-learning prompts for the calculator to `out` (.jsonl `{"prompt": question,
+    "answer": result}` records, `nanolm prepare --format prompts` reads them) and return it: half Chinese and half
+    English (alternating), each a question in a phrasing of `RL_ZH` / `RL_EN` (phrasings that neither the
+    tool-use set nor the `calc` benchmark uses) over numbers the held-out rule leaves to training, its answer the
+    calculator's result for the question's expression. A difference is never negative and a quotient is whole.
+    The same n and seed give the same file."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError(f"n={n!r}: must be a positive integer (the number of prompts)")
+    rng = random.Random(seed)
+    lines: list[str] = []
+    while len(lines) < n:
+        question, expr = rng.choice(RL_ZH if len(lines) % 2 == 0 else RL_EN)
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        if "-" in expr:
+            a, b = max(a, b), min(a, b)
+        nums = {"a": a, "b": b, "c": a * rng.randint(2, 30)}
+        expression = expr.format(**nums)
+        if numbers_held_out("calc", *operands(expression)):
+            continue  # the calc benchmark's numbers
+        answer = calculator({"expression": expression})
+        if answer.startswith("error"):
+            raise AssertionError(f"the calculator could not answer {expression!r}: {answer}")
+        lines.append(json.dumps({"prompt": question.format(**nums), "answer": answer}, ensure_ascii=False) + "\n")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(out, "".join(lines).encode("utf-8"))
