@@ -1,18 +1,19 @@
 """Agentic GRPO from the quickstart's fine-tuned model: held-out `calc` before and after.
 
 Per seed: `nanolm quickstart --out DIR` (or an existing quickstart directory with `--from`, `{seed}` in it
-replaced), then calculator prompts in the built-in tool-use set's phrasings (`nanolm.data.tooluse`: the
-question, and the calculator's result as the reference answer; the `calc` benchmark's phrasings and number
-pairs are never among them, tested there), prepared as prompts, and GRPO from the quickstart's SFT run with
-the built-in tools in the loop (`grpo.tools builtin`: each trajectory's calls are run and their results fed
-back, up to `--max-rounds` replies) and the `answer` reward. The held-out `calc` benchmark (its first
-`--items` items, scored as `nanolm eval --task calc` scores them) is measured on the SFT model and on the
-GRPO run's last checkpoint; prints both for each seed (with the misses by kind and each held-out phrasing's
-count, before and after) and the median gain. `--pass-rates K` first samples K answers to GRPO prompts and to
-held-out items at the rollout's temperature: the share the SFT model gets never, sometimes and always right
-(only prompts answered sometimes give a group something to learn from). `--set KEY=VALUE` changes any other
-setting of the GRPO run; `--written-out` keeps only the prompts that write their operation out ("23 + 95
-等于几？"). `--flip-sign` runs the control: every advantage negated. Run from the repository root:
+replaced), then the built-in calculator prompts (`nanolm data tools --prompts`, `nanolm.data.tooluse`: the
+question, and the calculator's result as the reference answer, in phrasings that neither the fine-tuning set
+nor the `calc` benchmark uses; `--phrasings tooluse` takes questions of the fine-tuning set's own phrasings
+instead; the benchmark's number pairs are never among them), prepared as prompts, and GRPO from the
+quickstart's SFT run with the built-in tools in the loop (`grpo.tools builtin`: each trajectory's calls are
+run and their results fed back, up to `--max-rounds` replies) and the `answer` reward. The held-out `calc`
+benchmark (its first `--items` items, scored as `nanolm eval --task calc` scores them) is measured on the SFT
+model and on the GRPO run's last checkpoint; prints both for each seed (with the misses by kind and each
+held-out phrasing's count, before and after) and the median gain. `--pass-rates K` first samples K answers to
+GRPO prompts and to held-out items at the rollout's temperature: the share the SFT model gets never, sometimes
+and always right (only prompts answered sometimes give a group something to learn from). `--set KEY=VALUE`
+changes any other setting of the GRPO run; `--written-out` keeps only the prompts that write their operation
+out ("23 + 95 等于几？"). `--flip-sign` runs the control: every advantage negated. Run from the repository root:
 
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 1 2                      # a quickstart per seed
     PYTHONPATH=. python bench/agent_calc.py --seeds 0 --from /tmp/qs           # an existing quickstart
