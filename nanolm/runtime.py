@@ -10,7 +10,10 @@ when the model is wide enough for bf16 matmuls to pay for their casts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+import statistics
+import time
 from typing import Callable
 
 import numpy as np
@@ -95,13 +98,38 @@ def train_dtype(name: str, device: torch.device, d_model: int,
 # (ms per token, float32 / bf16): width 128 1.53 / 2.06, 256 3.35 / 2.75, 384 6.3 / 5.5 (8 layers),
 # 512 (minimind-26m) 12.2 / 8.0 (bench/throughput.py --parts generate).
 BF16_DECODE_MIN_D_MODEL = 256
+# Whether bf16 pays at that width is the CPU's few-row kernels', not its flags': on a 2-core Xeon with AMX a
+# one-row product at width 512 takes 1.5-3x as long in bf16 as in float32 (minimind-26m 5.9 against 4.95 ms a
+# token), and 16 rows take half as long. So auto times a product of the rows decoded together at the model's
+# width, in both dtypes, once per process (`product_seconds`), and takes bf16 only where it is at least
+# BF16_DECODE_MARGIN times as fast: a close call stays float32, so that a machine keeps decoding one way.
+BF16_DECODE_MARGIN = 1.15
 
 
-def decode_dtype(name: str, device: torch.device, d_model: int,
-                 flags: set[str] | None = None) -> tuple[torch.dtype, str]:
-    """The dtype an Engine holds its weights in for `generate`, `chat` and `serve`, and why (printed at start-up).
-    auto: bf16 on a GPU that has it; on a CPU, bf16 where it has native bf16 matmuls and the model is at least
-    BF16_DECODE_MIN_D_MODEL wide, else float32. flags: the CPU's, for tests."""
+@functools.lru_cache(maxsize=None)
+def product_seconds(rows: int, d_model: int, dtype: torch.dtype) -> float:
+    """The median time on this CPU of a (rows, d_model) x (d_model, 4 d_model) product in dtype (an MLP's
+    shape), over 7 rounds of 5 after a warm-up; measured once per process."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4 * d_model, d_model, generator=g).to(dtype)
+    x = torch.randn(rows, d_model, generator=g).to(dtype)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            torch.nn.functional.linear(x, w)
+        times.append((time.perf_counter() - t0) / 5)
+    return statistics.median(times)
+
+
+def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] | None = None, *, rows: int = 1,
+                 timer: Callable[[int, int, torch.dtype], float] = product_seconds) -> tuple[torch.dtype, str]:
+    """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
+    at start-up). auto: bf16 on a GPU that has it; on a CPU, bf16 where it has native bf16 matmuls, the model is
+    at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds a product of `rows` rows (up to 16) at its width
+    BF16_DECODE_MARGIN times as fast in bf16 as in float32; else float32. flags, timer: the CPU's, for tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
@@ -117,7 +145,13 @@ def decode_dtype(name: str, device: torch.device, d_model: int,
         return torch.float32, "auto: this CPU has no native bf16"
     if d_model < BF16_DECODE_MIN_D_MODEL:
         return torch.float32, f"auto: at width {d_model} < {BF16_DECODE_MIN_D_MODEL} float32 decodes faster"
-    return torch.bfloat16, f"auto: this CPU has {native} and the model is {d_model} wide"
+    rows = max(1, min(rows, 16))
+    bf16, fp32 = timer(rows, d_model, torch.bfloat16), timer(rows, d_model, torch.float32)
+    measured = (f"a {rows}-row product at width {d_model} took {bf16 * 1e6:.0f} us in bf16, {fp32 * 1e6:.0f} us "
+                "in float32")
+    if bf16 * BF16_DECODE_MARGIN <= fp32:
+        return torch.bfloat16, f"auto: this CPU has {native}; {measured}"
+    return torch.float32, f"auto: this CPU has {native}, but {measured}"
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

@@ -44,20 +44,45 @@ def test_cpu_flags_reads_this_machine():
     assert flags == set(line.partition(":")[2].split())
 
 
-def test_decoding_picks_bf16_only_with_native_bf16_and_a_model_wide_enough_to_pay_for_it():
-    from nanolm.runtime import BF16_DECODE_MIN_D_MODEL, decode_dtype
+def test_decoding_picks_bf16_only_with_native_bf16_a_model_wide_enough_and_a_faster_product():
+    from nanolm.runtime import BF16_DECODE_MIN_D_MODEL, decode_dtype, product_seconds
     assert BF16_DECODE_MIN_D_MODEL == 256
-    assert decode_dtype("auto", CPU, 512, {"avx512_bf16"}) == (
-        torch.bfloat16, "auto: this CPU has avx512_bf16 and the model is 512 wide")
-    assert decode_dtype("auto", CPU, 256, {"amx_bf16", "avx512_bf16"})[0] == torch.bfloat16
-    # Narrower models decode faster in float32 (a token is mostly overhead there), as do CPUs without bf16.
-    assert decode_dtype("auto", CPU, 128, {"avx512_bf16"}) == (
+    asked = []
+
+    def timer(bf16_us, fp32_us):  # a CPU whose product takes these times
+        def t(rows, d, dtype):
+            asked.append((rows, d))
+            return (bf16_us if dtype == torch.bfloat16 else fp32_us) * 1e-6
+        return t
+
+    assert decode_dtype("auto", CPU, 512, {"avx512_bf16"}, timer=timer(60, 140)) == (
+        torch.bfloat16, "auto: this CPU has avx512_bf16; a 1-row product at width 512 took 60 us in bf16, 140 us "
+                        "in float32")
+    assert asked == [(1, 512), (1, 512)]
+    # Slower in bf16 (a Xeon with AMX at one row), or not faster by the margin: float32, saying why.
+    assert decode_dtype("auto", CPU, 512, {"amx_bf16"}, timer=timer(219, 138)) == (
+        torch.float32, "auto: this CPU has amx_bf16, but a 1-row product at width 512 took 219 us in bf16, 138 us "
+                       "in float32")
+    assert decode_dtype("auto", CPU, 512, {"amx_bf16"}, timer=timer(130, 140))[0] == torch.float32
+    # The rows decoded together are timed (up to 16): there the same CPU's bf16 may win.
+    asked.clear()
+    assert decode_dtype("auto", CPU, 256, {"amx_bf16"}, rows=64, timer=timer(100, 380))[0] == torch.bfloat16
+    assert asked == [(16, 256), (16, 256)]
+    # Narrower models decode faster in float32 (a token is mostly overhead there), as do CPUs without bf16;
+    # neither is timed.
+    asked.clear()
+    assert decode_dtype("auto", CPU, 128, {"avx512_bf16"}, timer=timer(1, 100)) == (
         torch.float32, "auto: at width 128 < 256 float32 decodes faster")
-    assert decode_dtype("auto", CPU, 512, {"avx2"}) == (torch.float32, "auto: this CPU has no native bf16")
+    assert decode_dtype("auto", CPU, 512, {"avx2"}, timer=timer(1, 100)) == (
+        torch.float32, "auto: this CPU has no native bf16")
     assert decode_dtype("float32", CPU, 512, {"avx512_bf16"}) == (torch.float32, "as asked")
     assert decode_dtype("bfloat16", CPU, 64, set()) == (torch.bfloat16, "as asked")
+    assert asked == []
     with pytest.raises(UserError, match="--dtype half: unknown; use auto, float32, bfloat16 or float16"):
         decode_dtype("half", CPU, 512)
+    # The real timer: a positive time, measured once per process and shape.
+    t = product_seconds(1, 64, torch.float32)
+    assert t > 0 and product_seconds(1, 64, torch.float32) == t
 
 
 def test_the_server_leaves_a_core_to_its_http_side():

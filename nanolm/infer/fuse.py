@@ -36,7 +36,10 @@ from nanolm.model.transformer import MLP, Attention, apply_rope, swiglu
 # weight pass), which is what decoding rows together multiplies by. With AVX-512 the plain product is the
 # faster one (2 cores, AVX-512 BF16, a decode step of 16 rows: tiny 2.7 against 3.1 ms, minimind-26m 23
 # against 25.5 ms), so every other CPU keeps F.linear; so do one row (a matrix-vector product) and long
-# prefills. The choice is the CPU's, made once, so a machine always computes a row the same way.
+# prefills. The choice is the CPU's, made once, so a machine always computes a row the same way. (On a 2-core
+# Xeon with AMX it would be the shape's: (W @ x.T).T at minimind-26m's shapes, 1.7-2.5x as fast alone and a
+# 16-row step 11-12 against 11-18 ms on a noisy machine; F.linear at tiny's, 2.0-2.5 against 1.6-2.2 ms; a
+# choice timed per shape at start-up was tried and mixed the forms to no gain, bench/RESULTS.md.)
 SMALL_ROWS = 32
 ROWS_ON_THE_RIGHT = torch.backends.cpu.get_cpu_capability() == "AVX2"
 

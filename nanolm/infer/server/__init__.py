@@ -158,9 +158,10 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         model, src = load_model(checkpoint, which, dev, adapter=adapter, yarn=yarn)
         if not config.model_name:
             config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
+        if dev.type == "cpu":
+            torch.set_num_threads(decode_threads(config.threads))  # first: auto times a product on these threads
         weights, why = decode_dtype(dtype, dev, model.config.d_model)
         if dev.type == "cpu":
-            torch.set_num_threads(decode_threads(config.threads))
             why += f"; {torch.get_num_threads()} decoding thread{'s' if torch.get_num_threads() > 1 else ''}"
         app = create_app(Engine(model, dev, weights), Tokenizer.load(src), config, sampling)
         bound_host, bound_port = sock.getsockname()[:2]
