@@ -38,7 +38,7 @@ from nanolm.model.transformer import MLP, Attention, apply_rope, swiglu
 # against 25.5 ms), so every other CPU keeps F.linear; so do one row (a matrix-vector product) and long
 # prefills. The choice is the CPU's, made once, so a machine always computes a row the same way. (On a 2-core
 # Xeon with AMX it would be the shape's: (W @ x.T).T at minimind-26m's shapes, 1.7-2.5x as fast alone and a
-# 16-row step 11-12 against 11-18 ms on a noisy machine; F.linear at tiny's, 2.0-2.5 against 1.6-2.2 ms; a
+# 16-row step 11.0-13.1 against 11.4-18.4 ms on a noisy machine; F.linear at tiny's, 1.6-2.2 against 2.0-2.7 ms; a
 # choice timed per shape at start-up was tried and mixed the forms to no gain, bench/RESULTS.md.)
 SMALL_ROWS = 32
 ROWS_ON_THE_RIGHT = torch.backends.cpu.get_cpu_capability() == "AVX2"
