@@ -17,10 +17,11 @@ other tools given and a few compact ones that are offered but never called
 (`OTHER_TOOLS`), so the model learns to pick the calculator by its name and
 most of each record's tokens are the exchange, not the tool list.
 
-`calc_items` makes the built-in `calc` benchmark's questions: other phrasings
-(`HELDOUT_ZH`, `HELDOUT_EN`, never used here for training) over number pairs
-that `nanolm.corpora.holdout.numbers_held_out` keeps out of every
-conversation this module writes.
+`calculator_prompts` writes prompts for reinforcement learning with the calculator in the loop (a question
+and the calculator's result as the reference answer) in phrasings of their own (`RL_ZH`, `RL_EN`), which
+neither the conversations nor the benchmark use. `calc_items` makes the built-in `calc` benchmark's
+questions: other phrasings (`HELDOUT_ZH`, `HELDOUT_EN`, never used here for training or RL) over number pairs
+that `nanolm.corpora.holdout.numbers_held_out` keeps out of every conversation and prompt this module writes.
 """
 
 from __future__ import annotations
