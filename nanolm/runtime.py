@@ -100,9 +100,10 @@ def train_dtype(name: str, device: torch.device, d_model: int,
 BF16_DECODE_MIN_D_MODEL = 256
 # Whether bf16 pays at that width is the CPU's few-row kernels', not its flags': on a 2-core Xeon with AMX a
 # one-row product at width 512 takes 1.5-3x as long in bf16 as in float32 (minimind-26m 5.9 against 4.95 ms a
-# token), and 16 rows take half as long. So auto times a product of the rows decoded together at the model's
-# width, in both dtypes, once per process (`product_seconds`), and takes bf16 only where it is at least
-# BF16_DECODE_MARGIN times as fast: a close call stays float32, so that a machine keeps decoding one way.
+# token), and 16 rows take half as long. So auto times a one-row product at the model's width (chat's and a
+# single request's), in both dtypes, once per process (`product_seconds`), and takes bf16 only where it is at least
+# BF16_DECODE_MARGIN times as fast: a close call stays float32. RL's rollouts, many rows, take the untimed rule
+# (timer=None), so that every rank and a resumed run decode alike.
 BF16_DECODE_MARGIN = 1.15
 
 
@@ -124,12 +125,13 @@ def product_seconds(rows: int, d_model: int, dtype: torch.dtype) -> float:
     return statistics.median(times)
 
 
-def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] | None = None, *, rows: int = 1,
-                 timer: Callable[[int, int, torch.dtype], float] = product_seconds) -> tuple[torch.dtype, str]:
+def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] | None = None, *,
+                 timer: Callable[[int, int, torch.dtype], float] | None = product_seconds) -> tuple[torch.dtype, str]:
     """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
     at start-up). auto: bf16 on a GPU that has it; on a CPU, bf16 where it has native bf16 matmuls, the model is
-    at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds a product of `rows` rows (up to 16) at its width
-    BF16_DECODE_MARGIN times as fast in bf16 as in float32; else float32. flags, timer: the CPU's, for tests."""
+    at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds a one-row product at its width BF16_DECODE_MARGIN
+    times as fast in bf16 as in float32; else float32. timer None: no timing, bf16 wherever the
+    first two hold (a choice every process makes alike). flags, timer: the CPU's, for tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
@@ -145,10 +147,10 @@ def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] 
         return torch.float32, "auto: this CPU has no native bf16"
     if d_model < BF16_DECODE_MIN_D_MODEL:
         return torch.float32, f"auto: at width {d_model} < {BF16_DECODE_MIN_D_MODEL} float32 decodes faster"
-    rows = max(1, min(rows, 16))
-    bf16, fp32 = timer(rows, d_model, torch.bfloat16), timer(rows, d_model, torch.float32)
-    measured = (f"a {rows}-row product at width {d_model} took {bf16 * 1e6:.0f} us in bf16, {fp32 * 1e6:.0f} us "
-                "in float32")
+    if timer is None:
+        return torch.bfloat16, f"auto: this CPU has {native} and the model is {d_model} wide"
+    bf16, fp32 = timer(1, d_model, torch.bfloat16), timer(1, d_model, torch.float32)
+    measured = f"a 1-row product at width {d_model} took {bf16 * 1e6:.0f} us in bf16, {fp32 * 1e6:.0f} us in float32"
     if bf16 * BF16_DECODE_MARGIN <= fp32:
         return torch.bfloat16, f"auto: this CPU has {native}; {measured}"
     return torch.float32, f"auto: this CPU has {native}, but {measured}"

@@ -246,7 +246,7 @@ class AgentSampler(Sampler):
 
     def sample_batch(self, model: nn.Module, pb: PromptBatch, n: int, params: list[SamplingParams]) -> AgentSampled:
         prompts, objects = self.prompt_ids(pb)
-        engine = self._engine(model, len(prompts) * n)
+        engine = self._engine(model)
         v = self.tok.vocab_size
         trajs = run_trajectories(engine.batch(), prompts, n, params, self.stop_ids[0], self.turns, self.max_rounds,
                                  self._guides(model, objects), lambda t: self.tok.decode([i for i in t if i < v]))

@@ -103,10 +103,8 @@ def estimate(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1)
         section = cfg.grpo if tc.stage == "grpo" else cfg.ppo
         if (section.beta if tc.stage == "grpo" else section.kl_coef) > 0 and not cfg.uses_lora:
             copies += loaded  # the frozen reference
-        # the engine: bf16 or float32 weights as decode_dtype picks (on a CPU it times a product, so this counts
-        # float32 there, the larger, rather than time one while planning)
-        engine = torch.float32 if device.type == "cpu" else decode_dtype("auto", device, cfg.model.d_model)[0]
-        copies += total * torch.finfo(engine).bits // 8
+        engine = decode_dtype("auto", device, cfg.model.d_model, timer=None)[0]  # the rollouts' (train/rollout.py)
+        copies += total * torch.finfo(engine).bits // 8  # the engine
     if tc.stage == "ppo":
         copies += 16 * total  # the critic: a copy of the policy, trained (weights, gradients, two moments)
     compute_bytes = 2 if dtype in (torch.bfloat16, torch.float16) else 4

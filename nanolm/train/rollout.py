@@ -87,14 +87,14 @@ class Sampler:
         self.stop_ids = (tokenizer.im_end_id,)
         self.engine: Engine | None = None
 
-    def _engine(self, model: nn.Module, rows: int) -> Engine:
-        """The engine, its weights those of `model` now (one copy, refreshed in place each time); rows: how many
-        completions a rollout decodes together."""
+    def _engine(self, model: nn.Module) -> Engine:
+        """The engine, its weights those of `model` now (one copy, refreshed in place each time)."""
         if self.engine is None:
-            # The dtype decoding this many rows is fastest in on this device for this width (runtime.decode_dtype:
-            # bf16 on GPUs, and on CPUs with native bf16 for models 256+ wide where it times faster); the update
-            # still scores the tokens with the policy.
-            dtype = decode_dtype("auto", self.device, model.config.d_model, rows=rows)[0]
+            # bf16 on GPUs, and on CPUs with native bf16 for models 256+ wide (runtime.decode_dtype), untimed: every
+            # rank, and a resumed run, must decode in the same dtype. Rollouts decode many rows, which every
+            # native-bf16 CPU measured decodes faster in bf16 (a Xeon with AMX, 16 rows at width 512: 196 against
+            # 967 us a product). The update still scores the tokens with the policy.
+            dtype = decode_dtype("auto", self.device, model.config.d_model, timer=None)[0]
             self.engine = Engine(model, self.device, dtype)
         else:
             self.engine.load_weights(model)
@@ -102,8 +102,8 @@ class Sampler:
 
     def sample(self, model: nn.Module, prompts: list[list[int]], n: int, params: list[SamplingParams]) -> Sampled:
         """n completions of each prompt (generation prompt appended), decoded together by the engine."""
-        replies = self._engine(model, len(prompts) * n).replies([p + self.generation_prompt for p in prompts],
-                                                                params, self.stop_ids, n=n)
+        replies = self._engine(model).replies([p + self.generation_prompt for p in prompts], params, self.stop_ids,
+                                              n=n)
         return Sampled([i for i in range(len(prompts)) for _ in range(n)], [r.tokens for r in replies],
                        [r.finish for r in replies])
 
