@@ -108,12 +108,12 @@ BF16_DECODE_MARGIN = 1.15
 
 
 @functools.lru_cache(maxsize=None)
-def product_seconds(rows: int, d_model: int, dtype: torch.dtype) -> float:
-    """The median time on this CPU of a (rows, d_model) x (d_model, 4 d_model) product in dtype (an MLP's
+def product_seconds(d_model: int, dtype: torch.dtype) -> float:
+    """The median time on this CPU of a one-row product with a (4 d_model, d_model) weight in dtype (an MLP's
     shape), over 7 rounds of 5 after a warm-up; measured once per process."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4 * d_model, d_model, generator=g).to(dtype)
-    x = torch.randn(rows, d_model, generator=g).to(dtype)
+    x = torch.randn(1, d_model, generator=g).to(dtype)
     for _ in range(3):
         torch.nn.functional.linear(x, w)
     times = []
@@ -126,7 +126,7 @@ def product_seconds(rows: int, d_model: int, dtype: torch.dtype) -> float:
 
 
 def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] | None = None, *,
-                 timer: Callable[[int, int, torch.dtype], float] | None = product_seconds) -> tuple[torch.dtype, str]:
+                 timer: Callable[[int, torch.dtype], float] | None = product_seconds) -> tuple[torch.dtype, str]:
     """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
     at start-up). auto: bf16 on a GPU that has it; on a CPU, bf16 where it has native bf16 matmuls, the model is
     at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds a one-row product at its width BF16_DECODE_MARGIN
@@ -149,7 +149,7 @@ def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] 
         return torch.float32, f"auto: at width {d_model} < {BF16_DECODE_MIN_D_MODEL} float32 decodes faster"
     if timer is None:
         return torch.bfloat16, f"auto: this CPU has {native} and the model is {d_model} wide"
-    bf16, fp32 = timer(1, d_model, torch.bfloat16), timer(1, d_model, torch.float32)
+    bf16, fp32 = timer(d_model, torch.bfloat16), timer(d_model, torch.float32)
     measured = f"a 1-row product at width {d_model} took {bf16 * 1e6:.0f} us in bf16, {fp32 * 1e6:.0f} us in float32"
     if bf16 * BF16_DECODE_MARGIN <= fp32:
         return torch.bfloat16, f"auto: this CPU has {native}; {measured}"

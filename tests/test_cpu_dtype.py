@@ -50,15 +50,15 @@ def test_decoding_picks_bf16_only_with_native_bf16_a_model_wide_enough_and_a_fas
     asked = []
 
     def timer(bf16_us, fp32_us):  # a CPU whose product takes these times
-        def t(rows, d, dtype):
-            asked.append((rows, d))
+        def t(d, dtype):
+            asked.append(d)
             return (bf16_us if dtype == torch.bfloat16 else fp32_us) * 1e-6
         return t
 
     assert decode_dtype("auto", CPU, 512, {"avx512_bf16"}, timer=timer(60, 140)) == (
         torch.bfloat16, "auto: this CPU has avx512_bf16; a 1-row product at width 512 took 60 us in bf16, 140 us "
                         "in float32")
-    assert asked == [(1, 512), (1, 512)]
+    assert asked == [512, 512]
     # Slower in bf16 (a Xeon with AMX at one row), or not faster by the margin: float32, saying why.
     assert decode_dtype("auto", CPU, 512, {"amx_bf16"}, timer=timer(219, 138)) == (
         torch.float32, "auto: this CPU has amx_bf16, but a 1-row product at width 512 took 219 us in bf16, 138 us "
@@ -81,8 +81,8 @@ def test_decoding_picks_bf16_only_with_native_bf16_a_model_wide_enough_and_a_fas
     with pytest.raises(UserError, match="--dtype half: unknown; use auto, float32, bfloat16 or float16"):
         decode_dtype("half", CPU, 512)
     # The real timer: a positive time, measured once per process and shape.
-    t = product_seconds(1, 64, torch.float32)
-    assert t > 0 and product_seconds(1, 64, torch.float32) == t
+    t = product_seconds(64, torch.float32)
+    assert t > 0 and product_seconds(64, torch.float32) == t
 
 
 def test_the_server_leaves_a_core_to_its_http_side():
