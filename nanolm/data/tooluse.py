@@ -259,6 +259,27 @@ class CalcItem:
     phrasing: str = ""  # the question's template (HELDOUT_ZH / HELDOUT_EN), for results by phrasing
 
 
+def _check_count(n: int, what: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError(f"n={n!r}: must be a positive integer (the number of {what})")
+
+
+def _computed(calculator: Callable[[dict], str], expression: str) -> str:
+    """The calculator's result for an expression this module wrote (never an error: that would be a bug here)."""
+    result = calculator({"expression": expression})
+    if result.startswith("error"):
+        raise AssertionError(f"the calculator could not answer {expression!r}: {result}")
+    return result
+
+
+def _write_lines(out: Path, lines: list[str]) -> Path:
+    """Write JSONL lines to `out` atomically (its folder made if missing) and return it as a Path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, "".join(lines).encode("utf-8"))
+    return out
+
+
 def _offered(rng: random.Random, tools: Sequence[dict], needs: dict | None) -> list[dict]:
     """One to three tools in a random order: `needs` (the tool the conversation calls) and others."""
     calc_name = needs["function"]["name"] if needs else None
@@ -271,8 +292,7 @@ def _offered(rng: random.Random, tools: Sequence[dict], needs: dict | None) -> l
 
 def _conversations(n: int, seed: int, calculator: Callable[[dict], str], tools: Sequence[dict]):
     """n (messages, offered tools) of the tool-use set, as `build_calculator_conversations` documents them."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UserError(f"n={n!r}: must be a positive integer (the number of conversations)")
+    _check_count(n, "conversations")
     calc_tool = next((t for t in tools if t["function"]["name"] == "calculator"), None)
     if calc_tool is None:
         raise UserError("build_calculator_conversations: the tools given hold no `calculator`; pass the built-in "
@@ -294,9 +314,7 @@ def _conversations(n: int, seed: int, calculator: Callable[[dict], str], tools: 
             expression = expr.format(**nums)
             if numbers_held_out("calc", *operands(expression)):
                 continue  # the calc benchmark's numbers
-            result = calculator({"expression": expression})
-            if result.startswith("error"):
-                raise AssertionError(f"the calculator could not answer {expression!r}: {result}")
+            result = _computed(calculator, expression)
             reply = rng.choice(_REPLIES_ZH if zh else _REPLIES_EN).format(expr=expression, result=result)
             call = {"type": "function", "function": {"name": "calculator",
                                                      "arguments": json.dumps({"expression": expression})}}
@@ -317,10 +335,7 @@ def build_calculator_conversations(out: Path, n: int, seed: int = 0, *, calculat
     (the calculator's among them; each record offers one to three, see the module doc)."""
     lines = [json.dumps({"messages": m, "tools": t}, ensure_ascii=False) + "\n"
              for m, t in _conversations(n, seed, calculator, tools)]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out, "".join(lines).encode("utf-8"))
-    return out
+    return _write_lines(out, lines)
 
 
 def build_tool_drill(out: Path, n: int, seed: int = 1, *, calculator: Callable[[dict], str],
@@ -337,10 +352,7 @@ def build_tool_drill(out: Path, n: int, seed: int = 1, *, calculator: Callable[[
     """
     lines = [json.dumps({"text": render_chat(m)}, ensure_ascii=False) + "\n"
              for m, _ in _conversations(n, seed, calculator, tools)]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out, "".join(lines).encode("utf-8"))
-    return out
+    return _write_lines(out, lines)
 
 
 def calculator_prompts(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> Path:
@@ -350,8 +362,7 @@ def calculator_prompts(out: Path, n: int, seed: int = 0, *, calculator: Callable
     tool-use set nor the `calc` benchmark uses) over numbers the held-out rule leaves to training, its answer the
     calculator's result for the question's expression. A difference is never negative and a quotient is whole.
     The same n and seed give the same file."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UserError(f"n={n!r}: must be a positive integer (the number of prompts)")
+    _check_count(n, "prompts")
     rng = random.Random(seed)
     lines: list[str] = []
     while len(lines) < n:
@@ -363,14 +374,9 @@ def calculator_prompts(out: Path, n: int, seed: int = 0, *, calculator: Callable
         expression = expr.format(**nums)
         if numbers_held_out("calc", *operands(expression)):
             continue  # the calc benchmark's numbers
-        answer = calculator({"expression": expression})
-        if answer.startswith("error"):
-            raise AssertionError(f"the calculator could not answer {expression!r}: {answer}")
+        answer = _computed(calculator, expression)
         lines.append(json.dumps({"prompt": question.format(**nums), "answer": answer}, ensure_ascii=False) + "\n")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out, "".join(lines).encode("utf-8"))
-    return out
+    return _write_lines(out, lines)
 
 
 def calc_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> list[CalcItem]:
