@@ -40,11 +40,11 @@ WRITTEN_OUT = re.compile(r"\d+ [-+*x/] \d+")  # a question that writes its opera
 def calc_prompts(out: Path, n: int, seed: int, phrasings: str = "rl", written_out: bool = False) -> Path:
     """n calculator prompts, {"prompt": question, "answer": result}: with phrasings "rl", the built-in RL prompts
     (`nanolm.data.tooluse.calculator_prompts`: phrasings neither fine-tuning nor the benchmark uses); with
-    "tooluse", questions of the fine-tuning set's own phrasings, and with written_out only those that write their
-    operation out (WRITTEN_OUT), none that names it in words."""
+    "tooluse", or with written_out, questions of the fine-tuning set's own phrasings, with written_out only those
+    that write their operation out (WRITTEN_OUT), none that names it in words."""
     from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
-    if phrasings == "rl":
+    if phrasings == "rl" and not written_out:
         return calculator_prompts(out, n, seed, calculator=calculator)
     convs = build_calculator_conversations(out.with_suffix(".tools.jsonl"), (20 if written_out else 2) * n, seed,
                                            calculator=calculator, tools=BUILTIN_TOOLS)
@@ -107,8 +107,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     quickstart_s = time.perf_counter() - t0
     tok_dir = qs / "tokenizer"
     work.mkdir(parents=True, exist_ok=True)
-    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed,
-                           phrasings="tooluse" if a.written_out else a.phrasings, written_out=a.written_out)
+    prompts = calc_prompts(work / "calc_prompts.jsonl", a.prompts, seed=1000 + seed, phrasings=a.phrasings,
+                           written_out=a.written_out)
     prepare([prompts], tok_dir, work / "prompts", format="prompts", val_fraction=0.05, workers=0, quiet=True)
     before = calc_accuracy(qs / "sft", "best", a.items, work)
     rates = pass_rates(qs / "sft", prompts, a.pass_rates, a.pass_items, a.temperature) if a.pass_rates else {}
