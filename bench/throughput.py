@@ -19,7 +19,9 @@ One run measures, on one device (CUDA when present, else the CPU):
    aggregate decode tokens/s, and their ratio to B = 1 measured in the same run.
    With `--batch-sampled`, every row samples with the default sampling
    parameters (temperature, top-k, top-p) and its own seed, as the server's
-   and GRPO's rows do.
+   and GRPO's rows do. The engine first times its few-row products in both
+   forms and keeps the faster, as `nanolm serve` does (`--product-form rule`:
+   the CPU's untimed rule, as RL's rollouts decode).
 5. With `--compile`, training again under `torch.compile` (a failure is
    reported, not raised).
 6. With `--breakdown`, one step's time part by part beside each part's matmul
@@ -371,12 +373,15 @@ def generation_throughput(model: nn.Module, device: torch.device, dtype: torch.d
 
 
 def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtype, prompt_len: int,
-                       new_tokens: int, batch_sizes: list[int], seed: int, sampled: bool = False) -> dict[str, Any]:
+                       new_tokens: int, batch_sizes: list[int], seed: int, sampled: bool = False,
+                       timed_form: bool = True) -> dict[str, Any]:
     """Per batch size B: B different prompts added to one Engine.batch() and decoded together, greedy (or
     sampled with the default parameters, each row seeded), to new_tokens each. The prefill is the first step
     (the prompts prefilled together and their first tokens drawn); the decode step's time is the median over
     the steps after it; aggregate decode tokens/s = B / that time."""
     engine = Engine(model, device, dtype)
+    form = engine.time_products() if timed_form else "the CPU's rule"
+    say(f"batch {dtype_name(dtype)}: {form}")
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
     engine.generate_all(list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=8, temperature=0))  # warm-up
@@ -404,7 +409,7 @@ def batched_generation(model: nn.Module, device: torch.device, dtype: torch.dtyp
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
     return {"dtype": dtype_name(dtype), "prompt_len": prompt_len, "new_tokens": new_tokens, "sampled": sampled,
-            "rows": rows}
+            "product_form": form, "rows": rows}
 
 
 # ----------------------------------------------------------------------------- report
@@ -506,6 +511,7 @@ def print_report(res: dict[str, Any]) -> None:
         how = "sampled" if g.get("sampled") else "greedy"
         print(f"\nbatched generation, {g['dtype']}: B different {g['prompt_len']}-token prompts decoded together, "
               f"{how}, {g['new_tokens']} new tokens each; step = median decode step")
+        print(f"  products: {g['product_form']}")
         print(f"  {'B':>4}{'prefill s':>11}{'ms/step':>10}{'tok/s':>10}{'x B=1':>8}{'peak mem':>12}")
         for r in g["rows"]:
             speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
@@ -550,6 +556,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="sequences decoded together, for --parts batch")
     p.add_argument("--batch-sampled", action="store_true",
                    help="--parts batch: rows sample with the default parameters, each seeded, instead of greedy")
+    p.add_argument("--product-form", default="timed", choices=["timed", "rule"],
+                   help="--parts batch: few-row products in the faster form timed at start-up (as the server), or "
+                        "the CPU's rule (as RL's rollouts)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-sizes", default="",
@@ -712,7 +721,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = Transformer(cfg.model).to(device)
         for dtype in dtypes:
             res["batch"].append(batched_generation(model, device, dtype, args.prompt_len, args.new_tokens,
-                                                   args.batch_size_list, args.seed, args.batch_sampled))
+                                                   args.batch_size_list, args.seed, args.batch_sampled,
+                                                   args.product_form == "timed"))
         del model
 
     res["warnings"] = contention_warnings(res, device)

@@ -534,9 +534,36 @@ def test_decode_linear_is_the_linear_product(rows, dtype, right, monkeypatch):
     w = torch.randn(48, 32, generator=g).to(dtype)
     x = torch.randn(rows, 1, 32, generator=g).to(dtype)
     got = decode_linear(x, w)
-    assert got.shape == (rows, 1, 48)
+    assert got.shape == (rows, 1, 48) and got.is_contiguous()
+    assert torch.equal(decode_linear(x, w, right=right), got)  # the form asked for, whatever the CPU's rule
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), (x.double() @ w.double().T).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_server_keeps_the_product_form_it_timed_faster(dtype):
+    """Engine.time_products times both forms of the few-row products and sets every product module to the faster;
+    bf16 keeps F.linear (the form is float32's), and either form decodes 16 rows as the model computes them."""
+    model = _model()
+    engine = Engine(model, dtype=dtype)
+    products = [m for m in engine.model.modules() if isinstance(m, (DecodeLinear, FusedAttention, FusedMLP))]
+    assert len(products) == 2 * 2 + 2 * 2 + 1  # per layer: o_proj, down_proj, the fused attention and MLP; the head
+    assert all(m.rows_on_the_right is None for m in products)  # until timed: the CPU's rule
+    said = engine.time_products()
+    if dtype == torch.bfloat16:
+        assert said == "F.linear (the rows' form applies to float32 on a CPU only)"
+        assert all(m.rows_on_the_right is None for m in products)
+        return
+    right = said.startswith("16-row products as (W @ x.T).T")
+    assert re.fullmatch(r"16-row products as (\(W @ x\.T\)\.T|F\.linear): a pass took [\d.]+ ms with the rows on "
+                        r"the right, [\d.]+ ms with F\.linear", said)
+    assert all(m.rows_on_the_right is right for m in products)
+    prompts = [[5 + i, 7, 9 + i] for i in range(16)]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    for form in (True, False):
+        for m in products:
+            m.rows_on_the_right = form
+        assert engine.generate_many(prompts, params) == [greedy_by_recompute(model, p, 6) for p in prompts]
 
 
 def test_fused_projections_give_the_separate_products_without_a_copy():

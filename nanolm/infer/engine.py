@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from nanolm.checkpoint import require_causal
 from nanolm.config.sampling import SEED_RANGE, SamplingParams
-from nanolm.infer.fuse import fuse_projections
+from nanolm.infer.fuse import choose_product_form, fuse_projections
 from nanolm.infer.sampling import Penalties, apply_penalties, sample_rows
 from nanolm.model.transformer import KVCache
 
@@ -89,6 +89,13 @@ class Engine:
         """
         with torch.no_grad():
             self.model.load_state_dict(model.state_dict())
+
+    def time_products(self, rows: int = 16) -> str:
+        """Time the copy's products at `rows` rows in both of their forms and keep the faster for 2 to 32 rows
+        (`fuse.choose_product_form`; float32 on a CPU only); returns what was measured. The server does, for the
+        many rows it decodes together; elsewhere each CPU's rule holds, which every process takes alike (RL's
+        ranks and a resumed run decode the same way). Not to be called while `generate` runs."""
+        return choose_product_form(self.model, rows)[1]
 
     def batch(self) -> "DecodeBatch":
         """A new, empty set of rows to decode together (see `DecodeBatch`)."""

@@ -21,6 +21,7 @@ separate products.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -30,27 +31,28 @@ import torch.nn.functional as F
 from nanolm.model.transformer import MLP, Attention, apply_rope, swiglu
 
 
-# A product with 2 to SMALL_ROWS activation rows on a CPU whose vector width is AVX2 runs in float32 as
-# (W @ x.T).T: there MKL's product with few rows on the left of W.T took 2-2.5x the time of the same product
-# with them on the right of W (2-16 rows, minimind-26m's matrices, 2 cores: 33-42 ms against 13-26 ms per
-# weight pass), which is what decoding rows together multiplies by. With AVX-512 the plain product is the
-# faster one (2 cores, AVX-512 BF16, a decode step of 16 rows: tiny 2.7 against 3.1 ms, minimind-26m 23
-# against 25.5 ms), so every other CPU keeps F.linear; so do one row (a matrix-vector product) and long
-# prefills. The choice is the CPU's, made once, so a machine always computes a row the same way. (On a 2-core
-# Xeon with AMX it would be the shape's: (W @ x.T).T at minimind-26m's shapes, 1.7-2.5x as fast alone and a
-# 16-row step 11.0-13.1 against 11.4-18.4 ms on a noisy machine; F.linear at tiny's, 1.6-2.2 against 2.0-2.7 ms; a
-# choice timed per shape at start-up was tried and mixed the forms to no gain, bench/RESULTS.md.)
+# A product with 2 to SMALL_ROWS activation rows on a CPU can run in float32 as (W @ x.T).T, the rows on the right
+# of W (copied out contiguous: the strided view slowed every operation after it, a 16-row step of tiny 3.05 against
+# 2.43 ms), which MKL computes faster on some CPUs and slower on others; every other product (one row, a
+# matrix-vector product; long prefills; bf16) is F.linear. The rule without timing, which every process takes alike
+# (as RL's rollouts need): rows on the right on AVX2, where MKL's product with few rows on the left of W.T took
+# 2-2.5x the time (2-16 rows, minimind-26m's matrices, 2 cores: 33-42 ms against 13-26 ms per weight pass);
+# F.linear on AVX-512, where one EPYC decoded 16 rows faster so (tiny 2.7 against 3.1 ms a step, minimind-26m 23
+# against 25.5) and another slower (minimind-26m 16.7 against 20.0 ms, tiny 2.43 against 2.49), as did a Xeon with
+# AMX at minimind-26m. So the server times both forms on the model's own matrices (`choose_product_form`) and keeps
+# the faster; a form per matrix shape was tried and mixed the forms to no gain.
 SMALL_ROWS = 32
 ROWS_ON_THE_RIGHT = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x (..., in), weight (out, in) and bias (out,), in the faster form for few rows
-    on this CPU."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  right: bool | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x (..., in), weight (out, in) and bias (out,); with 2 to SMALL_ROWS float32 rows on
+    a CPU and `right` (None: this CPU's rule, ROWS_ON_THE_RIGHT), as (weight @ x.T).T."""
     rows = x.numel() // x.shape[-1]
-    if (ROWS_ON_THE_RIGHT and 1 < rows <= SMALL_ROWS and x.device.type == "cpu"
+    if ((ROWS_ON_THE_RIGHT if right is None else right) and 1 < rows <= SMALL_ROWS and x.device.type == "cpu"
             and weight.dtype == torch.float32):
-        y = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
+        y = (weight @ x.reshape(rows, -1).T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
@@ -66,8 +68,10 @@ class DecodeLinear(nn.Linear):
         self.register_parameter("bias", None)
         self.train(linear.training)
 
+    rows_on_the_right: bool | None = None  # None: the CPU's rule; set by choose_product_form
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return decode_linear(x, self.weight)
+        return decode_linear(x, self.weight, right=self.rows_on_the_right)
 
 
 def _stacked(*linears: nn.Linear, part: str = "weight") -> nn.Parameter | None:
@@ -100,6 +104,7 @@ class FusedAttention(Attention):
     """
 
     stacks = {"qkv_weight": ("q_proj", "k_proj", "v_proj"), "qkv_bias": ("q_proj", "k_proj", "v_proj")}
+    rows_on_the_right: bool | None = None
 
     def __init__(self, attn: Attention) -> None:
         nn.Module.__init__(self)  # not Attention.__init__, which would make new projections to throw away
@@ -117,7 +122,7 @@ class FusedAttention(Attention):
         """x: (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), with QK-norm (if any) then RoPE applied
         to q and k."""
         B, T, _ = x.shape
-        qkv = decode_linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, (nh+2nkv)*hs)
+        qkv = decode_linear(x, self.qkv_weight, self.qkv_bias, self.rows_on_the_right)  # (B, T, (nh+2nkv)*hs)
         qkv = qkv.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
         qk = qkv[:, :self.n_head + self.n_kv_head]  # (B, nh+nkv, T, hs)
         if self.q_norm is not None:
@@ -134,6 +139,7 @@ class FusedMLP(MLP):
     """
 
     stacks = {"gate_up_weight": ("gate_proj", "up_proj")}
+    rows_on_the_right: bool | None = None
 
     def __init__(self, mlp: MLP) -> None:
         nn.Module.__init__(self)  # not MLP.__init__, which would make new projections to throw away
@@ -144,7 +150,7 @@ class FusedMLP(MLP):
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C) -> silu(gate(x)) * up(x), (B, T, n_hidden)."""
-        gate, up = decode_linear(x, self.gate_up_weight).chunk(2, dim=-1)  # each (B, T, n_hidden)
+        gate, up = decode_linear(x, self.gate_up_weight, right=self.rows_on_the_right).chunk(2, dim=-1)
         return swiglu(gate, up)
 
 
@@ -187,3 +193,44 @@ def fuse_projections(model: nn.Module) -> int:
     for parent, name in linears:
         setattr(parent, name, DecodeLinear(getattr(parent, name)))
     return len(sites)
+
+
+PRODUCTS = (DecodeLinear, FusedAttention, FusedMLP)
+
+
+def _weights(module: nn.Module) -> list[torch.Tensor]:
+    return [module.weight] if isinstance(module, DecodeLinear) else \
+        [module.qkv_weight] if isinstance(module, FusedAttention) else [module.gate_up_weight]
+
+
+def choose_product_form(model: nn.Module, rows: int = 16, rounds: int = 5) -> tuple[bool, str]:
+    """Time one pass of `rows` float32 rows through every product of a fused `model` (fuse_projections) in both
+    forms, alternated over `rounds`, and make every product take the faster (the best round of each); returns
+    whether the rows go on the right and a line saying what was measured. A model that is not float32 on a CPU
+    keeps F.linear for every product (the form only applies there)."""
+    modules = [m for m in model.modules() if isinstance(m, PRODUCTS)]
+    weights = [w for m in modules for w in _weights(m)]
+    if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
+        return False, "F.linear (the rows' form applies to float32 on a CPU only)"
+    g = torch.Generator().manual_seed(0)
+    xs = {w.shape[1]: torch.randn(rows, 1, w.shape[1], generator=g) for w in weights}
+
+    def one_pass(right: bool) -> float:
+        t0 = time.perf_counter()
+        for w in weights:
+            decode_linear(xs[w.shape[1]], w, right=right)
+        return time.perf_counter() - t0
+
+    best = {True: float("inf"), False: float("inf")}
+    with torch.inference_mode():
+        for right in (True, False):  # warm-up
+            one_pass(right)
+        for _ in range(rounds):
+            for right in (True, False):
+                best[right] = min(best[right], one_pass(right))
+    right = best[True] < best[False]
+    for m in modules:
+        m.rows_on_the_right = right
+    form = "(W @ x.T).T" if right else "F.linear"
+    return right, (f"{rows}-row products as {form}: a pass took {best[True] * 1e3:.2f} ms with the rows on the "
+                   f"right, {best[False] * 1e3:.2f} ms with F.linear")
