@@ -61,14 +61,15 @@ class DecodeLinear(nn.Linear):
     """A bias-free nn.Linear computing through `decode_linear`; holds the same weight Parameter (a tied
     weight stays tied)."""
 
+    product = "weight"  # the matrix its product multiplies by (choose_product_form times it)
+    rows_on_the_right: bool | None = None  # the form of its few-row products; None: the CPU's rule
+
     def __init__(self, linear: nn.Linear) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", None)
         self.train(linear.training)
-
-    rows_on_the_right: bool | None = None  # None: the CPU's rule; set by choose_product_form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return decode_linear(x, self.weight, right=self.rows_on_the_right)
@@ -104,6 +105,7 @@ class FusedAttention(Attention):
     """
 
     stacks = {"qkv_weight": ("q_proj", "k_proj", "v_proj"), "qkv_bias": ("q_proj", "k_proj", "v_proj")}
+    product = "qkv_weight"
     rows_on_the_right: bool | None = None
 
     def __init__(self, attn: Attention) -> None:
@@ -139,6 +141,7 @@ class FusedMLP(MLP):
     """
 
     stacks = {"gate_up_weight": ("gate_proj", "up_proj")}
+    product = "gate_up_weight"
     rows_on_the_right: bool | None = None
 
     def __init__(self, mlp: MLP) -> None:
@@ -198,18 +201,13 @@ def fuse_projections(model: nn.Module) -> int:
 PRODUCTS = (DecodeLinear, FusedAttention, FusedMLP)
 
 
-def _weights(module: nn.Module) -> list[torch.Tensor]:
-    return [module.weight] if isinstance(module, DecodeLinear) else \
-        [module.qkv_weight] if isinstance(module, FusedAttention) else [module.gate_up_weight]
-
-
 def choose_product_form(model: nn.Module, rows: int = 16, rounds: int = 5) -> tuple[bool, str]:
     """Time one pass of `rows` float32 rows through every product of a fused `model` (fuse_projections) in both
     forms, alternated over `rounds`, and make every product take the faster (the best round of each); returns
     whether the rows go on the right and a line saying what was measured. A model that is not float32 on a CPU
     keeps F.linear for every product (the form only applies there)."""
     modules = [m for m in model.modules() if isinstance(m, PRODUCTS)]
-    weights = [w for m in modules for w in _weights(m)]
+    weights = [getattr(m, m.product) for m in modules]
     if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
         return False, "F.linear (the rows' form applies to float32 on a CPU only)"
     g = torch.Generator().manual_seed(0)
