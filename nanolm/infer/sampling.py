@@ -75,13 +75,14 @@ def nucleus(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     and tempered, so a cut to a few tokens costs a top-k, not a sort of V nor a pass over it.
     """
     vocab = x.shape[-1]
-    if not any(0 < k < vocab for k in top_k.tolist()) and all(p >= 1.0 for p in top_p.tolist()):
+    ks, ps = top_k.tolist(), top_p.tolist()
+    if not any(0 < k < vocab for k in ks) and all(p >= 1.0 for p in ps):
         return _every_token(x, temperature)
-    found = _top_k_alone(x, top_k, temperature)
+    found = _top_k_alone(x, top_k, ks, temperature)
     if found is not None:
         logits, ids, counts = found
     else:
-        x = x.float() if temperature is None else x.float() / temperature.to(x.device).unsqueeze(-1)
+        x = _tempered(x, temperature)
         logits, ids, counts = _top_k_with_ties(x, top_k)
     width = logits.shape[-1]
     if width > 1 and bool((logits[:, 1:] == logits[:, :-1]).any()):  # ties: rank them by id (topk's order is its own)
@@ -94,7 +95,6 @@ def nucleus(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     weights = torch.exp(logits - logits[:, :1])
     if inside is not None:
         weights = weights.masked_fill(~inside, 0.0)
-    ps = top_p.tolist()
     if any(p < 1.0 for p in ps):
         # cumsum runs along each row in order, so a row's sums do not depend on the columns past its own count
         mass = torch.cumsum(weights, dim=-1)
@@ -110,11 +110,17 @@ def nucleus(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return ids, weights.gather(-1, order), counts
 
 
+def _tempered(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """x (B, ...) in float32, each row divided by its temperature (B,) (None: as it is)."""
+    x = x.float()
+    return x if temperature is None else x / temperature.to(x.device).view(-1, *[1] * (x.dim() - 1))
+
+
 def _every_token(x: torch.Tensor, temperature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """nucleus where no row cuts (no top-k, top-p 1: RL's rollouts sample so): every finite logit is a candidate,
     already in id order, so nothing is sorted; the -inf of a guide's mask are moved past the row's count."""
     rows, vocab = x.shape
-    x = x.float() if temperature is None else x.float() / temperature.to(x.device).unsqueeze(-1)
+    x = _tempered(x, temperature)
     weights = torch.exp(x - x.amax(dim=-1, keepdim=True))
     finite = x > float("-inf")
     counts = finite.sum(dim=-1)
@@ -130,22 +136,19 @@ def _every_token(x: torch.Tensor, temperature: torch.Tensor | None) -> tuple[tor
     return kept_ids[:, :vocab], kept_weights[:, :vocab], counts.clamp_min(1)
 
 
-def _top_k_alone(x: torch.Tensor, top_k: torch.Tensor,
+def _top_k_alone(x: torch.Tensor, top_k: torch.Tensor, ks: list[int],
                  temperature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The common case, from one top-k of the untempered logits: every row cuts to k (0 < k < V) and nothing past
     its first k ties with its k-th after tempering, which is finite. Then (tempered logits (B, K) descending, their
     ids, counts = top_k), K the largest k; else None. Dividing by a positive temperature never reorders two logits
     (it may make them equal), so the k largest tempered logits are those of the k + 1 largest untempered ones, and
-    the (k + 1)-th tells whether a tie with the k-th reaches past them."""
-    ks = top_k.tolist()
+    the (k + 1)-th tells whether a tie with the k-th reaches past them. ks: top_k as a list."""
     vocab = x.shape[-1]
     if not ks or not all(0 < k < vocab for k in ks):
         return None
     kmax = max(ks)
     top = torch.topk(x, kmax + 1, dim=-1)
-    values = top.values.float()
-    if temperature is not None:
-        values = values / temperature.to(x.device).unsqueeze(-1)  # the same division, only of the candidates
+    values = _tempered(top.values, temperature)  # the same division as of the whole row, only of the candidates
     if len(set(ks)) == 1:
         kth, after = values[:, kmax - 1], values[:, kmax]
     else:
