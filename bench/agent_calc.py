@@ -9,7 +9,9 @@ quickstart's SFT run with the built-in tools in the loop (`grpo.tools builtin`: 
 run and their results fed back, up to `--max-rounds` replies) and the `answer` reward. The held-out `calc`
 benchmark (its first `--items` items, scored as `nanolm eval --task calc` scores them) is measured on the SFT
 model and on the GRPO run's last checkpoint; prints both for each seed (with the misses by kind and each
-held-out phrasing's count, before and after) and the median gain. `--pass-rates K` first samples K answers to
+held-out phrasing's count, before and after) and the median gain. So are `--fresh` questions in the GRPO
+prompts' own phrasings over numbers the prompts do not use (greedy, scored as `calc` scores): what GRPO learnt
+where it trained, apart from whether it carries to the benchmark's phrasings. `--pass-rates K` first samples K answers to
 GRPO prompts and to held-out items at the rollout's temperature: the share the SFT model gets never, sometimes
 and always right (only prompts answered sometimes give a group something to learn from). `--set KEY=VALUE`
 changes any other setting of the GRPO run; `--written-out` keeps only the prompts that write their operation
@@ -64,6 +66,28 @@ def calc_accuracy(run: Path, which: str, items: int, work: Path) -> dict[str, fl
     return {k: res[k] for k in ("acc", "called", "computed", "misses", "by_phrasing")}
 
 
+def fresh_items(prompts: Path, n: int, seed: int, a: argparse.Namespace) -> list[Any]:
+    """n questions in the GRPO prompts' own phrasings over other numbers (the same generator, another seed; a
+    question that is also a GRPO prompt is left out), as `calc` items: what GRPO learnt on its own phrasings,
+    apart from whether it carries to the benchmark's."""
+    from nanolm.data.tooluse import CalcItem
+    seen = {json.loads(line)["prompt"] for line in prompts.read_text(encoding="utf-8").splitlines()}
+    extra = calc_prompts(prompts.with_name("fresh_prompts.jsonl"), 2 * n, seed, phrasings=a.phrasings,
+                         written_out=a.written_out)
+    records = [json.loads(line) for line in extra.read_text(encoding="utf-8").splitlines()]
+    return [CalcItem(r["prompt"], "", r["answer"]) for r in records if r["prompt"] not in seen][:n]
+
+
+def fresh_accuracy(run: Path, which: str, items: list[Any]) -> float:
+    """Greedy accuracy on `items` (fresh_items), scored as `calc` scores its items."""
+    from nanolm.checkpoint import load_model
+    from nanolm.eval.calc import score_calc
+    from nanolm.infer.engine import Engine
+    from nanolm.tokenizer import Tokenizer
+    model, ckpt = load_model(run, which, "cpu")
+    return score_calc(Engine(model), Tokenizer.load(ckpt), items, rows=32)["acc"]
+
+
 def pass_rates(run: Path, prompts: Path, k: int, items: int, temperature: float) -> dict[str, dict[str, Any]]:
     """How often the SFT model samples a right answer, at the rollout's temperature, k tries each: over the first
     `items` GRPO prompts and the first `items` held-out `calc` items, the share never right, sometimes right and
@@ -111,6 +135,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
                            written_out=a.written_out)
     prepare([prompts], tok_dir, work / "prompts", format="prompts", val_fraction=0.05, workers=0, quiet=True)
     before = calc_accuracy(qs / "sft", "best", a.items, work)
+    fresh = fresh_items(prompts, a.fresh, 3000 + seed, a)
+    fresh_before = fresh_accuracy(qs / "sft", "best", fresh)
     rates = pass_rates(qs / "sft", prompts, a.pass_rates, a.pass_items, a.temperature) if a.pass_rates else {}
     seq = 2 * load_config(a.preset).train.seq_len  # the quickstart's fine-tuning length
     cfg = load_config(a.preset, overrides={
@@ -126,9 +152,11 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     train(cfg, quiet=True)
     t2 = time.perf_counter()
     after = calc_accuracy(work / "agent", "last", a.items, work)
+    fresh_after = fresh_accuracy(work / "agent", "last", fresh)
     rows = [json.loads(line) for line in (work / "agent" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
-    return {"seed": seed, "before": before, "after": after, "pass_rates": rates, "quickstart_s": quickstart_s,
+    return {"seed": seed, "before": before, "after": after, "fresh": [fresh_before, fresh_after, len(fresh)],
+            "pass_rates": rates, "quickstart_s": quickstart_s,
             "grpo_s": t2 - t1, "total_s": time.perf_counter() - t0,
             "reward_first": statistics.mean(r["reward"] for r in steps[:10]),
             "reward_last": statistics.mean(r["reward"] for r in steps[-10:])}
@@ -153,6 +181,8 @@ def main() -> None:
                    help="the GRPO prompts' phrasings: the built-in RL prompts' own (rl) or the fine-tuning set's")
     p.add_argument("--written-out", action="store_true",
                    help="only prompts of the fine-tuning set's phrasings that write their operation out (23 + 95)")
+    p.add_argument("--fresh", type=int, default=200,
+                   help="questions in the GRPO prompts' phrasings over numbers they do not use, scored before and after")
     p.add_argument("--pass-rates", type=int, default=0, metavar="K",
                    help="first sample K answers to each of --pass-items GRPO prompts and held-out items at the "
                         "rollout's temperature: the share the SFT model gets never, sometimes and always right")
@@ -168,6 +198,8 @@ def main() -> None:
               f"{f['called']:.2f}, computed {b['computed']:.3f} -> {f['computed']:.3f}) | sampled reward (first 10 "
               f"steps -> last 10) {r['reward_first']:.3f} -> {r['reward_last']:.3f} | quickstart "
               f"{r['quickstart_s']:.0f} s, GRPO {r['grpo_s']:.0f} s, the seed in all {r['total_s']:.0f} s", flush=True)
+        fb, fa, fn = r["fresh"]
+        print(f"  the GRPO prompts' phrasings over other numbers ({fn} questions, greedy): {fb:.3f} -> {fa:.3f}")
         print("  missed, before -> after: " + ", ".join(f"{k} {b['misses'][k]} -> {f['misses'][k]}"
                                                      for k in b["misses"]))
         rates = r["pass_rates"]
@@ -185,7 +217,8 @@ def main() -> None:
             print(f"  {c['correct']:>3} -> {after:>3} of {c['n']:<3}{extra:10} {phrasing}")
     gains = [r["after"]["acc"] - r["before"]["acc"] for r in res]
     print(f"median of {len(res)} seeds: held-out calc {statistics.median(r['before']['acc'] for r in res):.3f} -> "
-          f"{statistics.median(r['after']['acc'] for r in res):.3f} (gain {statistics.median(gains):+.3f})")
+          f"{statistics.median(r['after']['acc'] for r in res):.3f} (gain {statistics.median(gains):+.3f}); the GRPO "
+          f"prompts' phrasings over other numbers: gain {statistics.median(r['fresh'][1] - r['fresh'][0] for r in res):+.3f}")
 
 
 if __name__ == "__main__":
