@@ -94,6 +94,25 @@ def test_malformed_messages_are_named(message, error):
     assert str(e.value) == error
 
 
+def test_a_reply_sent_back_as_written_may_hold_the_tags_the_model_wrote():
+    """A server's history: an assistant message is the model's own reply, whose tags render as written; the texts
+    of the other roles are held to the rule all the same, and a surrogate is refused in any."""
+    reply = {"role": "assistant", "content": "<tool_call>x</tool_call> <|im_start|>", "reasoning_content": "a <think>",
+             "tool_calls": [{"name": "f", "arguments": '{"q": "<think>"}'}]}
+    got = message_from_dict("m", reply, replies_as_written=True)
+    assert got == Message("assistant", "<tool_call>x</tool_call> <|im_start|>", "a <think>",
+                          (ToolCall("f", '{"q": "<think>"}'),))
+    for role in ("user", "system", "tool"):
+        with pytest.raises(ChatError, match=r"^m.content contains the control token <tool_call>, "):
+            message_from_dict("m", {"role": role, "content": "<tool_call>"}, replies_as_written=True)
+    with pytest.raises(ChatError, match=r"^m.content holds an unpaired surrogate escape"):
+        message_from_dict("m", {"role": "assistant", "content": "a\ud800"}, replies_as_written=True)
+    with pytest.raises(ChatError, match=r"^m.tool_calls\[0\].arguments contains the control token <think>, "):
+        message_from_dict("m", reply)  # training data, and any caller that does not say so
+    with pytest.raises(ChatError, match=r"^m.content contains the control token <tool_call>, "):
+        message_from_dict("m", {"role": "assistant", "content": reply["content"]})
+
+
 @pytest.mark.parametrize("conv, error", [
     ([{"role": "user", "content": "q"}, {"role": "tool", "content": "5"}, {"role": "assistant", "content": "x"}],
      "c[1] is a tool result with no tool call before it; a tool message answers an assistant message's tool_calls"),

@@ -388,3 +388,28 @@ def test_the_tool_routes_keep_the_apis_key_and_origin_rules(server, tok):
         r = run_tool(keyed, {"name": "calculator", "arguments": {"expression": "1+1"}},
                      headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["content"] == "2"
+
+
+# --- a reply sent back as the server gave it ---------------------------------------------------------------
+
+def test_a_reply_holding_tags_goes_back_in_the_history_as_written(server, tok):
+    """A model may write a tag where the reply has no place for one (a call with no tools offered, a think block
+    mid-reply, a turn opener): the server returns it as content, and the next request, the reply in its
+    history, is answered with the reply rendered as the model wrote it, not refused."""
+    odd = "Sure. " + CALL_TEXT + " then <think> and <|im_start|>x"
+    r, _ = ask(server, tok, [odd])
+    said = r.choices[0].message.content
+    assert said == odd and r.choices[0].finish_reason == "stop"
+    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": said},
+               {"role": "user", "content": "And then?"}]
+    r, prompts = ask(server, tok, ["Done."], messages=history)
+    assert r.choices[0].message.content == "Done."
+    want = prompt(tok, [Message("user", QUESTION), Message("assistant", odd), Message("user", "And then?")])
+    assert prompts == [want]
+    # the reply's tags as the model wrote them: its call tag, and a fifth turn opener beside the four turns'
+    assert tok.tag_ids["<tool_call>"] in want and want.count(tok.im_start_id) == 5
+    # Only an assistant message is a reply: the same text from the user is refused, naming the field.
+    status, err = post(server, {"messages": [{"role": "user", "content": odd}]})
+    assert (status, err["param"]) == (400, "messages[0].content")
+    assert err["message"] == ("messages[0].content contains the control token <tool_call>, which would change the "
+                              "conversation's turns")

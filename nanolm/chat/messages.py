@@ -13,8 +13,9 @@ the start of the content (split as the template splits it,
 conversation. `check_conversation` holds the rules of order (a tool result
 answers a call; an optional system message comes first). No text may hold a
 control string or tag (`control_in`): rendered, it would open or close turns,
-calls or reasoning the conversation does not have. A message that breaks the
-format is a `ChatError` naming it.
+calls or reasoning the conversation does not have; only a reply the model
+wrote, sent back in a server's history (`replies_as_written`), renders as it
+was written. A message that breaks the format is a `ChatError` naming it.
 """
 
 from __future__ import annotations
@@ -107,16 +108,17 @@ def _type(value: Any) -> str:
             list: "an array"}.get(type(value), "an object")
 
 
-def checked_text(where: str, text: Any) -> str:
+def checked_text(where: str, text: Any, *, controls: bool = False) -> str:
     """text, or ChatError unless it is a string of valid Unicode holding no control string or tag (rendered,
-    one would change the conversation's structure)."""
+    one would change the conversation's structure); with controls, control strings and tags are let through
+    (text a model wrote, rendered back as it was written)."""
     if not isinstance(text, str):
         raise ChatError(f"{where} must be a string, got {_type(text)}")
     bad = re.search("[\ud800-\udfff]", text)
     if bad:
         raise ChatError(f"{where} holds an unpaired surrogate escape \\u{ord(bad.group()):04x}, "
                         "which is not valid Unicode")
-    control = control_in(text)
+    control = None if controls else control_in(text)
     if control:
         raise ChatError(f"{where} contains the control token {control}, which would change the conversation's "
                         "turns")
@@ -134,8 +136,9 @@ def _json_value(where: str, value: Any, what: str) -> Any:
             from None
 
 
-def tool_call_from_dict(where: str, call: Any) -> ToolCall:
-    """A ToolCall from OpenAI's `{"function": {"name", "arguments"}}` or a bare `{"name", "arguments"}`."""
+def tool_call_from_dict(where: str, call: Any, *, as_written: bool = False) -> ToolCall:
+    """A ToolCall from OpenAI's `{"function": {"name", "arguments"}}` or a bare `{"name", "arguments"}`;
+    as_written: a call a model wrote, whose arguments may hold control strings (`checked_text`)."""
     if not isinstance(call, dict):
         raise ChatError(f'{where} must be an object {{"function": {{"name": ..., "arguments": ...}}}}, '
                         f"got {_type(call)}")
@@ -157,7 +160,7 @@ def tool_call_from_dict(where: str, call: Any) -> ToolCall:
     if not isinstance(parsed, dict):
         raise ChatError(f"{where}.arguments must be a JSON object (the function's named arguments), "
                         f"got {_type(parsed)}")
-    return ToolCall(name, checked_text(f"{where}.arguments", text))
+    return ToolCall(name, checked_text(f"{where}.arguments", text, controls=as_written))
 
 
 def split_reasoning(content: str) -> tuple[str, str]:
@@ -168,9 +171,13 @@ def split_reasoning(content: str) -> tuple[str, str]:
     return head.split(THINK)[-1].lstrip("\n"), content.split(THINK_END)[-1].lstrip("\n")
 
 
-def message_from_dict(where: str, m: Any) -> Message:
+def message_from_dict(where: str, m: Any, *, replies_as_written: bool = False) -> Message:
     """A Message from an OpenAI / TRL / MiniMind message dict (see the module doc), or ChatError.
 
+    replies_as_written: an assistant message is a reply a model wrote, sent back (a server's conversation
+    history): its content, reasoning and call arguments may hold control strings and tags, which render as the
+    model wrote them (a model may write a tag where the reply's format has no place for it, `<tool_call>` with
+    no tools offered); the texts of every other role, and of every message of training data, never may.
     Other keys (`tool_call_id`, `name`, MiniMind's `tools` on a system message) are not read here.
     """
     if not isinstance(m, dict):
@@ -190,7 +197,8 @@ def message_from_dict(where: str, m: Any) -> Message:
             raw = [raw] if isinstance(raw, dict) else raw
         if not isinstance(raw, list):
             raise ChatError(f"{where}.tool_calls must be an array of calls, got {_type(raw)}")
-        calls = tuple(tool_call_from_dict(f"{where}.tool_calls[{i}]", c) for i, c in enumerate(raw))
+        calls = tuple(tool_call_from_dict(f"{where}.tool_calls[{i}]", c, as_written=replies_as_written)
+                      for i, c in enumerate(raw))
     if content is None and (calls or role == "tool"):
         content = ""
     if "content" not in m and not calls:
@@ -206,12 +214,13 @@ def message_from_dict(where: str, m: Any) -> Message:
             raise ChatError(f"{where}.reasoning_content must be a string, got {_type(given)}")
         else:
             reasoning, content = split_reasoning(content)
-        checked_text(f"{where}.reasoning_content", reasoning)
+        checked_text(f"{where}.reasoning_content", reasoning, controls=replies_as_written)
         if not content.strip() and not calls:
             raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
     elif role != "tool" and not content.strip():
         raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
-    return Message(role, checked_text(f"{where}.content", content), reasoning, calls)
+    return Message(role, checked_text(f"{where}.content", content,
+                                      controls=replies_as_written and role == "assistant"), reasoning, calls)
 
 
 def tools_from_value(where: str, value: Any) -> tuple[str, ...]:

@@ -218,7 +218,10 @@ class ServerState:
                                 f"{limit} tokens can hold; shorten the conversation", "messages",
                            "context_length_exceeded")
         try:
-            messages = [message_from_dict(f"messages[{i}]", m.as_dict()) for i, m in enumerate(req.messages)]
+            # The replies in the history are the model's, sent back as the server gave them: a tag it wrote
+            # where the reply has no place for one (`<tool_call>` with no tools) renders back as it was written.
+            messages = [message_from_dict(f"messages[{i}]", m.as_dict(), replies_as_written=True)
+                        for i, m in enumerate(req.messages)]
             check_conversation("messages", messages, complete=False)
             offered = tools_from_value("tools", req.tools) if req.tools else ()  # checked whatever tool_choice says
             tools = offered if req.tool_choice != "none" else ()
