@@ -439,3 +439,35 @@ def test_grpo_with_the_answer_reward_raises_greedy_accuracy(tmp_path):
     after = greedy()
     print(f"greedy answer accuracy on the prompts trained on: {before:.3f} -> {after:.3f}")
     assert after >= before + ANSWER_MARGIN, f"{before:.3f} -> {after:.3f}"
+
+
+def test_token_logps_project_only_the_positions_with_a_target():
+    """RL's log-probs take the output projection at the completion's positions alone: the same values and
+    gradients as the whole rows' logits give, 0 where there is no target (a row without one included)."""
+    import torch.nn.functional as F
+
+    from nanolm.config import ModelConfig
+    from nanolm.data.shards import IGNORE_INDEX
+    from nanolm.model.transformer import Transformer
+    from nanolm.train.rollout import token_logps
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=16,
+                                    tie_embeddings=False, init_std=0.2))
+    x = torch.randint(0, 50, (3, 10))
+    y = torch.full((3, 10), IGNORE_INDEX)
+    y[0, 4:7] = torch.tensor([5, 6, 7])
+    y[2, 8:] = torch.tensor([1, 49])
+    want = -F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="none").view(3, 10)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got = token_logps(model, x, y)
+    assert got.shape == (3, 10) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert (got[y == IGNORE_INDEX] == 0).all() and (got[y != IGNORE_INDEX] < 0).all()
+    got.sum().backward()
+    for (name, p), g in zip(model.named_parameters(), want_grads):  # equal but for float32's summation order
+        assert float((p.grad - g).abs().max()) <= 1e-6 * float(g.abs().max()), name
+    assert torch.equal(token_logps(model, x, torch.full_like(y, IGNORE_INDEX)), torch.zeros(3, 10))

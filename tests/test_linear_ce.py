@@ -109,11 +109,19 @@ def _model(**kw) -> Transformer:
                                    **kw))
 
 
+@pytest.mark.parametrize("masked", ["some", "most", "all"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_model_targets_path_equals_lm_loss_of_its_logits(tied):
+def test_model_targets_path_equals_lm_loss_of_its_logits(tied, masked):
+    """Only the positions with a target are projected (a chat's masked prompt costs nothing there): the loss and
+    every gradient as the whole rows' logits give them."""
     model = _model(tie_embeddings=tied)
     x, y = torch.randint(0, 97, (3, 20)), torch.randint(0, 97, (3, 20))
     y[0, :7] = IGNORE_INDEX
+    if masked != "some":  # a prompt before each short reply, one row all prompt (or every row)
+        y[:, :16] = IGNORE_INDEX
+        y[1] = IGNORE_INDEX
+    if masked == "all":
+        y[:] = IGNORE_INDEX
     ref = lm_loss(model(x), y, reduction="sum")
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -133,6 +141,7 @@ def test_lora_wrapped_output_projection_takes_the_plain_path():
             if "lora_B" in n:
                 p.normal_()  # adapters that change the output
     x, y = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    y[0, :5] = IGNORE_INDEX
     torch.testing.assert_close(model(x, targets=y), lm_loss(model(x), y, reduction="sum"))
 
 

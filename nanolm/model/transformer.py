@@ -395,9 +395,12 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, pos: torch.Tensor | None = None,
                 seg: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                last: torch.Tensor | None = None) -> torch.Tensor:
+                last: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids -> logits (B, T, V); with `targets` (B, T), their summed cross-entropy instead;
-        with `last` (B,), only the logits at position last[b] of each row, (B, 1, V) (a prefill needs no more).
+        with `last` (B,), only the logits at position last[b] of each row, (B, 1, V) (a prefill needs no more);
+        with `at` (N,), only those of the positions it lists in the flattened (B * T) order, (N, V): a loss over
+        a few positions of each row (RL's completions after their prompts) computes no output projection for
+        the others.
 
         With a cache, idx are the tokens after cache.pos. For packed sequences
         (several conversations in one row), `seg` (B, T) gives each token's
@@ -409,7 +412,9 @@ class Transformer(nn.Module):
         With targets, the float32 sum of the next-token cross-entropy over the
         positions whose target is not negative is returned, computed by
         `linear_cross_entropy` without writing the logits out (a LoRA-wrapped
-        output projection goes through its module and the plain loss).
+        output projection goes through its module and the plain loss), over
+        those positions alone (uncompiled: the masked prompts of chat data
+        cost no output projection).
         """
         B, T = idx.shape
         if cache is not None and not self.config.causal:
@@ -438,14 +443,23 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.pos += T
         if targets is not None:
-            h = self.norm(x).flatten(0, 1)  # (B*T, C)
+            h, t = x.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
+            if not torch.compiler.is_compiling():
+                # Only the positions with a target are projected: a chat's prompts (a tool list's hundreds of
+                # tokens), which the loss masks, cost no output projection. Compiled, every position is (a shape
+                # that depends on the data would break the graph).
+                kept = (t >= 0).nonzero().squeeze(-1)
+                if kept.numel() < t.numel():
+                    h, t = h.index_select(0, kept), t.index_select(0, kept)
+            h = self.norm(h)
             if type(self.lm_head) is nn.Linear:
-                return linear_cross_entropy(h, self.lm_head.weight, targets.flatten())
-            return F.cross_entropy(self.lm_head(h).float(), targets.flatten().clamp_min(-1), ignore_index=-1,
-                                   reduction="sum")
+                return linear_cross_entropy(h, self.lm_head.weight, t)
+            return F.cross_entropy(self.lm_head(h).float(), t.clamp_min(-1), ignore_index=-1, reduction="sum")
         if last is not None:
             x = x[torch.arange(B, device=x.device), last].unsqueeze(1)  # (B, 1, C)
-        return self._head(self.norm(x))  # (B, T, V)
+        elif at is not None:
+            x = x.flatten(0, 1).index_select(0, at)  # (N, C)
+        return self._head(self.norm(x))  # (B, T, V), (B, 1, V) or (N, V)
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The token embeddings in the residual stream's dtype, that of the norms (a LoRA run may keep its frozen

@@ -132,7 +132,7 @@ class GRPOObjective(Objective):
         model.eval()  # no dropout in the log-probs the ratios compare with
         if self.cfg.inner_epochs > 1:
             with self.compute():
-                b.old_logp = token_logps(model(b.x), b.y)
+                b.old_logp = token_logps(model, b.x, b.y)
         if self.cfg.beta > 0:
             with self.compute():
                 b.ref_logp = reference_logps(model, self.reference, self.disable_adapters, b.x, b.y)
@@ -176,7 +176,7 @@ class GRPOObjective(Objective):
 
     def __call__(self, model: nn.Module, batch: Rollouts) -> Loss:
         cfg = self.cfg
-        logp = token_logps(model(batch.x), batch.y)  # (R, T)
+        logp = token_logps(model, batch.x, batch.y)  # (R, T)
         mask = batch.mask
         old = batch.old_logp if batch.old_logp is not None else logp.detach()
         if cfg.loss == "grpo":

@@ -166,7 +166,7 @@ class PPOObjective(Objective):
         model.eval()  # no dropout in the log-probs and values the update compares with
         self.critic.eval()
         with self.compute():
-            old_logp = token_logps(model(x), y)
+            old_logp = token_logps(model, x, y)
             values = values_of(self.critic, x) * mask
             kl = torch.zeros_like(old_logp)
             if cfg.kl_coef > 0:
@@ -237,7 +237,7 @@ class PPOObjective(Objective):
 
     def __call__(self, model: nn.Module, batch: PPORollouts) -> Loss:
         cfg, mask = self.cfg, batch.mask
-        logp = token_logps(model(batch.x), batch.y)  # (R, T)
+        logp = token_logps(model, batch.x, batch.y)  # (R, T)
         values = values_of(self.critic, batch.x)  # (R, T)
         policy, clipped = clipped_surrogate(logp, batch.old_logp, batch.advantages, cfg.epsilon, cfg.epsilon)
         value, value_clipped = clipped_value_loss(values, batch.old_values, batch.returns, cfg.value_clip)

@@ -43,10 +43,17 @@ from nanolm.train import distributed
 from nanolm.train.rewards import Completion, Rewards
 
 
-def token_logps(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """log p(y) per position (R, T) in float32, 0 where y is IGNORE_INDEX."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return -nll.view(y.shape)
+def token_logps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's log p(y) per position (R, T) of inputs x (R, T), in float32, 0 where y is IGNORE_INDEX. Only
+    the positions with a target are projected to the vocabulary (`Transformer.forward`'s `at`): a row's prompt,
+    most of an agentic trajectory's tokens, costs no output projection and no softmax."""
+    targets = y.flatten()
+    at = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
+    logp = torch.zeros(targets.shape, dtype=torch.float32, device=y.device)
+    if at.numel():
+        picked = targets.index_select(0, at)
+        logp = logp.index_put((at,), -F.cross_entropy(model(x, at=at).float(), picked, reduction="none"))
+    return logp.view(y.shape)
 
 
 @torch.no_grad()
@@ -55,9 +62,9 @@ def reference_logps(model: nn.Module, reference: nn.Module | None,
                     x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The reference's log-probs of y (R, T): a frozen model, or `model` with its LoRA adapters off."""
     if reference is not None:
-        return token_logps(reference(x), y)
+        return token_logps(reference, x, y)
     with disable_adapters(model):  # type: ignore[misc]
-        return token_logps(model(x), y)
+        return token_logps(model, x, y)
 
 
 @dataclass
