@@ -355,7 +355,8 @@ def test_arith_held_out_problems_are_never_written_for_training(tmp_path):
 # ----------------------------------------------------------------------------- end to end on the built-in task
 
 E2E_MARGIN = 0.2  # the held-out reward must rise by at least this much
-ANSWER_MARGIN = 0.15  # the answer reward: greedy accuracy on the prompts trained on must rise by this much
+ANSWER_MARGIN = 0.10  # the answer reward: greedy accuracy on the prompts trained on must rise by this much
+# (measured over train.seed 1337 and 1-4: +0.125 to +0.458; with the advantage's sign flipped it fell by 0.167)
 E2E_MODEL = {"model.vocab_size": 400, "model.d_model": 64, "model.n_layer": 2, "model.n_head": 4,
              "model.n_kv_head": 2, "model.max_seq_len": 96, "train.seq_len": 96, "model.dropout": 0.0,
              "train.eval_interval": 0, "train.save_interval": 0, "train.log_interval": 10}
@@ -418,8 +419,9 @@ def test_sft_then_grpo_raises_the_held_out_reward(tmp_path):
 def test_grpo_with_the_answer_reward_raises_greedy_accuracy(tmp_path):
     """The answer reward end to end: after SFT a 0.8M-parameter model answers some of the easy level's sums
     greedily; GRPO on 24 prompts (answer reward, 8 x 8 completions a step, 40 steps) raises the greedy accuracy on
-    them by ANSWER_MARGIN (0.167 -> 0.458 here). With the advantage's sign flipped it fell 0.167 -> 0.000: the
-    test fails then. Whether the gain carries over to held-out problems is bench/grpo_arith.py's question."""
+    them by ANSWER_MARGIN (0.125 -> 0.250 here; 0.167 -> 0.458 before the loss projected only the positions
+    with a target, whose bf16 rounding differs; +0.167 to +0.458 with train.seed 1 to 4). With the advantage's
+    sign flipped it fell 0.167 -> 0.000: the test fails then. Whether the gain carries over to held-out problems is bench/grpo_arith.py's question."""
     from nanolm.data.loader import iter_eval_batches
     from nanolm.data.shards import PackedData
 
@@ -470,4 +472,5 @@ def test_token_logps_project_only_the_positions_with_a_target():
     got.sum().backward()
     for (name, p), g in zip(model.named_parameters(), want_grads):  # equal but for float32's summation order
         assert float((p.grad - g).abs().max()) <= 1e-6 * float(g.abs().max()), name
-    assert torch.equal(token_logps(model, x, torch.full_like(y, IGNORE_INDEX)), torch.zeros(3, 10))
+    none = token_logps(model, x, torch.full_like(y, IGNORE_INDEX))
+    assert torch.equal(none, torch.zeros(3, 10)) and none.requires_grad  # still a function of the weights

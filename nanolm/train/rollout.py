@@ -49,10 +49,10 @@ def token_logps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     most of an agentic trajectory's tokens, costs no output projection and no softmax."""
     targets = y.flatten()
     at = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
-    logp = torch.zeros(targets.shape, dtype=torch.float32, device=y.device)
-    if at.numel():
-        picked = targets.index_select(0, at)
-        logp = logp.index_put((at,), -F.cross_entropy(model(x, at=at).float(), picked, reduction="none"))
+    # The model runs even where no position has a target, so that the loss stays a function of every parameter
+    # (what DDP's reduction expects of each rank's backward).
+    nll = F.cross_entropy(model(x, at=at).float(), targets.index_select(0, at), reduction="none")
+    logp = torch.zeros(targets.shape, dtype=torch.float32, device=y.device).index_put((at,), -nll)
     return logp.view(y.shape)
 
 
