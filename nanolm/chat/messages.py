@@ -108,17 +108,17 @@ def _type(value: Any) -> str:
             list: "an array"}.get(type(value), "an object")
 
 
-def checked_text(where: str, text: Any, *, controls: bool = False) -> str:
+def checked_text(where: str, text: Any, *, as_written: bool = False) -> str:
     """text, or ChatError unless it is a string of valid Unicode holding no control string or tag (rendered,
-    one would change the conversation's structure); with controls, control strings and tags are let through
-    (text a model wrote, rendered back as it was written)."""
+    one would change the conversation's structure); as_written: text a model wrote, rendered back as it was
+    written, whose control strings and tags are let through."""
     if not isinstance(text, str):
         raise ChatError(f"{where} must be a string, got {_type(text)}")
     bad = re.search("[\ud800-\udfff]", text)
     if bad:
         raise ChatError(f"{where} holds an unpaired surrogate escape \\u{ord(bad.group()):04x}, "
                         "which is not valid Unicode")
-    control = None if controls else control_in(text)
+    control = None if as_written else control_in(text)
     if control:
         raise ChatError(f"{where} contains the control token {control}, which would change the conversation's "
                         "turns")
@@ -160,7 +160,7 @@ def tool_call_from_dict(where: str, call: Any, *, as_written: bool = False) -> T
     if not isinstance(parsed, dict):
         raise ChatError(f"{where}.arguments must be a JSON object (the function's named arguments), "
                         f"got {_type(parsed)}")
-    return ToolCall(name, checked_text(f"{where}.arguments", text, controls=as_written))
+    return ToolCall(name, checked_text(f"{where}.arguments", text, as_written=as_written))
 
 
 def split_reasoning(content: str) -> tuple[str, str]:
@@ -214,13 +214,13 @@ def message_from_dict(where: str, m: Any, *, replies_as_written: bool = False) -
             raise ChatError(f"{where}.reasoning_content must be a string, got {_type(given)}")
         else:
             reasoning, content = split_reasoning(content)
-        checked_text(f"{where}.reasoning_content", reasoning, controls=replies_as_written)
+        checked_text(f"{where}.reasoning_content", reasoning, as_written=replies_as_written)
         if not content.strip() and not calls:
             raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
     elif role != "tool" and not content.strip():
         raise ChatError(f"{where}.content is empty" + (" (only whitespace)" if content else ""))
     return Message(role, checked_text(f"{where}.content", content,
-                                      controls=replies_as_written and role == "assistant"), reasoning, calls)
+                                      as_written=replies_as_written and role == "assistant"), reasoning, calls)
 
 
 def tools_from_value(where: str, value: Any) -> tuple[str, ...]:
