@@ -61,7 +61,9 @@ class TrainConfig:
     device: str = "auto"
     compile: bool = False  # torch.compile the model: faster steps after a compile at start (15-30 s at 26M here)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
-    sdpa_backend: str = "auto"  # attention kernel: auto (PyTorch picks), flash, efficient, cudnn (CUDA), math
+    # attention kernel: auto (on a CPU nanolm's blocked causal attention where it applies, else PyTorch picks),
+    # or one of PyTorch's: flash, efficient, cudnn (CUDA), math
+    sdpa_backend: str = "auto"
     parallel: str = "ddp"  # with torchrun: ddp (a full copy per process) or fsdp (FSDP2: all state sharded)
     seed: int = 1337
     max_nonfinite_steps: int = 3  # steps with a NaN/inf loss or gradient are skipped; this many in a row stop the run

@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanolm.config.model import ModelConfig
+from nanolm.model import cpu_attention
 from nanolm.model.linear_ce import linear_cross_entropy
 from nanolm.model.lora import frozen_linear
 from nanolm.model.moe import MoE, moe_param_counts
@@ -54,6 +55,13 @@ from nanolm.model.moe import MoE, moe_param_counts
 # float32; at head size 64 the two are level), so training under bf16 autocast on a CPU runs attention in float32
 # below this head size.
 SDPA_CPU_BF16_MIN_HEAD_DIM = 64
+
+
+def sdpa_unrestricted() -> bool:
+    """False while a run limits scaled_dot_product_attention to some of its kernels (train.sdpa_backend, through
+    torch.nn.attention.sdpa_kernel): such a run gets PyTorch's kernel, not nanolm's CPU one."""
+    b = torch.backends.cuda
+    return b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()
 
 
 class RMSNorm(nn.Module):
@@ -285,6 +293,11 @@ class Attention(nn.Module):
             v = cache.v[layer][:, :, :start + T]
             q = q.to(k.dtype)  # attention runs in the cache's dtype (float32 under bf16 weights on a CPU)
 
+        if cache is None and self.causal and T > 1 and (self.dropout == 0.0 or not self.training) \
+                and sdpa_unrestricted() and cpu_attention.usable(q, q.dtype):
+            # On a CPU, nanolm's blocked attention (model/cpu_attention.py: 1.6-2x PyTorch's kernel here)
+            y = cpu_attention.causal_attention(q, k, v.to(q.dtype), mask)
+            return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
         precision = contextlib.nullcontext()
         if (cache is None and q.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and self.head_dim < SDPA_CPU_BF16_MIN_HEAD_DIM):
