@@ -25,7 +25,8 @@ from nanolm.data.shards import Manifest, PackedData
 from nanolm.errors import UserError
 from nanolm.model.transformer import Transformer
 from nanolm.tokenizer import Tokenizer
-from nanolm.train.losses import dpo_loss, sequence_logps, split_pairs
+from nanolm.train.losses import dpo_loss, split_pairs
+from nanolm.train.objectives import token_logps
 
 from chat_helpers import (END, HINT, a, assert_two_ranks_continue, read_masked_docs, s, u, write_jsonl,
                           write_masked_data)
@@ -523,16 +524,17 @@ def test_dpo_on_prepared_pairs_padding_changes_nothing_and_the_margin_grows(tmp_
     policy = Transformer(ModelConfig(vocab_size=400, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=128))
     ref = copy.deepcopy(policy).requires_grad_(False)
     with torch.no_grad():
-        ref_logps = sequence_logps(ref(batch.x), batch.y)
+        ref_logps = token_logps(ref, batch.x, batch.y).sum(dim=1)
         # A row's log-probability is the same alone, without the padding after it.
         for r in range(8):
             n = int((batch.y[r] >= 0).nonzero().max()) + 1
-            alone = sequence_logps(ref(batch.x[r:r + 1, :n]), batch.y[r:r + 1, :n])
+            alone = token_logps(ref, batch.x[r:r + 1, :n], batch.y[r:r + 1, :n]).sum(dim=1)
             torch.testing.assert_close(alone, ref_logps[r:r + 1], rtol=1e-5, atol=1e-5)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     history = []
     for _ in range(15):
-        loss, m = dpo_loss(*split_pairs(sequence_logps(policy(batch.x), batch.y)), *split_pairs(ref_logps), beta=0.1)
+        loss, m = dpo_loss(*split_pairs(token_logps(policy, batch.x, batch.y).sum(dim=1)), *split_pairs(ref_logps),
+                           beta=0.1)
         history.append((loss.item(), m["reward_margin"].item(), m["reward_accuracy"].item()))
         optimizer.zero_grad()
         loss.backward()

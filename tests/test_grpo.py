@@ -451,7 +451,7 @@ def test_token_logps_project_only_the_positions_with_a_target():
     from nanolm.config import ModelConfig
     from nanolm.data.shards import IGNORE_INDEX
     from nanolm.model.transformer import Transformer
-    from nanolm.train.rollout import token_logps
+    from nanolm.train.objectives import token_logps
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=16,

@@ -1,4 +1,4 @@
-"""Loss functions with exact values: sequence log-probabilities, the DPO loss and its rewards, distillation."""
+"""Loss functions with exact values: the log-probabilities of a model's targets, the DPO loss and its rewards, distillation."""
 
 from __future__ import annotations
 
@@ -7,29 +7,47 @@ import math
 import pytest
 import torch
 
-from nanolm.train.losses import distill_loss, dpo_loss, lm_loss, sequence_logps, split_pairs
+from nanolm.train.losses import distill_loss, dpo_loss, lm_loss, split_pairs
+from nanolm.train.objectives import token_logps
 
 # Rows of probabilities over a vocabulary of 4; their logs are logits whose log-softmax is the log itself.
 PROBS = [[[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]],
          [[0.5, 0.5, 0.0, 0.0], [0.05, 0.05, 0.45, 0.45], [0.4, 0.3, 0.2, 0.1]]]
 
 
-def test_sequence_logps_sums_the_target_log_probabilities():
+class FixedLogits(torch.nn.Module):
+    """A "model" whose logits are given: forward(x, pos, seg, at) returns the listed positions' rows."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+        self.asked: list[list[int]] = []
+
+    def forward(self, x, pos=None, seg=None, at=None):
+        self.asked.append(at.tolist())
+        return self.logits.flatten(0, 1).index_select(0, at)
+
+
+def test_token_logps_are_the_targets_log_probabilities_and_sum_per_row():
     # A zero probability becomes a very negative logit; it is never a target here.
-    logits = torch.tensor(PROBS).clamp(min=1e-30).log()  # (2, 3, 4)
+    model = FixedLogits(torch.tensor(PROBS).clamp(min=1e-30).log())  # (2, 3, 4)
     targets = torch.tensor([[3, -1, 0], [1, 2, -1]])
-    got = sequence_logps(logits, targets)
-    assert got.dtype == torch.float32 and got.shape == (2,)
-    assert got.tolist() == pytest.approx([math.log(0.4) + math.log(0.7), math.log(0.5) + math.log(0.45)], rel=1e-6)
+    got = token_logps(model, torch.zeros(2, 3, dtype=torch.long), targets)
+    assert got.dtype == torch.float32 and got.shape == (2, 3)
+    assert model.asked == [[0, 2, 3, 4]]  # only the positions with a target are asked for
+    assert got[0, 1].item() == got[1, 2].item() == 0.0
+    assert got.sum(dim=1).tolist() == pytest.approx([math.log(0.4) + math.log(0.7), math.log(0.5) + math.log(0.45)],
+                                                    rel=1e-6)
     # The same as gathering the log-softmax by hand, for any logits; bf16 logits are summed in float32.
     logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(1))
     targets[0, :2] = targets[2] = -1
     logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     want = (logp * (targets != -1)).sum(1)
-    torch.testing.assert_close(sequence_logps(logits, targets), want)
-    assert sequence_logps(logits, targets)[2].item() == 0.0  # no targets: an empty sum
-    assert sequence_logps(logits.bfloat16(), targets).dtype == torch.float32
+    x = torch.zeros(3, 5, dtype=torch.long)
+    torch.testing.assert_close(token_logps(FixedLogits(logits), x, targets).sum(dim=1), want)
+    assert token_logps(FixedLogits(logits), x, targets)[2].abs().sum().item() == 0.0  # no targets: nothing
+    assert token_logps(FixedLogits(logits.bfloat16()), x, targets).dtype == torch.float32
 
 
 def test_split_pairs_takes_even_rows_as_chosen():

@@ -43,11 +43,11 @@ from nanolm.config.methods import GRPOConfig
 from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
-from nanolm.train.objectives import Loss, Objective
+from nanolm.train.objectives import Loss, Objective, token_logps
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
 from nanolm.train.agent import sampler_for
-from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics, token_logps
+from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
 
 
 @dataclass

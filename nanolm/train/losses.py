@@ -1,8 +1,8 @@
 """Pure loss functions over logits and targets, and how a micro-batch's loss is weighed into its step.
 
 Each training stage's objective (nanolm.train.objectives) is built from these:
-masked next-token cross-entropy, sequence log-probabilities, the DPO loss and
-distillation; `step_share` turns a loss summed over a micro-batch's units into
+masked next-token cross-entropy, the DPO loss and distillation (the log-probabilities DPO and RL
+take of a model's targets are objectives.token_logps); `step_share` turns a loss summed over a micro-batch's units into
 its share of the optimizer step, so every unit of a step weighs the same.
 """
 
@@ -22,17 +22,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     """
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
-
-
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the log-probabilities of each row's targets: logits (R, T, V), targets (R, T) -> (R,) float32.
-
-    Positions whose target is IGNORE_INDEX add nothing. Computed in float32 as
-    lm_loss is, through the fused cross-entropy (no (R, T, V) log-softmax copy).
-    """
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                          reduction="none")  # (R*T,), 0 where ignored
-    return -nll.view(targets.shape).sum(dim=1)
 
 
 def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

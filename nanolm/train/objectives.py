@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from nanolm.data.kinds.blocks import block_views
 from nanolm.data.shards import IGNORE_INDEX, Batch
 from nanolm.model.moe import collect_aux_loss, moe_layers
-from nanolm.train.losses import distill_loss, dpo_loss, sequence_logps, step_share
+from nanolm.train.losses import distill_loss, dpo_loss, step_share
 
 Metrics = dict[str, torch.Tensor]
 
@@ -70,6 +70,21 @@ def _summed_ce(model: nn.Module, batch: Batch) -> torch.Tensor:
     """The batch's next-token cross-entropy summed over its targets, float32, through the model's fused output
     projection and loss (the same value as losses.lm_loss of its logits, reduction "sum", without writing the logits)."""
     return model(batch.x, pos=batch.pos, seg=batch.seg, targets=batch.y)
+
+
+def token_logps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None = None,
+                seg: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's log p(y) per position (R, T) of inputs x (R, T) (pos, seg: packed rows' positions and
+    segments), in float32, 0 where y is IGNORE_INDEX. Only the positions with a target are projected to the
+    vocabulary (`Transformer.forward`'s `at`): a row's prompt, most of an agentic trajectory's tokens, costs no
+    output projection and no softmax. DPO sums it over each row; RL weighs it token by token."""
+    targets = y.flatten()
+    at = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
+    # The model runs even where no position has a target, so that the loss stays a function of every parameter
+    # (what DDP's reduction expects of each rank's backward).
+    nll = F.cross_entropy(model(x, pos=pos, seg=seg, at=at).float(), targets.index_select(0, at), reduction="none")
+    logp = torch.zeros(targets.shape, dtype=torch.float32, device=y.device).index_put((at,), -nll)
+    return logp.view(y.shape)
 
 
 @torch.no_grad()
@@ -242,7 +257,7 @@ class DPOObjective(Objective):
         self.disable_adapters = disable_adapters
 
     def _logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logps = sequence_logps(_forward(model, batch), batch.y)  # (2P,): chosen, rejected, chosen, ...
+        logps = token_logps(model, batch.x, batch.y, batch.pos, batch.seg).sum(dim=1)  # (2P,): chosen, rejected, ...
         return logps[0::2], logps[1::2]
 
     def _ref_logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

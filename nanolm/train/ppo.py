@@ -54,12 +54,12 @@ from nanolm.config.methods import PPOConfig
 from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
-from nanolm.train.objectives import Companion, Loss, Metrics, Objective
+from nanolm.train.objectives import Companion, Loss, Metrics, Objective, token_logps
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import (clipped_surrogate, clipped_value_loss, explained_variance, gae, k3_kl, masked_moments,
                              token_rewards, token_sums, whiten)
 from nanolm.train.agent import sampler_for
-from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics, token_logps
+from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
 
 
 @dataclass

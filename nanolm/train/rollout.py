@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nanolm.config.sampling import SamplingParams
 from nanolm.data.kinds.prompts import PromptBatch, last_user_text
@@ -40,20 +39,8 @@ from nanolm.data.shards import IGNORE_INDEX
 from nanolm.infer.engine import Engine
 from nanolm.runtime import decode_dtype
 from nanolm.train import distributed
+from nanolm.train.objectives import token_logps
 from nanolm.train.rewards import Completion, Rewards
-
-
-def token_logps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's log p(y) per position (R, T) of inputs x (R, T), in float32, 0 where y is IGNORE_INDEX. Only
-    the positions with a target are projected to the vocabulary (`Transformer.forward`'s `at`): a row's prompt,
-    most of an agentic trajectory's tokens, costs no output projection and no softmax."""
-    targets = y.flatten()
-    at = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
-    # The model runs even where no position has a target, so that the loss stays a function of every parameter
-    # (what DDP's reduction expects of each rank's backward).
-    nll = F.cross_entropy(model(x, at=at).float(), targets.index_select(0, at), reduction="none")
-    logp = torch.zeros(targets.shape, dtype=torch.float32, device=y.device).index_put((at,), -nll)
-    return logp.view(y.shape)
 
 
 @torch.no_grad()
