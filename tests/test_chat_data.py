@@ -547,3 +547,34 @@ def test_prepared_chat_data_trains_only_on_replies(tmp_path, tok, tokenizer_dir)
                 sel = batch.seg[r] == sid
                 assert batch.pos[r][sel].tolist() == list(range(int(sel.sum())))
     assert seen == replies
+
+
+def test_mfu_counts_the_output_projection_at_the_replies_alone(tmp_path, tokenizer_dir, data_dir):
+    """On chat data the loss projects only the replies' positions to the vocabulary: the logged MFU counts the
+    output projection's FLOPs at those alone (the rest of the model at every position); on text, where every
+    position has a target, at all of them."""
+    from nanolm.config.load import load_config
+    from nanolm.model.transformer import flops_per_token
+    from nanolm.train.metrics import measured_matmul_flops, read_metrics
+    from nanolm.train.trainer import train
+
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": c} for c in CONVS[:4] * 5])
+    prepare([src], tokenizer_dir, tmp_path / "chat", format="chat", val_fraction=0.2, workers=0, quiet=True)
+    over = {"train.out_dir": "", "model.vocab_size": 400, "model.d_model": 32, "model.n_layer": 2,
+            "model.n_head": 4, "model.n_kv_head": 2, "model.max_seq_len": 192, "train.seq_len": 192,
+            "train.batch_size": 2, "train.max_steps": 3, "train.log_interval": 1, "train.eval_interval": 3,
+            "train.eval_batches": 1, "train.dtype": "float32"}
+    ratios = {}
+    for name, data, stage in (("text", data_dir, "pretrain"), ("sft", tmp_path / "chat", "sft")):
+        init = {"train.init_from": str(tmp_path / "text")} if stage == "sft" else {}
+        cfg = load_config("tiny", overrides={**over, **init, "data.path": str(data), "train.stage": stage,
+                                             "train.out_dir": str(tmp_path / name)})
+        train(cfg, quiet=True)
+        peak = measured_matmul_flops("cpu", torch.float32)  # the run's own peak (measured once per process)
+        fpt, head = flops_per_token(cfg.model, cfg.train.seq_len), 6 * 400 * 32
+        ratios[name] = [r["mfu"] * peak / r["tokens_per_s"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                        if "mfu" in r]
+        assert len(ratios[name]) == 3
+    # FLOPs per token read: fewer than the model's at every position by part of the head's, never all of it
+    assert all(fpt - head < r < fpt - 0.2 * head for r in ratios["sft"]), (ratios["sft"], fpt, head)
+    assert ratios["text"] == pytest.approx([fpt] * 3, rel=1e-9)

@@ -169,6 +169,11 @@ class GRPOObjective(Objective):
 
     # -------------------------------------------------------------------------------------- the loss
 
+    @staticmethod
+    def projected(batch: Rollouts) -> int:
+        """The completions' tokens (token_logps projects those alone)."""
+        return int((batch.y != IGNORE_INDEX).sum())
+
     def units(self, batch: Rollouts) -> int:
         """Completion tokens (average = token) or completions with at least one token (sequence)."""
         mask = batch.mask

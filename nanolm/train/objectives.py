@@ -143,6 +143,12 @@ class Objective:
         """The input positions the model reads of the batch (the tokens a step counts)."""
         return batch.x.numel()
 
+    def projected(self, batch: Batch) -> int:
+        """The positions whose output projection the loss computes (uncompiled; a compiled model projects every
+        position): MFU counts the projection's FLOPs at these alone. All the positions the model reads, unless
+        the objective's loss reads fewer."""
+        return self.positions(batch)
+
     def before_step(self, model: nn.Module, batches: list, info: Any) -> tuple[list, dict[str, float]]:
         return batches, {}
 
@@ -181,6 +187,10 @@ class LMObjective(Objective):
         ce = _summed_ce(model, batch)
         return self.balance(model, Loss(ce, {"loss": ce.detach()}))
 
+    def projected(self, batch: Batch) -> int:
+        """The targets alone (Transformer.forward projects only the positions with one)."""
+        return target_tokens(batch)
+
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
                  token_bytes: torch.Tensor | None) -> dict[str, float]:
         """Validation loss per target token, and bits per byte of the target text."""
@@ -209,6 +219,9 @@ class BlocksObjective(LMObjective):
         """The input positions the model reads of the batch: both blocks but the last token (causal), or the
         input block alone."""
         return block_views(batch, self.causal).x.numel()
+
+    def projected(self, batch: Batch) -> int:
+        return target_tokens(block_views(batch, self.causal))
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
@@ -270,6 +283,10 @@ class DPOObjective(Objective):
     @staticmethod
     def units(batch: Batch) -> int:
         return batch.x.shape[0] // 2  # rows 2i, 2i + 1 are pair i
+
+    def projected(self, batch: Batch) -> int:
+        """The replies' tokens (token_logps), the policy's: the reference's forward is not training work."""
+        return target_tokens(batch)
 
     def __call__(self, model: nn.Module, batch: Batch) -> Loss:
         rc, rr = self._ref_logps(model, batch)

@@ -231,6 +231,11 @@ class PPOObjective(Objective):
     # -------------------------------------------------------------------------------------- the loss
 
     @staticmethod
+    def projected(batch: PPORollouts) -> int:
+        """The completions' tokens (token_logps projects those alone)."""
+        return int((batch.y != IGNORE_INDEX).sum())
+
+    @staticmethod
     def units(batch: PPORollouts) -> int:
         """Completion tokens: every one weighs alike in the step."""
         return int(batch.mask.sum())

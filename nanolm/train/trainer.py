@@ -86,6 +86,7 @@ class StepResult:
     units: int  # target tokens (DPO: pairs) of the step on all ranks
     micro_batches: int  # of the step on all ranks
     tokens: int  # input positions of the step on all ranks
+    projected: int  # positions whose output projection the step computed, on all ranks (for MFU)
     grad_norm: torch.Tensor
     finite: bool
     sums: dict[str, torch.Tensor]
@@ -254,6 +255,8 @@ class Trainer:
             self.train_model = torch.compile(self.train_model)
         self.model.train()
         self.fpt = flops_per_token(cfg.model, tc.seq_len)  # training FLOPs per token, for MFU
+        # of which the output projection's, counted only at the positions a step projects (StepResult.projected)
+        self.fpt_head = 3 * 2 * cfg.model.vocab_size * cfg.model.d_model
         self.peak, self.peak_src = peak_flops(self.device, self.dtype)
 
         self.nonfinite_in_row, self.nonfinite_total, self.first_nonfinite = 0, 0, ""
@@ -477,6 +480,7 @@ class Trainer:
         # GRPO: prompts -> scored completions of the current policy, and the rollout's metrics
         batches, extra = self.objective.before_step(self.model, batches, self.info)
         units = [self.objective.units(b) for b in batches]  # counted on the host: no device sync
+        projected = 0 if self.cfg.train.compile else sum(self.objective.projected(b) for b in batches)
         batches = [b.to(device, non_blocking=True) for b in batches]
         step_units = distributed.sum_across_ranks(sum(units), info)
         t0 = time.perf_counter()
@@ -487,10 +491,12 @@ class Trainer:
         extra = self.objective.after_step(extra, time.perf_counter() - t0)
         # the input positions the model read (an objective may read part of a batch); every rank takes as many
         tokens = sum(self.objective.positions(b) for b in batches) * info.world_size
+        # a compiled model projects every position (a shape that depends on the data would break its graph)
+        projected = tokens if self.cfg.train.compile else projected * info.world_size
         self.step += 1
         self.tokens += tokens
-        return StepResult(lr, step_units, len(batches) * info.world_size, tokens, grad_norm, finite, sums, means,
-                          extra)
+        return StepResult(lr, step_units, len(batches) * info.world_size, tokens, projected, grad_norm, finite, sums,
+                          means, extra)
 
     def _update(self, batches: list[Any], units: list[int], step_units: int
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, bool]:
@@ -634,8 +640,9 @@ class Trainer:
             return "max_minutes"
         return "interrupted" if flag.stop else None
 
-    def _log(self, res: StepResult, window: tuple[float, int]) -> None:
-        """The step's line and metrics.jsonl record; window: (start time, tokens) of the log window."""
+    def _log(self, res: StepResult, window: tuple[float, int, int]) -> None:
+        """The step's line and metrics.jsonl record; window: (start time, tokens, projected positions) of the log
+        window."""
         tc, info = self.cfg.train, self.info
         logged = res.logged(info)
         logged.update(res.extra)
@@ -650,8 +657,10 @@ class Trainer:
             logged["expert_load"] = loads
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        tok_s = window[1] / (time.perf_counter() - window[0])
-        mfu = tok_s * self.fpt / self.peak
+        elapsed = time.perf_counter() - window[0]
+        tok_s = window[1] / elapsed
+        # useful FLOPs: the model at every position read, the output projection at those it computed
+        mfu = (window[1] * (self.fpt - self.fpt_head) + window[2] * self.fpt_head) / elapsed / self.peak
         max_steps = self.budget.max_steps
         remaining = (max_steps - self.step) * self.tokens_per_step / tok_s if max_steps else math.inf
         if tc.max_tokens:
@@ -677,7 +686,7 @@ class Trainer:
         last_saved: Path | None = None
         evaluated_at, steps_done, stop_reason = -1, 0, "max_steps"
         self.t_start = self.clock()
-        window = (time.perf_counter(), 0)
+        window = (time.perf_counter(), 0, 0)
         step_times: list[float] = []  # of this run's first steps, while a time budget's fit waits for them
         self.say(f"setup took {self.t_start - self.t_setup:.1f}s; training from step {self.step}")
         with _StopFlag() as flag:
@@ -690,13 +699,13 @@ class Trainer:
                     if len(step_times) >= probe_steps(self.cfg.optim.warmup_steps) or self.step > \
                             self.cfg.optim.warmup_steps:
                         self.budget.fit_time(step_times, self.step, self.elapsed())
-                window = (window[0], window[1] + res.tokens)
+                window = (window[0], window[1] + res.tokens, window[2] + res.projected)
                 if self.nonfinite_in_row >= tc.max_nonfinite_steps:
                     reason = "nonfinite"
                     break
                 if self.step % tc.log_interval == 0 or self.step == self.budget.max_steps:
                     self._log(res, window)
-                    window = (time.perf_counter(), 0)
+                    window = (time.perf_counter(), 0, 0)
                 is_best = False
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and \
                         self.step < (self.budget.max_steps or math.inf):
