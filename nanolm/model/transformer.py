@@ -64,6 +64,30 @@ def sdpa_unrestricted() -> bool:
     return b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()
 
 
+class _RMSNormCPU(torch.autograd.Function):
+    """x * rsqrt(mean(x^2) + eps) * w over the last dimension, with a backward of a few whole-tensor passes.
+
+    On a CPU, PyTorch's rms_norm takes 1.7x as long for its forward and backward (a `minimind-26m` step's 17
+    norms: 7.1 against 4.3 ms each, 2 threads); on other devices its fused kernel is the faster.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, w, r)
+        return x * r * w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w, r = ctx.saved_tensors
+        xh = x * r  # the normalised input
+        dw = (g * xh).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        gw = g * w
+        # d/dx of xh * w: r * (g w - xh * mean(g w xh))
+        dx = gw.sub_(xh.mul_((gw * xh).mean(-1, keepdim=True))).mul_(r) if ctx.needs_input_grad[0] else None
+        return dx, dw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -72,6 +96,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 (as Llama does) and cast back, so bf16 autocast keeps its precision here.
+        if x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormCPU.apply(x.float(), self.weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 

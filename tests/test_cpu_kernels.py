@@ -1,5 +1,5 @@
-"""nanolm's blocked causal attention for CPUs (model/cpu_attention.py): equal to PyTorch's kernel in values and
-gradients, and used exactly where it applies."""
+"""nanolm's CPU training kernels: the blocked causal attention (model/cpu_attention.py), equal to PyTorch's kernel
+in values and gradients and used exactly where it applies, and RMSNorm's backward."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanolm.config import ModelConfig
-from nanolm.model import cpu_attention, transformer
+from nanolm.model import cpu_attention
 from nanolm.model.cpu_attention import _blocks, causal_attention, usable
 from nanolm.model.transformer import Transformer
 
@@ -163,3 +163,28 @@ def test_compiled_model_trains_through_it():
     torch.testing.assert_close(got[0], eager[0], atol=0, rtol=1e-5)
     for n in eager[1]:
         torch.testing.assert_close(got[1][n], eager[1][n], atol=1e-6, rtol=1e-4)
+
+
+def test_rms_norm_on_a_cpu_trains_as_pytorchs():
+    """The CPU training path's RMSNorm (its own backward): values and both gradients equal F.rms_norm's, for a
+    residual stream and a QK-norm's (B, heads, T, head size) input; without gradients F.rms_norm itself runs."""
+    from nanolm.model.transformer import RMSNorm
+
+    for shape in ((3, 7, 16), (2, 4, 5, 8)):
+        norm = RMSNorm(shape[-1], 1e-5)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        up = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        got = norm(x)
+        got.backward(up)
+        mine = x.grad.clone(), norm.weight.grad.clone()
+        x.grad = norm.weight.grad = None
+        want = F.rms_norm(x, (shape[-1],), norm.weight, 1e-5)
+        want.backward(up)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(mine[0], x.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mine[1], norm.weight.grad, atol=1e-6, rtol=1e-5)
+        assert got.grad_fn.name().startswith("_RMSNormCPU")
+        with torch.no_grad():
+            assert norm(x).grad_fn is None and torch.equal(norm(x), F.rms_norm(x, (shape[-1],), norm.weight, 1e-5))
