@@ -103,6 +103,24 @@ def test_200_requests_from_20_clients_every_answer_right_and_memory_flat(tmp_pat
     assert server.proc.returncode in (0, -signal.SIGINT)  # Ctrl+C: a clean shutdown
 
 
+def test_scaling_sends_at_once_and_keeps_requests_in_flight(tmp_path):
+    """--scaling's two measures on a served random model: C completions sent at once, and C kept in flight
+    (each client's next request as soon as its last is answered) for a while: every answer counted, each level's
+    ratio to one alone."""
+    run = bench.build_preset_checkpoint(tmp_path, "tiny")
+    with bench.serving(run, max_queue=8) as server:
+        burst = bench.scaling(server.url, [1, 4], max_tokens=8, repeats=1)
+        kept = bench.sustained(server.url, [1, 4], max_tokens=8, seconds=1.0, repeats=1)
+        assert bench.wait_idle(server.url) == 0
+    assert [r["concurrent"] for r in burst] == [r["concurrent"] for r in kept] == [1, 4]
+    assert burst[0]["x_one"] == kept[0]["x_one"] == 1.0
+    assert 0 < burst[1]["tokens"] <= 4 * 8
+    # in flight for a second: each of 4 clients sent one request after another, each up to 8 tokens
+    assert kept[1]["requests"] > 4 and 0 < kept[1]["tokens"] <= 8 * kept[1]["requests"]
+    assert kept[1]["wall_s"] >= 1.0
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"]) for r in burst + kept)
+
+
 # --- the limits, in process ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
