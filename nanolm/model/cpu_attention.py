@@ -15,7 +15,7 @@ float32 kernel nanolm ran there. In float32 it equals PyTorch's results to round
 float32 reference are of the same size as PyTorch's bf16 kernel's (scores and probabilities rounded to bf16).
 
 The price is memory: the probabilities of every layer are held until the backward pass (10/16 of B x n_head x
-T x T values a layer, in the compute dtype), so above MAX_SCORES values a layer PyTorch's kernel (which keeps
+T x T values a layer, in the compute dtype), so above MAX_SCORE_BYTES a layer PyTorch's kernel (which keeps
 none) is used instead.
 """
 
@@ -29,9 +29,10 @@ import torch
 # x 8 heads: 1 block 54, 2 blocks 41, 4 blocks 27, 8 blocks 33 ms forward and backward, bf16, 2 threads).
 BLOCKS = 4
 MIN_BLOCK = 32  # below this many queries a block is not split further
-# The most score values (B x n_head x the blocks' T x T share) one layer may hold for its backward pass: 2^26,
-# 128 MiB in bf16. Longer sequences or larger batches fall back to PyTorch's kernel, which holds none.
-MAX_SCORES = 1 << 26
+# The most bytes of probabilities (B x n_head x the blocks' share of T x T, in the compute dtype) one layer may
+# hold for its backward pass: 128 MiB (`minimind-26m` at 4 x 512 holds 10 MiB in bf16). Longer sequences or
+# larger batches fall back to PyTorch's kernel, which holds none.
+MAX_SCORE_BYTES = 128 << 20
 
 _masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -52,12 +53,12 @@ def _blocks(T: int) -> list[tuple[int, int]]:
 
 def usable(q: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether this kernel takes attention of q (B, n_head, T, hs) computed in `dtype`: on a CPU, in float32 or
-    bfloat16, at least two blocks' worth of queries, and within MAX_SCORES values a layer."""
+    bfloat16, at least two blocks' worth of queries, and within MAX_SCORE_BYTES a layer."""
     B, H, T, _ = q.shape
     if q.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or T < 2 * MIN_BLOCK:
         return False
     held = sum((b - a) * b for a, b in _blocks(T))
-    return B * H * held <= MAX_SCORES
+    return B * H * held * (4 if dtype == torch.float32 else 2) <= MAX_SCORE_BYTES
 
 
 class _BlockedCausal(torch.autograd.Function):

@@ -322,7 +322,7 @@ class Attention(nn.Module):
         if cache is None and self.causal and T > 1 and (self.dropout == 0.0 or not self.training) \
                 and sdpa_unrestricted() and cpu_attention.usable(q, q.dtype):
             # On a CPU, nanolm's blocked attention (model/cpu_attention.py: 1.6-2x PyTorch's kernel here)
-            y = cpu_attention.causal_attention(q, k, v.to(q.dtype), mask)
+            y = cpu_attention.causal_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
             return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
         precision = contextlib.nullcontext()
         if (cache is None and q.dtype == torch.bfloat16 and x.device.type == "cpu"
