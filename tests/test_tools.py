@@ -54,6 +54,20 @@ def test_calculator_refusals_are_result_texts(expression, error):
     assert calculator({"expression": expression}) == "error: " + error
 
 
+def test_calculator_nesting_limit_does_not_depend_on_the_recursion_limit():
+    """torch.compile raises the interpreter's recursion limit for the whole process (to 2,000): the calculator
+    counts its own nesting, so what it refuses stays the same."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        assert calculator({"expression": "-" * 990 + "1"}) == "error: the expression is nested too deeply"
+        assert calculator({"expression": "+".join(["1"] * 499)}) == "499"  # 499 terms nest 498 deep
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def test_calculator_arguments_are_checked():
     assert calculator({}) == "error: missing argument 'expression'"
     assert calculator({"expression": 3}) == "error: the argument 'expression' must be a string"

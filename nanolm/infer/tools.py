@@ -47,6 +47,7 @@ from nanolm.chat import ChatError, ToolCall, tools_from_value
 from nanolm.errors import UserError
 
 MAX_EXPRESSION_CHARS = 1000
+MAX_NESTING = 500  # operators and calls inside one another (a sum of 500 terms nests 500 deep)
 MAX_DIGITS = 100  # a calculator result (or any step of it) has at most this many digits
 _LIMIT = 10**MAX_DIGITS
 _INTEGRAL_FLOAT_LIMIT = 10**15  # floats with an integral value below this print as integers
@@ -161,9 +162,11 @@ _FUNCTIONS: dict[str, tuple[Callable[..., Number], tuple[int, int]]] = {  # name
 }
 
 
-def _eval(node: ast.AST) -> Number:
+def _eval(node: ast.AST, depth: int = 0) -> Number:
+    if depth > MAX_NESTING:  # counted, not left to the interpreter's recursion limit (torch.compile raises it)
+        raise ToolError("the expression is nested too deeply")
     if isinstance(node, ast.Expression):
-        return _eval(node.body)
+        return _eval(node.body, depth + 1)
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
             raise ToolError(f"{node.value!r} is not a number")
@@ -172,7 +175,7 @@ def _eval(node: ast.AST) -> Number:
         op = type(node.op)
         if op not in _BINARY:
             raise ToolError(_NOT_PYTHON.get(op, "unsupported operator"))
-        a, b = _eval(node.left), _eval(node.right)
+        a, b = _eval(node.left, depth + 1), _eval(node.right, depth + 1)
         if op is ast.Pow:
             return _checked(_power(a, b))
         if op is ast.Div:
@@ -181,7 +184,7 @@ def _eval(node: ast.AST) -> Number:
             raise ToolError("division by zero")
         return _checked(_BINARY[op](a, b))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
+        return _UNARY[type(node.op)](_eval(node.operand, depth + 1))
     if isinstance(node, ast.Name):
         if node.id in _CONSTANTS:
             return _CONSTANTS[node.id]
@@ -198,7 +201,7 @@ def _eval(node: ast.AST) -> Number:
         if not lo <= len(node.args) <= hi:
             want = str(lo) if lo == hi else f"{lo} or {hi}"
             raise ToolError(f"{fn} takes {want} argument{'s' if hi > 1 else ''}, got {len(node.args)}")
-        return _checked(impl(*(_eval(a) for a in node.args)))
+        return _checked(impl(*(_eval(a, depth + 1) for a in node.args)))
     raise ToolError(f"not arithmetic: the calculator knows {_KNOWN}")
 
 
