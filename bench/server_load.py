@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -651,48 +651,68 @@ def build_preset_checkpoint(out: Path, preset_name: str, seed: int = 0) -> Path:
     return run
 
 
-def scaling(base: str, levels: list[int], max_tokens: int, repeats: int) -> list[dict[str, Any]]:
-    """Aggregate tokens/s of C concurrent non-streaming completions (different prompts, seeded sampling,
-    max_tokens each), from the first send to the last answer; the best of `repeats` per C, and its ratio to C=1."""
+def _levels(base: str, levels: list[int], repeats: int, measure: Callable[[list[Any], int], dict[str, Any]],
+            say: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """For each level C: `measure(clients, r)` with C connected clients in round r, the best of `repeats` rounds by
+    tokens/s, printed with `say`; each row's ratio to C=1 as x_one. One connected client per concurrent request,
+    made before any clock starts (a new httpx client costs tens of milliseconds, which would be counted against
+    the server)."""
     rows = []
-    # One connected client per concurrent request, made before the clock starts (a new httpx client costs
-    # tens of milliseconds, which would be counted against the server).
     clients = [httpx.Client(timeout=300, trust_env=False) for _ in range(max(levels))]
     for client in clients:
         client.get(base + "/health")
     for c in levels:
-        best = None
-        for r in range(repeats):
-            results: list[int] = [0] * c
-            start = threading.Barrier(c + 1)
-
-            def one(i: int) -> None:
-                body = {"prompt": f"{EN[i % len(EN)]} {i}", "max_tokens": max_tokens, "seed": 1000 * r + i}
-                start.wait()
-                resp = clients[i].post(base + COMPLETE, json=body)
-                resp.raise_for_status()
-                results[i] = resp.json()["usage"]["completion_tokens"]
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(c)]
-            for t in threads:
-                t.start()
-            start.wait()
-            t0 = time.perf_counter()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            row = {"concurrent": c, "tokens": sum(results), "wall_s": wall, "tokens_per_s": sum(results) / wall}
-            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
-                best = row
+        best = max((measure(clients[:c], r) for r in range(repeats)), key=lambda row: row["tokens_per_s"])
         rows.append(best)
-        print(f"{c:3d} concurrent: {best['tokens']} tokens in {best['wall_s']:.2f} s = "
-              f"{best['tokens_per_s']:.0f} tokens/s", flush=True)
+        print(say(best), flush=True)
     for client in clients:
         client.close()
     one_alone = next((r for r in rows if r["concurrent"] == 1), None)
     for r in rows:
         r["x_one"] = r["tokens_per_s"] / one_alone["tokens_per_s"] if one_alone else None
     return rows
+
+
+def _together(clients: list[Any], one: Callable[[int, float], None]) -> float:
+    """Runs one(i, t0) on a thread per client, all released at once at t0 (perf_counter); the seconds from t0 to
+    the last end."""
+    start = threading.Barrier(len(clients) + 1)
+    release = [0.0]
+
+    def run(i: int) -> None:
+        start.wait()
+        one(i, release[0])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    release[0] = time.perf_counter()
+    start.wait()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - release[0]
+
+
+def scaling(base: str, levels: list[int], max_tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Aggregate tokens/s of C concurrent non-streaming completions (different prompts, seeded sampling,
+    max_tokens each), from the first send to the last answer; the best of `repeats` per C, and its ratio to C=1."""
+
+    def measure(clients: list[Any], r: int) -> dict[str, Any]:
+        results = [0] * len(clients)
+
+        def one(i: int, _t0: float) -> None:
+            body = {"prompt": f"{EN[i % len(EN)]} {i}", "max_tokens": max_tokens, "seed": 1000 * r + i}
+            resp = clients[i].post(base + COMPLETE, json=body)
+            resp.raise_for_status()
+            results[i] = resp.json()["usage"]["completion_tokens"]
+
+        wall = _together(clients, one)
+        return {"concurrent": len(clients), "tokens": sum(results), "wall_s": wall,
+                "tokens_per_s": sum(results) / wall}
+
+    return _levels(base, levels, repeats, measure,
+                   lambda b: f"{b['concurrent']:3d} concurrent: {b['tokens']} tokens in {b['wall_s']:.2f} s = "
+                             f"{b['tokens_per_s']:.0f} tokens/s")
 
 
 def sustained(base: str, levels: list[int], max_tokens: int, seconds: float, repeats: int) -> list[dict[str, Any]]:
@@ -701,50 +721,26 @@ def sustained(base: str, levels: list[int], max_tokens: int, seconds: float, rep
     answer over the time from the first send to the last answer. A row that ends early (a stop token) is
     replaced by the next request, as under steady load, where a burst of C requests thins out to its longest
     one. The best of `repeats` per C, and its ratio to C=1."""
-    rows = []
-    clients = [httpx.Client(timeout=300, trust_env=False) for _ in range(max(levels))]
-    for client in clients:
-        client.get(base + "/health")
-    for c in levels:
-        best = None
-        for r in range(repeats):
-            tokens, requests = [0] * c, [0] * c
-            start = threading.Barrier(c + 1)
-            deadline = [0.0]
 
-            def one(i: int) -> None:
-                start.wait()
-                while time.perf_counter() < deadline[0]:
-                    k = requests[i]
-                    body = {"prompt": f"{EN[(i + 7 * k) % len(EN)]} {i}.{k}", "max_tokens": max_tokens,
-                            "seed": 100_000 * r + 1000 * k + i}
-                    resp = clients[i].post(base + COMPLETE, json=body)
-                    resp.raise_for_status()
-                    tokens[i] += resp.json()["usage"]["completion_tokens"]
-                    requests[i] += 1
+    def measure(clients: list[Any], r: int) -> dict[str, Any]:
+        tokens, requests = [0] * len(clients), [0] * len(clients)
+        def one(i: int, t0: float) -> None:
+            while time.perf_counter() < t0 + seconds:
+                k = requests[i]
+                body = {"prompt": f"{EN[(i + 7 * k) % len(EN)]} {i}.{k}", "max_tokens": max_tokens,
+                        "seed": 100_000 * r + 1000 * k + i}
+                resp = clients[i].post(base + COMPLETE, json=body)
+                resp.raise_for_status()
+                tokens[i] += resp.json()["usage"]["completion_tokens"]
+                requests[i] += 1
 
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(c)]
-            for t in threads:
-                t.start()
-            t0 = time.perf_counter()
-            deadline[0] = t0 + seconds
-            start.wait()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            row = {"concurrent": c, "requests": sum(requests), "tokens": sum(tokens), "wall_s": wall,
-                   "tokens_per_s": sum(tokens) / wall}
-            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
-                best = row
-        rows.append(best)
-        print(f"{c:3d} in flight: {best['requests']} requests, {best['tokens']} tokens in {best['wall_s']:.2f} s = "
-              f"{best['tokens_per_s']:.0f} tokens/s", flush=True)
-    for client in clients:
-        client.close()
-    one_alone = next((r for r in rows if r["concurrent"] == 1), None)
-    for r in rows:
-        r["x_one"] = r["tokens_per_s"] / one_alone["tokens_per_s"] if one_alone else None
-    return rows
+        wall = _together(clients, one)
+        return {"concurrent": len(clients), "requests": sum(requests), "tokens": sum(tokens), "wall_s": wall,
+                "tokens_per_s": sum(tokens) / wall}
+
+    return _levels(base, levels, repeats, measure,
+                   lambda b: f"{b['concurrent']:3d} in flight: {b['requests']} requests, {b['tokens']} tokens in "
+                             f"{b['wall_s']:.2f} s = {b['tokens_per_s']:.0f} tokens/s")
 
 
 def hostile_cases() -> list[tuple[str, str, dict[str, str], bytes, int]]:
