@@ -46,6 +46,8 @@ def _upper(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _blocks(T: int) -> list[tuple[int, int]]:
+    """The query blocks [a, b) of a sequence of T: BLOCKS of them (fewer below MIN_BLOCK queries each), the last
+    one shorter where T does not divide."""
     n = max(1, min(BLOCKS, T // MIN_BLOCK))
     size = -(-T // n)
     return [(a, min(T, a + size)) for a in range(0, T, size)]
