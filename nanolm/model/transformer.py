@@ -319,13 +319,12 @@ class Attention(nn.Module):
             v = cache.v[layer][:, :, :start + T]
             q = q.to(k.dtype)  # attention runs in the cache's dtype (float32 under bf16 weights on a CPU)
 
-        if cache is None and self.causal and T > 1 and (self.dropout == 0.0 or not self.training) \
-                and sdpa_unrestricted() and cpu_attention.usable(q, q.dtype):
-            # On a CPU, nanolm's blocked attention (model/cpu_attention.py: 1.6-2x PyTorch's kernel here)
-            y = cpu_attention.causal_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
-            return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        # On a CPU, training and scoring take nanolm's blocked attention where it applies (model/cpu_attention.py:
+        # 1.6-2x PyTorch's kernel here)
+        blocked = cache is None and self.causal and (self.dropout == 0.0 or not self.training) \
+            and sdpa_unrestricted() and cpu_attention.usable(q, q.dtype)
         precision = contextlib.nullcontext()
-        if (cache is None and q.dtype == torch.bfloat16 and x.device.type == "cpu"
+        if (cache is None and not blocked and q.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and self.head_dim < SDPA_CPU_BF16_MIN_HEAD_DIM):
             q, k, v = q.float(), k.float(), v.float()
             precision = torch.autocast("cpu", enabled=False)  # autocast would cast them back to bf16
@@ -333,7 +332,9 @@ class Attention(nn.Module):
         # the shared heads in place (enable_gqa) instead of copying them out to n_head heads.
         sdpa = partial(F.scaled_dot_product_attention, dropout_p=self.dropout if self.training else 0.0,
                        enable_gqa=self.n_kv_head != self.n_head)
-        if cache is not None and cache.lengths is not None:
+        if blocked:
+            y = cpu_attention.causal_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
+        elif cache is not None and cache.lengths is not None:
             # One query per row: a key/value head's query heads attend as rows of one group, which PyTorch's
             # CPU kernels do in half the time of enable_gqa with a mask (16 rows: 0.26 vs 0.50 ms a layer).
             g = self.n_head // self.n_kv_head
@@ -555,6 +556,11 @@ def count_params(model: nn.Module) -> dict[str, int]:
             "non_embedding": total - emb}
 
 
+def head_flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token of the output projection alone (part of flops_per_token): 3 x 2 x vocab x d_model."""
+    return 3 * 2 * cfg.vocab_size * cfg.d_model
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward = 3x forward).
 
@@ -571,6 +577,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     moe_mlp = moe_param_counts(cfg.d_model, cfg.moe_n_hidden, cfg.n_experts, cfg.top_k,
                                cfg.n_shared_experts)["active"] if cfg.use_moe else 0  # active experts + router
     matmul_params = sum(attn + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.n_layer))
-    matmul_params += cfg.vocab_size * cfg.d_model
     attn = 2 * cfg.n_layer * seq_len * cfg.n_head * cfg.head_dim
-    return 3 * (2 * matmul_params + 2 * attn)
+    return 3 * (2 * matmul_params + 2 * attn) + head_flops_per_token(cfg)

@@ -43,7 +43,7 @@ from nanolm.config.methods import GRPOConfig
 from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
-from nanolm.train.objectives import Loss, Objective, token_logps
+from nanolm.train.objectives import Loss, Objective, target_tokens, token_logps
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
 from nanolm.train.agent import sampler_for
@@ -172,7 +172,7 @@ class GRPOObjective(Objective):
     @staticmethod
     def projected(batch: Rollouts) -> int:
         """The completions' tokens (token_logps projects those alone)."""
-        return int((batch.y != IGNORE_INDEX).sum())
+        return target_tokens(batch)
 
     def units(self, batch: Rollouts) -> int:
         """Completion tokens (average = token) or completions with at least one token (sequence)."""

@@ -54,7 +54,7 @@ from nanolm.config.methods import PPOConfig
 from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
-from nanolm.train.objectives import Companion, Loss, Metrics, Objective, token_logps
+from nanolm.train.objectives import Companion, Loss, Metrics, Objective, target_tokens, token_logps
 from nanolm.train.rewards import Rewards
 from nanolm.train.rl import (clipped_surrogate, clipped_value_loss, explained_variance, gae, k3_kl, masked_moments,
                              token_rewards, token_sums, whiten)
@@ -233,7 +233,7 @@ class PPOObjective(Objective):
     @staticmethod
     def projected(batch: PPORollouts) -> int:
         """The completions' tokens (token_logps projects those alone)."""
-        return int((batch.y != IGNORE_INDEX).sum())
+        return target_tokens(batch)
 
     @staticmethod
     def units(batch: PPORollouts) -> int:

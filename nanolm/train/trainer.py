@@ -51,7 +51,7 @@ from nanolm.errors import UserError
 from nanolm.io import first_line, write_json_atomic
 from nanolm.model import lora
 from nanolm.model.moe import moe_layers
-from nanolm.model.transformer import count_params, flops_per_token
+from nanolm.model.transformer import count_params, flops_per_token, head_flops_per_token
 from nanolm.progress import fmt_count, fmt_duration
 from nanolm.runtime import attention_kernel, autocast, seed_everything, train_dtype
 from nanolm.train import distributed, memory
@@ -256,7 +256,7 @@ class Trainer:
         self.model.train()
         self.fpt = flops_per_token(cfg.model, tc.seq_len)  # training FLOPs per token, for MFU
         # of which the output projection's, counted only at the positions a step projects (StepResult.projected)
-        self.fpt_head = 3 * 2 * cfg.model.vocab_size * cfg.model.d_model
+        self.fpt_head = head_flops_per_token(cfg.model)
         self.peak, self.peak_src = peak_flops(self.device, self.dtype)
 
         self.nonfinite_in_row, self.nonfinite_total, self.first_nonfinite = 0, 0, ""
@@ -480,7 +480,8 @@ class Trainer:
         # GRPO: prompts -> scored completions of the current policy, and the rollout's metrics
         batches, extra = self.objective.before_step(self.model, batches, self.info)
         units = [self.objective.units(b) for b in batches]  # counted on the host: no device sync
-        projected = 0 if self.cfg.train.compile else sum(self.objective.projected(b) for b in batches)
+        # a compiled model projects every position (a shape that depends on the data would break its graph)
+        projected = None if self.cfg.train.compile else sum(self.objective.projected(b) for b in batches)
         batches = [b.to(device, non_blocking=True) for b in batches]
         step_units = distributed.sum_across_ranks(sum(units), info)
         t0 = time.perf_counter()
@@ -491,8 +492,7 @@ class Trainer:
         extra = self.objective.after_step(extra, time.perf_counter() - t0)
         # the input positions the model read (an objective may read part of a batch); every rank takes as many
         tokens = sum(self.objective.positions(b) for b in batches) * info.world_size
-        # a compiled model projects every position (a shape that depends on the data would break its graph)
-        projected = tokens if self.cfg.train.compile else projected * info.world_size
+        projected = tokens if projected is None else projected * info.world_size
         self.step += 1
         self.tokens += tokens
         return StepResult(lr, step_units, len(batches) * info.world_size, tokens, projected, grad_norm, finite, sums,
