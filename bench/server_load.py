@@ -106,8 +106,9 @@ class ServerProcess:
     """`serve()` in a subprocess on an ephemeral loopback port; `url` is its base URL once started."""
 
     def __init__(self, checkpoint: Path, *, max_queue: int = 64, max_body_bytes: int | None = None,
-                 threads: int = 1) -> None:
+                 threads: int = 1, compile: bool = False) -> None:
         limits = f"port=0, max_queue={max_queue}" + (f", max_body_bytes={max_body_bytes}" if max_body_bytes is not None else "")
+        limits += ", compile=True" if compile else ""
         code = (f"from nanolm.config import ServeConfig; from nanolm.infer.server import serve; "
                 f"serve({str(checkpoint)!r}, ServeConfig({limits}), device='cpu')")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -125,7 +126,7 @@ class ServerProcess:
         self._reader.start()
         self.url = ""
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + (300 if compile else 120)
             while not self.url:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError("the server did not start:\n" + "".join(self.log))
@@ -827,6 +828,8 @@ def main(argv: list[str] | None = None) -> int:
                          "alone (e.g. 1,4,16), on a random-weight model of --preset")
     ap.add_argument("--preset", default="tiny", help="--scaling: the preset whose model is served")
     ap.add_argument("--max-tokens", type=int, default=128, help="--scaling: tokens per completion")
+    ap.add_argument("--compile", action="store_true",
+                    help="--scaling: serve with --compile (the decode step compiled at start-up, kept if faster)")
     ap.add_argument("--scaling-seconds", type=float, default=4.0,
                     help="--scaling: how long each level keeps C requests in flight (the sustained rows)")
     ap.add_argument("--soak", type=float, default=None, metavar="MINUTES",
@@ -851,7 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.scaling:
         with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
             ckpt = args.checkpoint or build_preset_checkpoint(Path(tmp), args.preset, args.seed)
-            with serving(ckpt, max_queue=args.max_queue, threads=args.threads) as server:
+            with serving(ckpt, max_queue=args.max_queue, threads=args.threads, compile=args.compile) as server:
+                started = next((line.strip() for line in server.log if "decoding in" in line), "")
+                print(started, flush=True)
+                report["server"] = started
                 levels = [int(c) for c in args.scaling.split(",")]
                 scaling(server.url, [1], 8, 1)  # warm-up
                 report["scaling"] = scaling(server.url, levels, args.max_tokens, args.rounds)

@@ -196,3 +196,8 @@ def test_serve_options_are_generated_from_its_settings(monkeypatch, capsys):
     assert main(["serve", "run", "--max-queue", "0"]) == 2
     assert capsys.readouterr().err == "error: serve: max_queue=0: must be an integer >= 1 (requests admitted at once)\n"
     assert build_parser().parse_args(["serve", "run"]).body_timeout_s == 30.0
+    assert main(["serve", "run", "--compile"]) == 0 and calls[-1][0][1].compile is True
+    assert calls[-2][0][1].compile is False  # the default
+    from nanolm.errors import UserError
+    with pytest.raises(UserError, match=r"^compile='yes': must be true or false$"):
+        ServeConfig(compile="yes")

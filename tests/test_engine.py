@@ -3,6 +3,7 @@
 import copy
 import math
 import re
+import threading
 
 import pytest
 import torch
@@ -564,6 +565,55 @@ def test_the_server_keeps_the_product_form_it_timed_faster(dtype):
         for m in products:
             m.rows_on_the_right = form
         assert engine.generate_many(prompts, params) == [greedy_by_recompute(model, p, 6) for p in prompts]
+
+
+def test_a_compiled_decode_step_decodes_what_the_copy_does():
+    """compile_decode compiles the one-row and the many-row step at once (the compile paid before any request),
+    and then rows of different lengths, each with its own params and seed, sampled together (and joining as others
+    leave) make the tokens each makes alone with an uncompiled engine; keep_faster keeps it only where it timed
+    faster, and says so."""
+    model = _varied_model()
+    engine, eager = Engine(model), Engine(model)
+    said = engine.compile_decode(rows=4, steps=4, keep_faster=False)
+    assert re.fullmatch(r"the decode step compiled in \d+ s", said) and engine._compiled is not None
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=10 + 3 * i, temperature=1.0 if i % 2 else 0.0, top_k=20 if i != 2 else 0,
+                             top_p=0.9 if i == 3 else 1.0, seed=200 + i) for i in range(len(prompts))]
+    alone = [eager.generate_all(p, sp) for p, sp in zip(prompts, params)]
+    compiled, rows = engine._compiled, []
+    engine._compiled = lambda x, cache: rows.append(x.shape[0]) or compiled(x, cache)
+    assert engine.generate_many(prompts, params) == alone
+    assert engine.generate_all(prompts[1], params[1]) == alone[1]
+    assert 1 in rows and len(prompts) in rows  # both paths, one row and many, decoded compiled
+    engine._compiled = compiled
+    got = []  # the server's worker runs the step compiled at start-up on a thread of its own
+    worker = threading.Thread(target=lambda: got.append(engine.generate_many(prompts, params)))
+    worker.start()
+    worker.join(120)
+    assert got == [alone]
+    said = engine.compile_decode(rows=4, steps=4)
+    m = re.fullmatch(r"the decode step (compiled|left uncompiled) \(compiled in \d+ s\): a step of 4 rows plus one "
+                     r"of 1 row took ([\d.]+) ms compiled, ([\d.]+) ms as it is", said)
+    assert m and (engine._compiled is not None) == (m[1] == "compiled")
+    assert float(m[2]) <= float(m[3]) if m[1] == "compiled" else float(m[2]) >= float(m[3])
+    assert engine.generate_many(prompts, params) == alone
+
+
+def test_a_decode_step_that_fails_to_compile_is_left_as_it_was(monkeypatch):
+    """Without a working compiler the engine says why and decodes as before."""
+    def broken(model, **kw):
+        def run(*a, **k):
+            raise RuntimeError("no C++ compiler found")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = Engine(_varied_model())
+    said = engine.compile_decode(rows=3, steps=2)
+    assert said == "the decode step left uncompiled: torch.compile failed (RuntimeError: no C++ compiler found)"
+    assert engine._compiled is None
+    prompts = _prompts()[:3]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0)
+    assert engine.generate_many(prompts, greedy) == [greedy_by_recompute(engine.model, p, 5) for p in prompts]
 
 
 def test_fused_projections_give_the_separate_products_without_a_copy():

@@ -683,7 +683,10 @@ def test_busy_port_is_a_user_error_before_loading(tmp_path):
             server_mod.serve(tmp_path / "no-such-run", ServeConfig(port=port))
 
 
-def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
+@pytest.mark.parametrize("compile", [False, True])
+def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok, compile):
+    """serve() on a trained run answers the engine's reply; with --compile it compiles the decode step before it
+    listens, says whether it kept it, and answers the same (the worker thread running the compiled step)."""
     from test_train import tiny_cfg
 
     from nanolm.checkpoint import load_model
@@ -695,22 +698,26 @@ def test_serve_a_trained_checkpoint(data_dir, tmp_path, tok):
     want = reference(Engine(model), tok, chat_ids(tok, "你好"), 8)[0]
 
     code = (f"from nanolm.config import ServeConfig; from nanolm.infer.server import serve; "
-            f"serve({str(run)!r}, ServeConfig(port=0, api_key='k'), device='cpu')")
+            f"serve({str(run)!r}, ServeConfig(port=0, api_key='k', compile={compile}), device='cpu')")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True)
     reader.start()
     try:
-        url = None
-        deadline = time.monotonic() + 60
+        url, said = None, []
+        deadline = time.monotonic() + (240 if compile else 60)
         while url is None and time.monotonic() < deadline:
             try:
-                m = re.match(r"serving 'myrun' at (http://127\.0\.0\.1:\d+/v1) ", lines.get(timeout=1))
+                said.append(lines.get(timeout=1))
+                m = re.match(r"serving 'myrun' at (http://127\.0\.0\.1:\d+/v1) ", said[-1])
                 url = m and m.group(1)
             except queue.Empty:
                 assert proc.poll() is None, "serve exited"
         assert url, "serve did not say where it listens"
+        compiled = re.search(r"; the decode step (compiled|left uncompiled) \(compiled in \d+ s\): a step of 16 rows "
+                             r"plus one of 1 row took [\d.]+ ms compiled, [\d.]+ ms as it is\]$", "".join(said), re.M)
+        assert bool(compiled) == compile, "".join(said)
         c = openai.OpenAI(base_url=url, api_key="k", max_retries=2, timeout=30)  # retries: uvicorn may still start
         assert [m.id for m in c.models.list().data] == ["myrun"]
         r = c.chat.completions.create(model="myrun", messages=[{"role": "user", "content": "你好"}], temperature=0,

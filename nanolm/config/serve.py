@@ -51,6 +51,12 @@ class ServeConfig:
     threads: int = field(default=0, metadata={
         "help": "CPU threads that decode; 0 = one fewer than the CPU's cores (at least 1, at most torch's own "
                 "default)"})
+    # The decode step under torch.compile runs fewer, fused operations: on a 2-core AVX2 EPYC a step of `tiny`'s 16
+    # rows plus one of 1 row took 6.3-7.8 against 10.3-11.7 ms, after 39-48 s of compiling at start-up, while an
+    # AVX-512 EPYC measured no gain (bench/RESULTS.md). So it is asked for, and kept only where it measures faster.
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile the decode step at start-up (tens of seconds on a CPU; needs a C++ compiler) and "
+                "keep it where it measures faster"})
 
     @property
     def loopback(self) -> bool:
@@ -74,6 +80,7 @@ class ServeConfig:
         _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
                f"max_body_bytes={self.max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
         _check(isinstance(self.guide_calls, bool), f"guide_calls={self.guide_calls!r}: must be true or false")
+        _check(isinstance(self.compile, bool), f"compile={self.compile!r}: must be true or false")
         _check(_is_number(self.body_timeout_s) and self.body_timeout_s > 0,
                f"body_timeout_s={self.body_timeout_s!r}: must be a number of seconds > 0")
         _check(_is_number(self.header_timeout_s) and self.header_timeout_s > 0,

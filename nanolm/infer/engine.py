@@ -22,6 +22,8 @@ held to their schemas), asked before each draw which ids may come next.
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -78,6 +80,65 @@ class Engine:
         # where a bf16 one would be cast whole at every layer of every token.
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.max_seq_len: int = model.config.max_seq_len
+        self._compiled: nn.Module | None = None  # the decode step under torch.compile (`compile_decode`)
+
+    def decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step of the copy: x (B, 1), the rows' latest tokens after `cache` -> logits (B, 1, V); compiled
+        after `compile_decode` kept it. Prefills run the copy as it is."""
+        return (self.model if self._compiled is None else self._compiled)(x, cache)
+
+    def compile_decode(self, rows: int = 16, steps: int = 24, keep_faster: bool = True) -> str:
+        """torch.compile the decode step (one row, and 2 or more rows of different lengths) for a process that
+        decodes long enough to pay for it (the server); returns what was done and measured.
+
+        The compile is paid here, not at a client's first request: a throwaway batch of `rows` rows (random
+        prompts of different lengths, greedy) and one of a single row decode `steps` tokens each, compiled, which
+        compiles both paths. Decoding shapes are marked dynamic (rows, positions, cache lengths), so later batches
+        reuse the graphs. keep_faster: the two batches also decode as the copy is, alternated with compiled, and
+        the compiled step is kept only where its medians (a step of each batch, summed) are the smaller; false: kept
+        untimed (a choice every process makes alike). A compile that fails (inductor needs a C++ compiler) leaves
+        the copy decoding as it is, and says why. Not to be called while `generate` runs.
+        """
+        g = torch.Generator().manual_seed(0)
+        vocab, room = self.model.config.vocab_size, max(2, self.max_seq_len - steps - 8)
+        prompts = [torch.randint(0, vocab, (min(room, 4 + 3 * i),), generator=g).tolist() for i in range(rows)]
+        greedy = SamplingParams(max_new_tokens=steps + 2, temperature=0.0)
+
+        def timed() -> float:  # the median step of `rows` rows plus that of one row, in seconds
+            total = 0.0
+            for batch_prompts in (prompts, prompts[:1]):
+                batch = self.batch()
+                for p in batch_prompts:
+                    batch.add(p, greedy)
+                batch.step()  # the prefill
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    batch.step()
+                    times.append(time.perf_counter() - t0)
+                total += statistics.median(times)
+            return total
+
+        self._compiled = torch.compile(self.model, dynamic=True)
+        t0 = time.perf_counter()
+        try:
+            timed()
+        except Exception as e:  # inductor needs a C++ compiler, for one
+            self._compiled = None
+            return f"the decode step left uncompiled: torch.compile failed ({type(e).__name__}: {str(e)[:200]})"
+        compile_s = time.perf_counter() - t0
+        if not keep_faster:
+            return f"the decode step compiled in {compile_s:.0f} s"
+        kept, eager, compiled = self._compiled, [], []
+        for _ in range(3):
+            self._compiled = None
+            eager.append(timed())
+            self._compiled = kept
+            compiled.append(timed())
+        e, c = statistics.median(eager), statistics.median(compiled)
+        self._compiled = kept if c < e else None
+        return (f"the decode step {'compiled' if c < e else 'left uncompiled'} (compiled in {compile_s:.0f} s): a "
+                f"step of {rows} rows plus one of 1 row took {c * 1e3:.2f} ms compiled, {e * 1e3:.2f} ms as it is")
 
     def load_weights(self, model: nn.Module) -> None:
         """Take `model`'s current weights again (a model that keeps training, for one): each is copied into
@@ -309,10 +370,10 @@ class DecodeBatch:
             cache = self._cache
             if len(self._running) == 1:  # one row: the plain cache path (no mask, no scattered writes)
                 lengths, cache.lengths, cache.pos = cache.lengths, None, int(cache.lengths[0])
-                parts.append(self.engine.model(x, cache)[:, -1, :])  # (1, V)
+                parts.append(self.engine.decode(x, cache)[:, -1, :])  # (1, V)
                 cache.lengths = lengths + 1
             else:
-                parts.append(self.engine.model(x, cache)[:, -1, :])  # (B, V)
+                parts.append(self.engine.decode(x, cache)[:, -1, :])  # (B, V)
         live = self._running + [r for r in self._joining if r.budget > 0]
         parts += [r.logits for r in self._joining if r.budget > 0]
         for r in self._joining:

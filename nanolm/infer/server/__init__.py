@@ -166,6 +166,9 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
         engine = Engine(model, dev, weights)
         if dev.type == "cpu" and weights == torch.float32:
             why += f"; {engine.time_products()}"  # the form of the few-row products this CPU runs faster
+        if config.compile:  # after the products' form, which the compiled graph takes as it is
+            from nanolm.infer.server.routes import max_batch
+            why += f"; {engine.compile_decode(max_batch(config, dev))}"
         app = create_app(engine, Tokenizer.load(src), config, sampling)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -28,6 +28,7 @@ import uuid
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -60,6 +61,11 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "presence_penalty", 
 # Rows decoded together when the server's config leaves max_batch unset: on a CPU, a small model's products
 # stop being bound by reading the weights at about 16 rows; a GPU has room for many more.
 DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_GPU = 16, 64
+
+
+def max_batch(config: ServeConfig, device: torch.device) -> int:
+    """The most rows the server decodes together: config.max_batch, or the device's default."""
+    return config.max_batch or (DEFAULT_MAX_BATCH_CPU if device.type == "cpu" else DEFAULT_MAX_BATCH_GPU)
 
 
 class ApiError(Exception):
@@ -95,8 +101,7 @@ class ServerState:
         # sure to overflow the context is refused by its length. The factor 4 leaves room for a tokenizer
         # whose normalizer shrinks text (NFKC maps a 4-byte letter to 1 byte); nanolm's have none.
         self.max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
-        self.max_batch = config.max_batch or (DEFAULT_MAX_BATCH_CPU if engine.device.type == "cpu"
-                                              else DEFAULT_MAX_BATCH_GPU)
+        self.max_batch = max_batch(config, engine.device)
         self.worker = Worker(engine, config.max_queue, self.max_batch)
         self._guide_vocab: GuideVocab | None = None  # built at the first request that offers tools
         self.created = int(time.time())
