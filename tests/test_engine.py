@@ -599,6 +599,30 @@ def test_a_compiled_decode_step_decodes_what_the_copy_does():
     assert engine.generate_many(prompts, params) == alone
 
 
+def test_a_compiled_step_that_fails_later_is_dropped_and_the_step_runs_again(capsys):
+    """A compiled step that raises mid-way (after it moved the rows' lengths) is dropped with one line on stderr;
+    the step runs again uncompiled from the cache as it was, and every row makes the tokens it makes alone."""
+    model = _varied_model()
+    engine, eager = Engine(model), Engine(model)
+    prompts = _prompts()[:4]
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=300 + i) for i in range(len(prompts))]
+    alone = [eager.generate_all(p, sp) for p, sp in zip(prompts, params)]
+    calls = []
+
+    def flaky(x, cache):
+        calls.append(x.shape[0])
+        if len(calls) == 3:  # the third step: the model runs, then the step fails after it
+            engine.model(x, cache)
+            raise RuntimeError("a shape inductor could not compile")
+        return engine.model(x, cache)
+
+    engine._compiled = flaky
+    assert engine.generate_many(prompts, params) == alone
+    assert len(calls) == 3 and engine._compiled is None
+    assert capsys.readouterr().err == ("the compiled decode step failed (RuntimeError: a shape inductor could not "
+                                       "compile); decoding uncompiled from now on\n")
+
+
 def test_a_decode_step_that_fails_to_compile_is_left_as_it_was(monkeypatch):
     """Without a working compiler the engine says why and decodes as before."""
     def broken(model, **kw):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
@@ -81,11 +82,29 @@ class Engine:
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.max_seq_len: int = model.config.max_seq_len
         self._compiled: nn.Module | None = None  # the decode step under torch.compile (`compile_decode`)
+        self._warming = False  # compile_decode's first (compiling) steps run
 
     def decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decode step of the copy: x (B, 1), the rows' latest tokens after `cache` -> logits (B, 1, V); compiled
-        after `compile_decode` kept it. Prefills run the copy as it is."""
-        return (self.model if self._compiled is None else self._compiled)(x, cache)
+        after `compile_decode` kept it. Prefills run the copy as it is.
+
+        A compiled step that fails (a shape whose compile fails, say) is dropped for good, with one line on
+        stderr, and the step runs again as the copy is, from the cache as it was before it (a step writes each
+        row's new key and value at its own position, so writing them again changes nothing).
+        """
+        if self._compiled is None:
+            return self.model(x, cache)
+        pos, lengths = cache.pos, None if cache.lengths is None else cache.lengths.clone()
+        try:
+            return self._compiled(x, cache)
+        except Exception as e:
+            if self._warming:  # compile_decode's own warm-up says why, and keeps nothing
+                raise
+            self._compiled = None
+            cache.pos, cache.lengths = pos, lengths
+            print(f"the compiled decode step failed ({type(e).__name__}: {str(e)[:200]}); decoding uncompiled from "
+                  "now on", file=sys.stderr, flush=True)
+            return self.model(x, cache)
 
     def compile_decode(self, rows: int = 16, steps: int = 24, keep_faster: bool = True) -> str:
         """torch.compile the decode step (one row, and 2 or more rows of different lengths) for a process that
@@ -121,11 +140,14 @@ class Engine:
 
         self._compiled = torch.compile(self.model, dynamic=True)
         t0 = time.perf_counter()
+        self._warming = True
         try:
             timed()
         except Exception as e:  # inductor needs a C++ compiler, for one
             self._compiled = None
             return f"the decode step left uncompiled: torch.compile failed ({type(e).__name__}: {str(e)[:200]})"
+        finally:
+            self._warming = False
         compile_s = time.perf_counter() - t0
         if not keep_faster:
             return f"the decode step compiled in {compile_s:.0f} s"
