@@ -24,7 +24,8 @@ causal masking not subtracted). GFLOP/s = that x tokens/s.
 Decoding: greedy batch-1 decoding of `--new-tokens` after a random prompt,
 nanolm's `Engine` against MiniMind's own `generate` (KV cache, `do_sample=False`),
 float32 and bfloat16 weights, per token after the first, beside the
-weight-pass floor (every weight matrix read once, `bench/throughput.py`).
+weight-pass floor (every weight matrix read once, `bench/throughput.py`),
+and the dtype nanolm's `--dtype auto` picks on this CPU.
 nanoGPT's `generate` has no KV cache, so it is not timed.
 
 The machine is shared and its speed varies: the models run interleaved
@@ -54,7 +55,7 @@ from throughput import environment, matmul_ceiling, say, weight_pass_floor  # no
 from nanolm.config import PRESETS, SamplingParams, preset  # noqa: E402
 from nanolm.infer.engine import Engine  # noqa: E402
 from nanolm.model.transformer import Transformer, flops_per_token  # noqa: E402
-from nanolm.runtime import autocast  # noqa: E402
+from nanolm.runtime import autocast, decode_dtype, weight_count  # noqa: E402
 
 
 def load_module(path: Path, name: str) -> Any:
@@ -190,6 +191,13 @@ def decoding(args: argparse.Namespace, all_peers: list[Peer]) -> list[dict[str, 
     return rows
 
 
+def auto_dtype(args: argparse.Namespace) -> dict[str, str]:
+    """The dtype nanolm's `--dtype auto` (generate, chat, serve) decodes this preset in on this CPU, and why."""
+    model = Transformer(preset(args.preset).model)
+    dtype, why = decode_dtype("auto", torch.device("cpu"), model.config.d_model, weight_count(model))
+    return {"dtype": str(dtype).removeprefix("torch."), "why": why}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -245,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["train"] = list(best.values())
     if "decode" in args.parts:
         res["decode"] = decoding(args, all_peers)
+        res["decode_auto"] = auto_dtype(args)
     for dtype in dtypes:
         c = matmul_ceiling(device, dtype, [1024], 5, 1.0)["best_flops"] / 1e9
         res["ceiling_gflops"][str(dtype).removeprefix("torch.")].append(c)
@@ -280,6 +289,14 @@ def report(res: dict[str, Any]) -> None:
             lead = f"{mm['ms_per_token'] / r['ms_per_token']:.2f}x" if mm and r["model"] == "nanolm" else ""
             print(f"  {r['model']:<9} {r['dtype']:<9} {r['ms_per_token']:8.2f} {r['floor_ms']:8.2f} "
                   f"{r['x_floor']:7.2f} {lead:>11}")
+        auto = res["decode_auto"]
+        print(f"  nanolm's --dtype auto decodes in {auto['dtype']} here ({auto['why']})")
+        fastest = {m: min((r for r in res["decode"] if r["model"] == m), key=lambda r: r["ms_per_token"])
+                   for m in ("nanolm", "MiniMind") if any(r["model"] == m for r in res["decode"])}
+        if len(fastest) == 2 and len({r["dtype"] for r in res["decode"]}) > 1:
+            n, m = fastest["nanolm"], fastest["MiniMind"]
+            print(f"  each in its faster dtype: nanolm {n['ms_per_token']:.2f} ms/token ({n['dtype']}), MiniMind "
+                  f"{m['ms_per_token']:.2f} ({m['dtype']}): {m['ms_per_token'] / n['ms_per_token']:.2f}x")
 
 
 if __name__ == "__main__":

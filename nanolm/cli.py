@@ -194,11 +194,11 @@ def _engine_from_args(args: argparse.Namespace, loaded: tuple | None = None):
     """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments (or the model
     `_model_from_args` loaded)."""
     from nanolm.infer.engine import Engine
-    from nanolm.runtime import decode_dtype
+    from nanolm.runtime import decode_dtype, weight_count
     from nanolm.tokenizer import Tokenizer
 
     model, params, device, src = loaded or _model_from_args(args)
-    dtype, why = decode_dtype(args.dtype, device, model.config.d_model)
+    dtype, why = decode_dtype(args.dtype, device, model.config.d_model, weight_count(model))
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}; decoding in "
           f"{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
     return Engine(model, device, dtype), Tokenizer.load(src), params, src

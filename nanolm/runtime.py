@@ -4,7 +4,9 @@
 else fp16 with a gradient scaler), Apple MPS next, else the CPU in float32;
 for training (`train_dtype`) a CPU with native bf16 matrix instructions
 (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags) trains in bf16 autocast
-when the model is wide enough for bf16 matmuls to pay for their casts.
+when the model is wide enough for bf16 matmuls to pay for their casts, and
+decoding (`decode_dtype`) holds bf16 weights where one row through as many
+weights as the model's times faster so, whatever the CPU's flags.
 """
 
 from __future__ import annotations
@@ -98,40 +100,56 @@ def train_dtype(name: str, device: torch.device, d_model: int,
 # (ms per token, float32 / bf16): width 128 1.53 / 2.06, 256 3.35 / 2.75, 384 6.3 / 5.5 (8 layers),
 # 512 (minimind-26m) 12.2 / 8.0 (bench/throughput.py --parts generate).
 BF16_DECODE_MIN_D_MODEL = 256
-# Whether bf16 pays at that width is the CPU's few-row kernels', not its flags': on a 2-core Xeon with AMX a
+# Whether bf16 pays at that width is the CPU's one-row kernels', not its flags': on a 2-core Xeon with AMX a
 # one-row product at width 512 takes 1.5-3x as long in bf16 as in float32 (minimind-26m 5.9 against 4.95 ms a
-# token), and 16 rows take half as long. So auto times a one-row product at the model's width (chat's and a
-# single request's), in both dtypes, once per process (`product_seconds`), and takes bf16 only where it is at least
+# token), and on a 2-core AVX2 EPYC without any native bf16 half as long (a pass over minimind-26m's matrices 3.5
+# against 8.2 ms; its many-row products widen to float32, infer/fuse.py). So auto times one row through matrices
+# holding as many weights as the model's (`weight_pass_seconds`: the memory traffic of a token, not products
+# repeated from the cache), in both dtypes, once per process, and takes bf16 only where it is at least
 # BF16_DECODE_MARGIN times as fast: a close call stays float32. RL's rollouts, many rows, take the untimed rule
-# (timer=None), so that every rank and a resumed run decode alike.
+# (timer=None: bf16 on native bf16 only), so that every rank and a resumed run decode alike.
 BF16_DECODE_MARGIN = 1.15
+# The most weights the timed pass holds: 32 M (128 MB in float32) is past a 2-core machine's caches, so a larger
+# model's pass times as its own would.
+TIMED_WEIGHTS = 32 * 2**20
+
+
+def weight_count(model: torch.nn.Module) -> int:
+    """The number of weights `model` holds, a tied tensor once (what a decoded token reads)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 @functools.lru_cache(maxsize=None)
-def product_seconds(d_model: int, dtype: torch.dtype) -> float:
-    """The median time on this CPU of a one-row product with a (4 d_model, d_model) weight in dtype (an MLP's
-    shape), over 7 rounds of 5 after a warm-up; measured once per process."""
+def weight_pass_seconds(d_model: int, weights: int, dtype: torch.dtype) -> float:
+    """The median time on this CPU of one row multiplied by distinct (4 d_model, d_model) matrices (an MLP's shape)
+    holding `weights` weights in all (at most TIMED_WEIGHTS), in dtype, over 7 rounds after a warm-up; measured
+    once per process and shape."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4 * d_model, d_model, generator=g).to(dtype)
+    ws = [w.clone() for _ in range(max(1, min(weights, TIMED_WEIGHTS) // w.numel()))]
     x = torch.randn(1, d_model, generator=g).to(dtype)
-    for _ in range(3):
-        torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            torch.nn.functional.linear(x, w)
-        times.append((time.perf_counter() - t0) / 5)
+    with torch.inference_mode():
+        for _ in range(2):
+            for m in ws:
+                torch.nn.functional.linear(x, m)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for m in ws:
+                torch.nn.functional.linear(x, m)
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] | None = None, *,
-                 timer: Callable[[int, torch.dtype], float] | None = product_seconds) -> tuple[torch.dtype, str]:
+def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, flags: set[str] | None = None, *,
+                 timer: Callable[[int, int, torch.dtype], float] | None = weight_pass_seconds
+                 ) -> tuple[torch.dtype, str]:
     """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
-    at start-up). auto: bf16 on a GPU that has it; on a CPU, bf16 where it has native bf16 matmuls, the model is
-    at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds a one-row product at its width BF16_DECODE_MARGIN
-    times as fast in bf16 as in float32; else float32. timer None: no timing, bf16 wherever the
-    first two hold (a choice every process makes alike). flags, timer: the CPU's, for tests."""
+    at start-up), for a model `d_model` wide with `weights` weights. auto: bf16 on a GPU that has it; on a CPU,
+    where the model is at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds one row through that many weights
+    BF16_DECODE_MARGIN times as fast in bf16 as in float32 (whatever the CPU's flags); else float32. timer None: no
+    timing, bf16 wherever the CPU has native bf16 matmuls and the width allows (a choice every process makes alike).
+    flags, timer: the CPU's, for tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
@@ -142,18 +160,20 @@ def decode_dtype(name: str, device: torch.device, d_model: int, flags: set[str] 
         return torch.float32, "auto: this GPU has no bf16"
     if device.type != "cpu":
         return torch.float32, f"auto on {device.type}"
-    native = native_bf16(flags)
-    if native is None:
-        return torch.float32, "auto: this CPU has no native bf16"
     if d_model < BF16_DECODE_MIN_D_MODEL:
         return torch.float32, f"auto: at width {d_model} < {BF16_DECODE_MIN_D_MODEL} float32 decodes faster"
+    native = native_bf16(flags)
+    has = f"this CPU has {native}" if native else "this CPU has no native bf16"
     if timer is None:
-        return torch.bfloat16, f"auto: this CPU has {native} and the model is {d_model} wide"
-    bf16, fp32 = timer(d_model, torch.bfloat16), timer(d_model, torch.float32)
-    measured = f"a 1-row product at width {d_model} took {bf16 * 1e6:.0f} us in bf16, {fp32 * 1e6:.0f} us in float32"
+        if native is None:
+            return torch.float32, f"auto: {has}"
+        return torch.bfloat16, f"auto: {has} and the model is {d_model} wide"
+    bf16, fp32 = timer(d_model, weights, torch.bfloat16), timer(d_model, weights, torch.float32)
+    measured = (f"one row through {min(weights, TIMED_WEIGHTS) / 1e6:.1f} M weights took {bf16 * 1e3:.2f} ms in "
+                f"bf16, {fp32 * 1e3:.2f} ms in float32")
     if bf16 * BF16_DECODE_MARGIN <= fp32:
-        return torch.bfloat16, f"auto: this CPU has {native}; {measured}"
-    return torch.float32, f"auto: this CPU has {native}, but {measured}"
+        return torch.bfloat16, f"auto: {has}; {measured}"
+    return torch.float32, f"auto: {has}, and {measured}"
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

@@ -44,45 +44,50 @@ def test_cpu_flags_reads_this_machine():
     assert flags == set(line.partition(":")[2].split())
 
 
-def test_decoding_picks_bf16_only_with_native_bf16_a_model_wide_enough_and_a_faster_product():
-    from nanolm.runtime import BF16_DECODE_MIN_D_MODEL, decode_dtype, product_seconds
+def test_decoding_picks_bf16_where_a_timed_row_through_the_models_weights_is_faster():
+    from nanolm.runtime import BF16_DECODE_MIN_D_MODEL, TIMED_WEIGHTS, decode_dtype, weight_pass_seconds
     assert BF16_DECODE_MIN_D_MODEL == 256
     asked = []
 
-    def timer(bf16_us, fp32_us):  # a CPU whose product takes these times
-        def t(d, dtype):
-            asked.append(d)
-            return (bf16_us if dtype == torch.bfloat16 else fp32_us) * 1e-6
+    def timer(bf16_ms, fp32_ms):  # a CPU whose pass takes these times
+        def t(d, weights, dtype):
+            asked.append((d, weights))
+            return (bf16_ms if dtype == torch.bfloat16 else fp32_ms) * 1e-3
         return t
 
-    assert decode_dtype("auto", CPU, 512, {"avx512_bf16"}, timer=timer(60, 140)) == (
-        torch.bfloat16, "auto: this CPU has avx512_bf16; a 1-row product at width 512 took 60 us in bf16, 140 us "
-                        "in float32")
-    assert asked == [512, 512]
-    # Slower in bf16 (a Xeon with AMX at one row), or not faster by the margin: float32, saying why.
-    assert decode_dtype("auto", CPU, 512, {"amx_bf16"}, timer=timer(219, 138)) == (
-        torch.float32, "auto: this CPU has amx_bf16, but a 1-row product at width 512 took 219 us in bf16, 138 us "
+    assert decode_dtype("auto", CPU, 512, 26_000_000, {"avx512_bf16"}, timer=timer(3, 7)) == (
+        torch.bfloat16, "auto: this CPU has avx512_bf16; one row through 26.0 M weights took 3.00 ms in bf16, "
+                        "7.00 ms in float32")
+    assert asked == [(512, 26_000_000)] * 2
+    # Whatever the CPU's flags: an AVX2 CPU without native bf16 reads bf16 weights faster too.
+    assert decode_dtype("auto", CPU, 512, 26_000_000, {"avx2"}, timer=timer(3.5, 8.2)) == (
+        torch.bfloat16, "auto: this CPU has no native bf16; one row through 26.0 M weights took 3.50 ms in bf16, "
+                        "8.20 ms in float32")
+    # Slower in bf16 (a Xeon with AMX at one row), or not faster by the margin: float32, saying why; a model
+    # larger than TIMED_WEIGHTS is timed through that many.
+    assert decode_dtype("auto", CPU, 512, 2 * TIMED_WEIGHTS, {"amx_bf16"}, timer=timer(5.9, 4.95)) == (
+        torch.float32, "auto: this CPU has amx_bf16, and one row through 33.6 M weights took 5.90 ms in bf16, 4.95 ms "
                        "in float32")
-    assert decode_dtype("auto", CPU, 512, {"amx_bf16"}, timer=timer(130, 140))[0] == torch.float32
-    # Untimed (RL's rollouts: every rank and a resumed run alike): bf16 wherever the CPU and the width allow.
-    assert decode_dtype("auto", CPU, 512, {"amx_bf16"}, timer=None) == (
-        torch.bfloat16, "auto: this CPU has amx_bf16 and the model is 512 wide")
-    assert decode_dtype("auto", CPU, 128, {"amx_bf16"}, timer=None)[0] == torch.float32
-    # Narrower models decode faster in float32 (a token is mostly overhead there), as do CPUs without bf16;
-    # neither is timed.
+    assert decode_dtype("auto", CPU, 512, 10**6, {"amx_bf16"}, timer=timer(1.3, 1.4))[0] == torch.float32
+    # Untimed (RL's rollouts: every rank and a resumed run alike): bf16 where the CPU has native bf16 and the width
+    # allows.
     asked.clear()
-    assert decode_dtype("auto", CPU, 128, {"avx512_bf16"}, timer=timer(1, 100)) == (
-        torch.float32, "auto: at width 128 < 256 float32 decodes faster")
-    assert decode_dtype("auto", CPU, 512, {"avx2"}, timer=timer(1, 100)) == (
+    assert decode_dtype("auto", CPU, 512, 10**6, {"amx_bf16"}, timer=None) == (
+        torch.bfloat16, "auto: this CPU has amx_bf16 and the model is 512 wide")
+    assert decode_dtype("auto", CPU, 512, 10**6, {"avx2"}, timer=None) == (
         torch.float32, "auto: this CPU has no native bf16")
-    assert decode_dtype("float32", CPU, 512, {"avx512_bf16"}) == (torch.float32, "as asked")
-    assert decode_dtype("bfloat16", CPU, 64, set()) == (torch.bfloat16, "as asked")
+    assert decode_dtype("auto", CPU, 128, 10**6, {"amx_bf16"}, timer=None)[0] == torch.float32
+    # Narrower models decode faster in float32 (a token is mostly overhead there); not timed.
+    assert decode_dtype("auto", CPU, 128, 10**6, {"avx512_bf16"}, timer=timer(1, 100)) == (
+        torch.float32, "auto: at width 128 < 256 float32 decodes faster")
+    assert decode_dtype("float32", CPU, 512, 10**6, {"avx512_bf16"}) == (torch.float32, "as asked")
+    assert decode_dtype("bfloat16", CPU, 64, 10**6, set()) == (torch.bfloat16, "as asked")
     assert asked == []
     with pytest.raises(UserError, match="--dtype half: unknown; use auto, float32, bfloat16 or float16"):
-        decode_dtype("half", CPU, 512)
+        decode_dtype("half", CPU, 512, 10**6)
     # The real timer: a positive time, measured once per process and shape.
-    t = product_seconds(64, torch.float32)
-    assert t > 0 and product_seconds(64, torch.float32) == t
+    t = weight_pass_seconds(64, 10**5, torch.float32)
+    assert t > 0 and weight_pass_seconds(64, 10**5, torch.float32) == t
 
 
 def test_the_server_leaves_a_core_to_its_http_side():

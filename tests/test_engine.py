@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanolm.config import ModelConfig, SamplingParams
 from nanolm.errors import UserError
@@ -541,19 +542,48 @@ def test_decode_linear_is_the_linear_product(rows, dtype, right, monkeypatch):
     torch.testing.assert_close(got.float(), (x.double() @ w.double().T).float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_server_keeps_the_product_form_it_timed_faster(dtype):
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_products_of_many_rows_widen_to_float32_without_native_kernels(native, dtype, monkeypatch):
+    """Without oneDNN's bf16 (fp16) products (an AVX2 CPU), a product of more than HALF_ROWS rows multiplies float32
+    copies of the weight and rows, the result in their dtype; fewer rows, or a CPU with them, take F.linear as it
+    is."""
+    monkeypatch.setattr(fuse, "HALF_NATIVE", {torch.bfloat16: native, torch.float16: native})
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(48, 32, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    for rows in (1, fuse.HALF_ROWS, fuse.HALF_ROWS + 1, SMALL_ROWS + 7):
+        x = torch.randn(rows, 1, 32, generator=g).to(dtype)
+        got = decode_linear(x, w, b, right=False)
+        assert got.dtype == dtype and got.shape == (rows, 1, 48)
+        widened = rows > fuse.HALF_ROWS and not native
+        want = F.linear(x.float(), w.float(), b.float()).to(dtype) if widened else F.linear(x, w, b)
+        assert torch.equal(got, want), rows
+    # float32 weights are never widened, whatever the table says
+    x = torch.randn(9, 1, 32, generator=g)
+    assert torch.equal(decode_linear(x, w.float(), right=False), F.linear(x, w.float()))
+
+
+@pytest.mark.parametrize("dtype,native", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_the_server_keeps_the_product_form_it_timed_faster(dtype, native, monkeypatch):
     """Engine.time_products times both forms of the few-row products and sets every product module to the faster;
-    bf16 keeps F.linear (the form is float32's), and either form decodes 16 rows as the model computes them."""
+    bf16 keeps F.linear where the CPU multiplies it natively (the form is float32's) and is timed where its
+    products widen to float32; either form decodes 16 float32 rows as the model computes them."""
+    monkeypatch.setattr(fuse, "HALF_NATIVE", {torch.bfloat16: native, torch.float16: native})
     model = _model()
     engine = Engine(model, dtype=dtype)
     products = [m for m in engine.model.modules() if isinstance(m, (DecodeLinear, FusedAttention, FusedMLP))]
     assert len(products) == 2 * 2 + 2 * 2 + 1  # per layer: o_proj, down_proj, the fused attention and MLP; the head
     assert all(m.rows_on_the_right is None for m in products)  # until timed: the CPU's rule
     said = engine.time_products()
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and native:
         assert said == "F.linear (the rows' form applies to float32 on a CPU only)"
         assert all(m.rows_on_the_right is None for m in products)
+        return
+    right = said.startswith("16-row products as (W @ x.T).T")
+    assert re.fullmatch(r"16-row products as (\(W @ x\.T\)\.T|F\.linear): a pass took [\d.]+ ms with the rows on "
+                        r"the right, [\d.]+ ms with F\.linear", said)
+    assert all(m.rows_on_the_right is right for m in products)
+    if dtype == torch.bfloat16:
         return
     right = said.startswith("16-row products as (W @ x.T).T")
     assert re.fullmatch(r"16-row products as (\(W @ x\.T\)\.T|F\.linear): a pass took [\d.]+ ms with the rows on "

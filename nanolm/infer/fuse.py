@@ -44,12 +44,28 @@ from nanolm.model.transformer import MLP, Attention, apply_rope, swiglu
 SMALL_ROWS = 32
 ROWS_ON_THE_RIGHT = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
+# On a CPU whose bf16 (fp16) products oneDNN does not run (no AVX-512: `_is_mkldnn_bf16_supported` false), PyTorch
+# multiplies a bf16 weight by one or two rows as fast as memory allows, half float32's bytes, but by more rows in a
+# slow fallback. Measured on a 2-core AVX2 EPYC, one pass over minimind-26m's matrices (ms, float32 / bf16 / bf16
+# widened to float32 on the way): 1 row 8.2 / 3.5 / 13.8, 2 rows 12.8 / 5.8 / 8.5, 4 rows 15.5 / 11.5 / 12.3, 16 rows
+# 16.0 / 44.9 / 15.5, 64 rows 31.4 / 174.5 / 32.8; a 1024^3 product ran at 0.8 GFLOP/s in bf16 against 150 in
+# float32. So there, a half-precision product of more than HALF_ROWS rows widens its weight and rows to float32
+# (a prefill, a batch of rows) and returns its result in their dtype: bf16 weights decode one row twice as fast and
+# lose nothing elsewhere.
+HALF_ROWS = 4
+HALF_NATIVE = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+               torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   right: bool | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x (..., in), weight (out, in) and bias (out,); with 2 to SMALL_ROWS float32 rows on
-    a CPU and `right` (None: this CPU's rule, ROWS_ON_THE_RIGHT), as (weight @ x.T).T."""
+    a CPU and `right` (None: this CPU's rule, ROWS_ON_THE_RIGHT), as (weight @ x.T).T; with more than HALF_ROWS rows
+    of a bf16 (fp16) weight on a CPU without oneDNN's half-precision products, in float32 (the result in x's
+    dtype)."""
     rows = x.numel() // x.shape[-1]
+    if rows > HALF_ROWS and not HALF_NATIVE.get(weight.dtype, True) and x.device.type == "cpu":
+        return decode_linear(x.float(), weight.float(), None if bias is None else bias.float(), right).to(x.dtype)
     if ((ROWS_ON_THE_RIGHT if right is None else right) and 1 < rows <= SMALL_ROWS and x.device.type == "cpu"
             and weight.dtype == torch.float32):
         y = (weight @ x.reshape(rows, -1).T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
@@ -205,13 +221,14 @@ def choose_product_form(model: nn.Module, rows: int = 16, rounds: int = 5) -> tu
     """Time one pass of `rows` float32 rows through every product of a fused `model` (fuse_projections) in both
     forms, alternated over `rounds`, and make every product take the faster (the best round of each); returns
     whether the rows go on the right and a line saying what was measured. A model that is not float32 on a CPU
-    keeps F.linear for every product (the form only applies there)."""
+    (or bf16 / fp16 widened to it there, which the form applies to as well) keeps F.linear for every product."""
     modules = [m for m in model.modules() if isinstance(m, PRODUCTS)]
     weights = [getattr(m, m.product) for m in modules]
-    if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
+    if (not weights or weights[0].device.type != "cpu"
+            or (weights[0].dtype != torch.float32 and HALF_NATIVE.get(weights[0].dtype, True))):
         return False, "F.linear (the rows' form applies to float32 on a CPU only)"
     g = torch.Generator().manual_seed(0)
-    xs = {w.shape[1]: torch.randn(rows, 1, w.shape[1], generator=g) for w in weights}
+    xs = {w.shape[1]: torch.randn(rows, 1, w.shape[1], generator=g).to(weights[0].dtype) for w in weights}
 
     def one_pass(right: bool) -> float:
         t0 = time.perf_counter()

@@ -148,7 +148,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
     _require_extra("fastapi", "uvicorn")
     import uvicorn
 
-    from nanolm.runtime import decode_dtype, resolve_device
+    from nanolm.runtime import decode_dtype, resolve_device, weight_count
     from nanolm.checkpoint import load_model, run_name
 
     config = config if config is not None else ServeConfig()
@@ -160,11 +160,11 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
             config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
         if dev.type == "cpu":
             torch.set_num_threads(decode_threads(config.threads))  # first: auto times a product on these threads
-        weights, why = decode_dtype(dtype, dev, model.config.d_model)
+        weights, why = decode_dtype(dtype, dev, model.config.d_model, weight_count(model))
         if dev.type == "cpu":
             why += f"; {torch.get_num_threads()} decoding thread{'s' if torch.get_num_threads() > 1 else ''}"
         engine = Engine(model, dev, weights)
-        if dev.type == "cpu" and weights == torch.float32:
+        if dev.type == "cpu":
             why += f"; {engine.time_products()}"  # the form of the few-row products this CPU runs faster
         if config.compile:  # after the products' form, which the compiled graph takes as it is
             from nanolm.infer.server.routes import max_batch
