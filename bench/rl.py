@@ -21,8 +21,11 @@ repository root:
 
     PYTHONPATH=. python bench/rl.py                       # 5 steps, 4 prompts x 8, 64 tokens, beta 0.04
     PYTHONPATH=. python bench/rl.py --beta 0 --steps 7    # no reference forward
+    PYTHONPATH=. python bench/rl.py --compile-rollouts    # the decode step compiled (grpo.compile_rollouts)
 
-The first step is left out of the medians (warm-up). On a CPU shared with
+The first step is left out of the medians (warm-up; with --compile-rollouts
+it holds the compile, whose time the report gives as the first step's
+generate_s). On a CPU shared with
 other busy processes, times vary from run to run: quote medians.
 """
 
@@ -44,6 +47,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="grpo.group_size")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--compile-rollouts", action="store_true",
+                    help="grpo.compile_rollouts: the rollouts' decode step compiled at the first step")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
@@ -73,20 +78,24 @@ def main() -> None:
         "train.init_from": str(work / "base"), "train.max_steps": args.steps, "train.batch_size": args.prompts,
         "train.seq_len": 64, "train.eval_interval": 0, "train.save_interval": 0, "train.log_interval": 1,
         "grpo.group_size": args.group, "grpo.max_new_tokens": args.max_new_tokens, "grpo.beta": args.beta,
-        "grpo.rewards": "answer:1.0,length:0.1"})
+        "grpo.rewards": "answer:1.0,length:0.1", "grpo.compile_rollouts": args.compile_rollouts})
     trainer = Trainer(cfg, quiet=True)
     trainer.run()
     recs = [json.loads(x) for x in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if "generate_s" in r][1:]  # the first step warms up
+    first = next(r for r in recs if "generate_s" in r)  # the first step warms up (and compiles, if asked)
+    steps = [r for r in recs if "generate_s" in r][1:]
     keys = ("rollout_tok_s", "generate_s", "score_s", "update_s", "generate_share", "completion_len")
     table = {k: (statistics.median(r[k] for r in steps), min(r[k] for r in steps), max(r[k] for r in steps))
              for k in keys}
     print(f"GRPO at minimind-26m on {trainer.device}: {args.prompts} prompts x {args.group} completions, "
-          f"max {args.max_new_tokens} new tokens, beta {args.beta}; medians of {len(steps)} steps (min-max)")
+          f"max {args.max_new_tokens} new tokens, beta {args.beta}, rollouts "
+          f"{'compiled' if args.compile_rollouts else 'uncompiled'}; medians of {len(steps)} steps (min-max); the "
+          f"first step generated for {first['generate_s']:.1f} s")
     for k, (med, lo, hi) in table.items():
         print(f"  {k:<16} {med:10.3f}   ({lo:.3f} - {hi:.3f})")
     print(json.dumps({"device": str(trainer.device), "prompts": args.prompts, "group": args.group,
                       "max_new_tokens": args.max_new_tokens, "beta": args.beta, "steps": len(steps),
+                      "compile_rollouts": args.compile_rollouts, "first_generate_s": first["generate_s"],
                       **{k: v[0] for k, v in table.items()}}))
 
 

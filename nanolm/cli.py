@@ -160,8 +160,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the weights' dtype while decoding (auto: bfloat16 on a GPU with it, or on a CPU with native "
-                        "bf16 for a model at least 256 wide; else float32)")
+                   help="the weights' dtype while decoding (auto: bfloat16 on a GPU with it, or on a CPU, for a model "
+                        "at least 256 wide, where one row through its weights times faster in bf16; else float32)")
     p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
                    help="stretch the context of a model trained without YaRN FACTOR times with YaRN RoPE scaling "
                         "(from the window it was trained on, e.g. 4: 512 -> 2048 tokens)")

@@ -621,6 +621,16 @@ def test_a_compiled_decode_step_decodes_what_the_copy_does():
     worker.start()
     worker.join(120)
     assert got == [alone]
+    # RL's rollouts refresh the copy's weights in place each step (load_weights): the compiled step decodes with
+    # the new ones, as an uncompiled engine of them does.
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, p in enumerate(moved.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.5)
+    engine.load_weights(moved)
+    want = [Engine(moved).generate_all(p, sp) for p, sp in zip(prompts, params)]
+    assert want != alone and engine.generate_many(prompts, params) == want
+    engine.load_weights(model)
     said = engine.compile_decode(rows=4, steps=4)
     m = re.fullmatch(r"the decode step (compiled|left uncompiled) \(compiled in \d+ s\): a step of 4 rows plus one "
                      r"of 1 row took ([\d.]+) ms compiled, ([\d.]+) ms as it is", said)

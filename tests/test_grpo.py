@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -202,6 +203,22 @@ def test_a_grpo_run_logs_what_tells_whether_rl_works(prompts_dir, base_run, tmp_
     base = ckpt.load_model(base_run, "last")[0].state_dict()
     after = ckpt.load_model(tmp_path / "run", "last")[0].state_dict()
     assert any(not torch.equal(base[k], after[k]) for k in base)  # the policy moved
+
+
+def test_compiled_rollouts_sample_and_train_as_uncompiled_ones(prompts_dir, base_run, tmp_path, capsys):
+    """grpo.compile_rollouts compiles the rollouts' decode step at the first step, says so, and the run samples the
+    completions and ends at the weights of the run without it (the step reads the weights each update leaves)."""
+    over = {"train.max_steps": 2, "train.eval_interval": 0}
+    train(grpo_cfg(prompts_dir, tmp_path / "eager", base_run, **over), quiet=True)
+    capsys.readouterr()
+    train(grpo_cfg(prompts_dir, tmp_path / "compiled", base_run, **over, **{"grpo.compile_rollouts": True}),
+          quiet=True)
+    err = capsys.readouterr().err
+    assert re.search(r"^\[rollouts: the decode step compiled in \d+ s\]$", err, re.M)
+    assert "Graph break" not in err  # torch.compile's advice on the step's deliberate break is not shown
+    got = [(r["reward"], r["completion_len"]) for r in read_metrics(tmp_path / "compiled") if "reward" in r]
+    assert got == [(r["reward"], r["completion_len"]) for r in read_metrics(tmp_path / "eager") if "reward" in r]
+    assert len(got) == 2 and same_weights(tmp_path / "eager", tmp_path / "compiled")
 
 
 def test_resume_samples_and_trains_as_the_uninterrupted_run(prompts_dir, base_run, tmp_path):

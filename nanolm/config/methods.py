@@ -80,6 +80,7 @@ class GRPOConfig:
     length_max: int = 512
     tools: str = ""  # RL over tool calls: "" none, builtin, tools.json, file.py:function (comma-separated)
     max_rounds: int = 3  # with tools: the most replies of a trajectory (each but the last may call tools)
+    compile_rollouts: bool = False  # torch.compile the rollouts' decode step at the first step (30-90 s on a CPU)
 
     def __post_init__(self) -> None:
         _check(self.max_rounds >= 1, f"grpo.max_rounds must be >= 1, got {self.max_rounds}")
@@ -136,6 +137,7 @@ class PPOConfig:
     length_max: int = 512
     tools: str = ""  # RL over tool calls, as grpo.tools: "" none, builtin, tools.json, file.py:function
     max_rounds: int = 3  # with tools: the most replies of a trajectory (each but the last may call tools)
+    compile_rollouts: bool = False  # as grpo.compile_rollouts
 
     def __post_init__(self) -> None:
         _check(self.max_rounds >= 1, f"ppo.max_rounds must be >= 1, got {self.max_rounds}")

@@ -22,6 +22,7 @@ held to their schemas), asked before each draw which ids may come next.
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import sys
 import time
@@ -36,6 +37,21 @@ from nanolm.config.sampling import SEED_RANGE, SamplingParams
 from nanolm.infer.fuse import choose_product_form, fuse_projections
 from nanolm.infer.sampling import Penalties, apply_penalties, sample_rows
 from nanolm.model.transformer import KVCache
+
+
+class _KnownBreak(logging.Filter):
+    """Drops torch.compile's one-time advice on a graph break at `Tensor.item()`: the decode step of rows of
+    different lengths reads the longest of them as a Python int, to attend to no more cache than that, and breaks
+    its graph there by design; the advice (15 lines on stderr) is for PyTorch's developers, not for a user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Graph break from `Tensor.item()`" not in record.getMessage()
+
+
+def quiet_known_break() -> None:
+    logger = logging.getLogger("torch._dynamo.variables.tensor")
+    if not any(isinstance(f, _KnownBreak) for f in logger.filters):
+        logger.addFilter(_KnownBreak())
 
 
 def inference_copy(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -108,7 +124,7 @@ class Engine:
 
     def compile_decode(self, rows: int = 16, steps: int = 24, keep_faster: bool = True) -> str:
         """torch.compile the decode step (one row, and 2 or more rows of different lengths) for a process that
-        decodes long enough to pay for it (the server); returns what was done and measured.
+        decodes long enough to pay for it (the server; RL's rollouts, untimed); returns what was done and measured.
 
         The compile is paid here, not at a client's first request: a throwaway batch of `rows` rows (random
         prompts of different lengths, greedy) and one of a single row decode `steps` tokens each, compiled, which
@@ -138,6 +154,7 @@ class Engine:
                 total += statistics.median(times)
             return total
 
+        quiet_known_break()
         self._compiled = torch.compile(self.model, dynamic=True)
         t0 = time.perf_counter()
         self._warming = True

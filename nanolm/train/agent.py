@@ -218,8 +218,8 @@ class AgentSampler(Sampler):
     """The RL stages' Sampler over multi-turn tool use (see the module doc)."""
 
     def __init__(self, tokenizer: Any, rewards: Any, device: torch.device, *, thinking: bool = False,
-                 tools: AgentTools, max_rounds: int = 3) -> None:
-        super().__init__(tokenizer, rewards, device, thinking=thinking)
+                 tools: AgentTools, max_rounds: int = 3, compile: bool = False) -> None:
+        super().__init__(tokenizer, rewards, device, thinking=thinking, compile=compile)
         if not tokenizer.chat_format.tools:
             raise UserError(f"grpo.tools: the tokenizer {tokenizer.path} carries the plain ChatML template, which "
                             "has no tools; use a tokenizer trained by this nanolm (`nanolm tokenizer train`)")
@@ -299,5 +299,5 @@ def sampler_for(cfg: Any, tokenizer: Any, rewards: Any, device: torch.device) ->
     of this module, calling them."""
     if cfg.tools:
         return AgentSampler(tokenizer, rewards, device, thinking=cfg.thinking, tools=AgentTools.from_spec(cfg.tools),
-                            max_rounds=cfg.max_rounds)
-    return Sampler(tokenizer, rewards, device, thinking=cfg.thinking)
+                            max_rounds=cfg.max_rounds, compile=cfg.compile_rollouts)
+    return Sampler(tokenizer, rewards, device, thinking=cfg.thinking, compile=cfg.compile_rollouts)

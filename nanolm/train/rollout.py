@@ -26,6 +26,7 @@ their mean reward.
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
@@ -75,10 +76,12 @@ class SamplingSettings(Protocol):
 class Sampler:
     """Samples, scores and lays out completions of RL prompts (see the module doc)."""
 
-    def __init__(self, tokenizer: Any, rewards: Rewards, device: torch.device, *, thinking: bool = False) -> None:
+    def __init__(self, tokenizer: Any, rewards: Rewards, device: torch.device, *, thinking: bool = False,
+                 compile: bool = False) -> None:
         self.tok, self.rewards, self.device = tokenizer, rewards, device
         self.generation_prompt = tokenizer.encode(tokenizer.chat_format.generation_prompt(thinking))
         self.stop_ids = (tokenizer.im_end_id,)
+        self.compile = compile  # grpo/ppo.compile_rollouts: the engine's decode step under torch.compile
         self.engine: Engine | None = None
 
     def _engine(self, model: nn.Module) -> Engine:
@@ -90,6 +93,10 @@ class Sampler:
             # 967 us a product). The update still scores the tokens with the policy.
             dtype = decode_dtype("auto", self.device, model.config.d_model, weight_count(model), timer=None)[0]
             self.engine = Engine(model, self.device, dtype)
+            if self.compile:
+                # Untimed (keep_faster false): every rank, and a resumed run, decode through the same step. The
+                # compiled step reads the copy's weights, which load_weights refreshes in place.
+                print(f"[rollouts: {self.engine.compile_decode(keep_faster=False)}]", file=sys.stderr, flush=True)
         else:
             self.engine.load_weights(model)
         return self.engine
