@@ -109,6 +109,10 @@ BF16_DECODE_MIN_D_MODEL = 256
 # BF16_DECODE_MARGIN times as fast: a close call stays float32. RL's rollouts, many rows, take the untimed rule
 # (timer=None: bf16 on native bf16 only), so that every rank and a resumed run decode alike.
 BF16_DECODE_MARGIN = 1.15
+# Without native bf16 a bf16 token's small operations cost more (each converts), so bf16 pays from a wider model:
+# measured on a 2-core AVX2 EPYC, ms a step in float32 / bf16 at 1 and at 16 rows: cpu-small (256 wide) 1.98 /
+# 1.97 and 3.85 / 4.42, minimind-26m (512 wide) 12.0 / 7.1 and 20.7 / 21.8.
+BF16_DECODE_MIN_D_MODEL_EMULATED = 512
 # The most weights the timed pass holds: 32 M (128 MB in float32) is past a 2-core machine's caches, so a larger
 # model's pass times as its own would.
 TIMED_WEIGHTS = 32 * 2**20
@@ -146,8 +150,9 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
                  ) -> tuple[torch.dtype, str]:
     """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
     at start-up), for a model `d_model` wide with `weights` weights. auto: bf16 on a GPU that has it; on a CPU,
-    where the model is at least BF16_DECODE_MIN_D_MODEL wide and `timer` finds one row through that many weights
-    BF16_DECODE_MARGIN times as fast in bf16 as in float32 (whatever the CPU's flags); else float32. timer None: no
+    where the model is at least BF16_DECODE_MIN_D_MODEL wide (BF16_DECODE_MIN_D_MODEL_EMULATED without native
+    bf16) and `timer` finds one row through that many weights BF16_DECODE_MARGIN times as fast in bf16 as in
+    float32; else float32. timer None: no
     timing, bf16 wherever the CPU has native bf16 matmuls and the width allows (a choice every process makes alike).
     flags, timer: the CPU's, for tests."""
     if name != "auto":
@@ -168,6 +173,9 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
         if native is None:
             return torch.float32, f"auto: {has}"
         return torch.bfloat16, f"auto: {has} and the model is {d_model} wide"
+    if native is None and d_model < BF16_DECODE_MIN_D_MODEL_EMULATED:
+        return torch.float32, (f"auto: {has}, and at width {d_model} < {BF16_DECODE_MIN_D_MODEL_EMULATED} float32 "
+                               "decodes as fast")
     bf16, fp32 = timer(d_model, weights, torch.bfloat16), timer(d_model, weights, torch.float32)
     measured = (f"one row through {min(weights, TIMED_WEIGHTS) / 1e6:.1f} M weights took {bf16 * 1e3:.2f} ms in "
                 f"bf16, {fp32 * 1e3:.2f} ms in float32")

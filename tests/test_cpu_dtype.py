@@ -59,10 +59,16 @@ def test_decoding_picks_bf16_where_a_timed_row_through_the_models_weights_is_fas
         torch.bfloat16, "auto: this CPU has avx512_bf16; one row through 26.0 M weights took 3.00 ms in bf16, "
                         "7.00 ms in float32")
     assert asked == [(512, 26_000_000)] * 2
-    # Whatever the CPU's flags: an AVX2 CPU without native bf16 reads bf16 weights faster too.
+    asked.clear()
+    # Whatever the CPU's flags: an AVX2 CPU without native bf16 reads bf16 weights faster too, from a width of 512
+    # (below it the conversions of a bf16 token's small operations cost what the bytes save).
     assert decode_dtype("auto", CPU, 512, 26_000_000, {"avx2"}, timer=timer(3.5, 8.2)) == (
         torch.bfloat16, "auto: this CPU has no native bf16; one row through 26.0 M weights took 3.50 ms in bf16, "
                         "8.20 ms in float32")
+    assert decode_dtype("auto", CPU, 256, 8_000_000, {"avx2"}, timer=timer(1.7, 3.2)) == (
+        torch.float32, "auto: this CPU has no native bf16, and at width 256 < 512 float32 decodes as fast")
+    assert decode_dtype("auto", CPU, 256, 8_000_000, {"avx512_bf16"}, timer=timer(1.7, 3.2))[0] == torch.bfloat16
+    assert asked == [(512, 26_000_000)] * 2 + [(256, 8_000_000)] * 2  # the narrow model on AVX2 is not timed
     # Slower in bf16 (a Xeon with AMX at one row), or not faster by the margin: float32, saying why; a model
     # larger than TIMED_WEIGHTS is timed through that many.
     assert decode_dtype("auto", CPU, 512, 2 * TIMED_WEIGHTS, {"amx_bf16"}, timer=timer(5.9, 4.95)) == (
