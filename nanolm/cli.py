@@ -177,6 +177,13 @@ def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) ->
     return p
 
 
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    """--compile for generate and chat (serve's is a ServeConfig field)."""
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the one-row decode step before the first token, kept only where it times "
+                        "faster (tens of seconds of compile for a faster token: for a long chat)")
+
+
 def _model_from_args(args: argparse.Namespace):
     """(model, sampling params, device, checkpoint dir) from the shared inference arguments."""
     from nanolm.config import SamplingParams
@@ -199,9 +206,12 @@ def _engine_from_args(args: argparse.Namespace, loaded: tuple | None = None):
 
     model, params, device, src = loaded or _model_from_args(args)
     dtype, why = decode_dtype(args.dtype, device, model.config.d_model, weight_count(model))
+    engine = Engine(model, device, dtype)
+    if args.compile:
+        why += f"; {engine.compile_decode(rows=1)}"
     print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}; decoding in "
           f"{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
-    return Engine(model, device, dtype), Tokenizer.load(src), params, src
+    return engine, Tokenizer.load(src), params, src
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -451,9 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = _inference_parser(sub, "generate", _cmd_generate, help="continue a prompt with a trained model, streaming")
     g.add_argument("--prompt", default="", help="text to continue")
+    _add_compile_arg(g)
 
     c = _inference_parser(sub, "chat", _cmd_chat,
                           help="multi-turn chat in the terminal (or scripted: one user turn per stdin line)")
+    _add_compile_arg(c)
     c.add_argument("--system", default="", help="system prompt")
     c.add_argument("--tools", action="append", default=[], metavar="builtin|FILE",
                    help="offer the model tools: `builtin` (calculator, current_time, which the chat runs) or a "

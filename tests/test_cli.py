@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,13 @@ def test_tokenizer_prepare_train_generate(tmp_path, corpus):
                   "--dtype", "bfloat16")
     assert bf16.returncode == 0 and "decoding in bfloat16: as asked" in bf16.stderr
     assert bf16.stdout.startswith("To be") and len(bf16.stdout) > len("To be\n")
+    # --compile: the one-row step compiled before the first token, kept where it timed faster, the same reply
+    compiled = nanolm("generate", str(run), "--prompt", "To be", "--max-new-tokens", "10", "--temperature", "0",
+                      "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert re.search(r"; the decode step (compiled|left uncompiled) \(compiled in \d+ s\): a step of 1 row took "
+                     r"[\d.]+ ms compiled, [\d.]+ ms as it is\]$", compiled.stderr, re.M), compiled.stderr
+    assert compiled.stdout == r.stdout and "Graph break" not in compiled.stderr
 
 
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path):

@@ -128,7 +128,7 @@ class Engine:
 
         The compile is paid here, not at a client's first request: a throwaway batch of `rows` rows (random
         prompts of different lengths, greedy) and one of a single row decode `steps` tokens each, compiled, which
-        compiles both paths. Decoding shapes are marked dynamic (rows, positions, cache lengths), so later batches
+        compiles both paths (rows 1: the one-row path alone, for generate and chat). Decoding shapes are marked dynamic (rows, positions, cache lengths), so later batches
         reuse the graphs. keep_faster: the two batches also decode as the copy is, alternated with compiled, and
         the compiled step is kept only where its medians (a step of each batch, summed) are the smaller; false: kept
         untimed (a choice every process makes alike). A compile that fails (inductor needs a C++ compiler) leaves
@@ -141,7 +141,7 @@ class Engine:
 
         def timed() -> float:  # the median step of `rows` rows plus that of one row, in seconds
             total = 0.0
-            for batch_prompts in (prompts, prompts[:1]):
+            for batch_prompts in ((prompts, prompts[:1]) if rows > 1 else (prompts,)):
                 batch = self.batch()
                 for p in batch_prompts:
                     batch.add(p, greedy)
@@ -176,8 +176,9 @@ class Engine:
             compiled.append(timed())
         e, c = statistics.median(eager), statistics.median(compiled)
         self._compiled = kept if c < e else None
-        return (f"the decode step {'compiled' if c < e else 'left uncompiled'} (compiled in {compile_s:.0f} s): a "
-                f"step of {rows} rows plus one of 1 row took {c * 1e3:.2f} ms compiled, {e * 1e3:.2f} ms as it is")
+        steps_timed = f"a step of {rows} rows plus one of 1 row" if rows > 1 else "a step of 1 row"
+        return (f"the decode step {'compiled' if c < e else 'left uncompiled'} (compiled in {compile_s:.0f} s): "
+                f"{steps_timed} took {c * 1e3:.2f} ms compiled, {e * 1e3:.2f} ms as it is")
 
     def load_weights(self, model: nn.Module) -> None:
         """Take `model`'s current weights again (a model that keeps training, for one): each is copied into
