@@ -6,7 +6,8 @@ for training (`train_dtype`) a CPU with native bf16 matrix instructions
 (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags) trains in bf16 autocast
 when the model is wide enough for bf16 matmuls to pay for their casts, and
 decoding (`decode_dtype`) holds bf16 weights where one row through as many
-weights as the model's times faster so, whatever the CPU's flags.
+weights as the model's times faster so, on CPUs without native bf16 too
+(for wider models there).
 """
 
 from __future__ import annotations
@@ -152,9 +153,8 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
     at start-up), for a model `d_model` wide with `weights` weights. auto: bf16 on a GPU that has it; on a CPU,
     where the model is at least BF16_DECODE_MIN_D_MODEL wide (BF16_DECODE_MIN_D_MODEL_EMULATED without native
     bf16) and `timer` finds one row through that many weights BF16_DECODE_MARGIN times as fast in bf16 as in
-    float32; else float32. timer None: no
-    timing, bf16 wherever the CPU has native bf16 matmuls and the width allows (a choice every process makes alike).
-    flags, timer: the CPU's, for tests."""
+    float32; else float32. timer None: no timing, bf16 wherever the CPU has native bf16 matmuls and the width
+    allows (a choice every process makes alike). flags, timer: the CPU's, for tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")

@@ -49,6 +49,7 @@ class _KnownBreak(logging.Filter):
 
 
 def quiet_known_break() -> None:
+    """Filter `_KnownBreak`'s advice from dynamo's log (once per process)."""
     logger = logging.getLogger("torch._dynamo.variables.tensor")
     if not any(isinstance(f, _KnownBreak) for f in logger.filters):
         logger.addFilter(_KnownBreak())
@@ -128,10 +129,10 @@ class Engine:
 
         The compile is paid here, not at a client's first request: a throwaway batch of `rows` rows (random
         prompts of different lengths, greedy) and one of a single row decode `steps` tokens each, compiled, which
-        compiles both paths (rows 1: the one-row path alone, for generate and chat). Decoding shapes are marked dynamic (rows, positions, cache lengths), so later batches
-        reuse the graphs. keep_faster: the two batches also decode as the copy is, alternated with compiled, and
-        the compiled step is kept only where its medians (a step of each batch, summed) are the smaller; false: kept
-        untimed (a choice every process makes alike). A compile that fails (inductor needs a C++ compiler) leaves
+        compiles both paths (rows 1: the one-row path alone, for generate and chat). Decoding shapes are dynamic
+        (rows, positions, cache lengths), so later batches reuse the graphs. keep_faster: the two batches (the one)
+        also decode as the copy is, alternated with compiled, and the compiled step is kept only where its medians
+        (a step of each batch, summed) are the smaller; false: kept untimed (a choice every process makes alike). A compile that fails (inductor needs a C++ compiler) leaves
         the copy decoding as it is, and says why. Not to be called while `generate` runs.
         """
         g = torch.Generator().manual_seed(0)
