@@ -132,8 +132,9 @@ class Engine:
         compiles both paths (rows 1: the one-row path alone, for generate and chat). Decoding shapes are dynamic
         (rows, positions, cache lengths), so later batches reuse the graphs. keep_faster: the two batches (the one)
         also decode as the copy is, alternated with compiled, and the compiled step is kept only where its medians
-        (a step of each batch, summed) are the smaller; false: kept untimed (a choice every process makes alike). A compile that fails (inductor needs a C++ compiler) leaves
-        the copy decoding as it is, and says why. Not to be called while `generate` runs.
+        (a step of each batch, summed) are the smaller; false: kept untimed (a choice every process makes alike).
+        A compile that fails (inductor needs a C++ compiler) leaves the copy decoding as it is, and says why. Not
+        to be called while `generate` runs.
         """
         g = torch.Generator().manual_seed(0)
         vocab, room = self.model.config.vocab_size, max(2, self.max_seq_len - steps - 8)
