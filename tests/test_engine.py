@@ -561,6 +561,8 @@ def test_half_precision_products_of_many_rows_widen_to_float32_without_native_ke
     # float32 weights are never widened, whatever the table says
     x = torch.randn(9, 1, 32, generator=g)
     assert torch.equal(decode_linear(x, w.float(), right=False), F.linear(x, w.float()))
+    # a PyTorch without oneDNN's check keeps its own kernels: nothing is widened
+    assert fuse._onednn_has("_no_such_check") is True
 
 
 @pytest.mark.parametrize("dtype,native", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])

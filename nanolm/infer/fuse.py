@@ -53,8 +53,19 @@ ROWS_ON_THE_RIGHT = torch.backends.cpu.get_cpu_capability() == "AVX2"
 # (a prefill, a batch of rows) and returns its result in their dtype: bf16 weights decode one row twice as fast and
 # lose nothing elsewhere.
 HALF_ROWS = 4
-HALF_NATIVE = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-               torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+
+
+def _onednn_has(check: str) -> bool:
+    """Whether this PyTorch's oneDNN runs a dtype's products on this CPU; a build without oneDNN (or without the
+    check) is taken to have its own kernels, and nothing is widened."""
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+HALF_NATIVE = {torch.bfloat16: _onednn_has("_is_mkldnn_bf16_supported"),
+               torch.float16: _onednn_has("_is_mkldnn_fp16_supported")}
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
