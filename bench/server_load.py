@@ -106,11 +106,11 @@ class ServerProcess:
     """`serve()` in a subprocess on an ephemeral loopback port; `url` is its base URL once started."""
 
     def __init__(self, checkpoint: Path, *, max_queue: int = 64, max_body_bytes: int | None = None,
-                 threads: int = 1, compile: bool = False) -> None:
+                 threads: int = 1, compile: bool = False, dtype: str = "auto") -> None:
         limits = f"port=0, max_queue={max_queue}" + (f", max_body_bytes={max_body_bytes}" if max_body_bytes is not None else "")
         limits += ", compile=True" if compile else ""
         code = (f"from nanolm.config import ServeConfig; from nanolm.infer.server import serve; "
-                f"serve({str(checkpoint)!r}, ServeConfig({limits}), device='cpu')")
+                f"serve({str(checkpoint)!r}, ServeConfig({limits}), device='cpu', dtype={dtype!r})")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-c", code],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -830,6 +830,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="--scaling: tokens per completion")
     ap.add_argument("--compile", action="store_true",
                     help="--scaling: serve with --compile (the decode step compiled at start-up, kept if faster)")
+    ap.add_argument("--dtype", default="auto", help="--scaling: the server's --dtype (auto, float32, bfloat16)")
     ap.add_argument("--scaling-seconds", type=float, default=4.0,
                     help="--scaling: how long each level keeps C requests in flight (the sustained rows)")
     ap.add_argument("--soak", type=float, default=None, metavar="MINUTES",
@@ -854,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.scaling:
         with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
             ckpt = args.checkpoint or build_preset_checkpoint(Path(tmp), args.preset, args.seed)
-            with serving(ckpt, max_queue=args.max_queue, threads=args.threads, compile=args.compile) as server:
+            with serving(ckpt, max_queue=args.max_queue, threads=args.threads, compile=args.compile,
+                         dtype=args.dtype) as server:
                 started = next((line.strip() for line in server.log if "decoding in" in line), "")
                 print(started, flush=True)
                 report["server"] = started

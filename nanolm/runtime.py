@@ -114,6 +114,10 @@ BF16_DECODE_MARGIN = 1.15
 # measured on a 2-core AVX2 EPYC, ms a step in float32 / bf16 at 1 and at 16 rows: cpu-small (256 wide) 1.98 /
 # 1.97 and 3.85 / 4.42, minimind-26m (512 wide) 12.0 / 7.1 and 20.7 / 21.8.
 BF16_DECODE_MIN_D_MODEL_EMULATED = 512
+# A server decodes many rows at once, whose products widen bf16 weights to float32 without native bf16: measured
+# serving minimind-26m on a 2-core AVX2 EPYC (1 decoding thread, bench/server_load.py --scaling 1,16, two runs of
+# each), 16 requests kept in flight made 267-277 tokens/s with bf16 weights against 309-342 in float32, one alone
+# 89-102 against 68-85. So the server keeps float32 on such CPUs (`many_rows`); generate and chat take the timing.
 # The most weights the timed pass holds: 32 M (128 MB in float32) is past a 2-core machine's caches, so a larger
 # model's pass times as its own would.
 TIMED_WEIGHTS = 32 * 2**20
@@ -147,14 +151,15 @@ def weight_pass_seconds(d_model: int, weights: int, dtype: torch.dtype) -> float
 
 
 def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, flags: set[str] | None = None, *,
-                 timer: Callable[[int, int, torch.dtype], float] | None = weight_pass_seconds
-                 ) -> tuple[torch.dtype, str]:
+                 timer: Callable[[int, int, torch.dtype], float] | None = weight_pass_seconds,
+                 many_rows: bool = False) -> tuple[torch.dtype, str]:
     """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
     at start-up), for a model `d_model` wide with `weights` weights. auto: bf16 on a GPU that has it; on a CPU,
     where the model is at least BF16_DECODE_MIN_D_MODEL wide (BF16_DECODE_MIN_D_MODEL_EMULATED without native
     bf16) and `timer` finds one row through that many weights BF16_DECODE_MARGIN times as fast in bf16 as in
     float32; else float32. timer None: no timing, bf16 wherever the CPU has native bf16 matmuls and the width
-    allows (a choice every process makes alike). flags, timer: the CPU's, for tests."""
+    allows (a choice every process makes alike). many_rows (the server): float32 on a CPU without native bf16,
+    whose many-row products widen to float32 (BF16_SERVER_NEEDS_NATIVE). flags, timer: the CPU's, for tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
@@ -173,6 +178,8 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
         if native is None:
             return torch.float32, f"auto: {has}"
         return torch.bfloat16, f"auto: {has} and the model is {d_model} wide"
+    if native is None and many_rows:
+        return torch.float32, f"auto: {has}, and a server's many rows decode faster in float32"
     if native is None and d_model < BF16_DECODE_MIN_D_MODEL_EMULATED:
         return torch.float32, (f"auto: {has}, and at width {d_model} < {BF16_DECODE_MIN_D_MODEL_EMULATED} float32 "
                                "decodes as fast")

@@ -68,7 +68,14 @@ def test_decoding_picks_bf16_where_a_timed_row_through_the_models_weights_is_fas
     assert decode_dtype("auto", CPU, 256, 8_000_000, {"avx2"}, timer=timer(1.7, 3.2)) == (
         torch.float32, "auto: this CPU has no native bf16, and at width 256 < 512 float32 decodes as fast")
     assert decode_dtype("auto", CPU, 256, 8_000_000, {"avx512_bf16"}, timer=timer(1.7, 3.2))[0] == torch.bfloat16
-    assert asked == [(512, 26_000_000)] * 2 + [(256, 8_000_000)] * 2  # the narrow model on AVX2 is not timed
+    # A server's many rows widen bf16 to float32 without native bf16: it keeps float32 there, untimed, and times
+    # where the CPU has native bf16.
+    assert decode_dtype("auto", CPU, 512, 26_000_000, {"avx2"}, timer=timer(3.5, 8.2), many_rows=True) == (
+        torch.float32, "auto: this CPU has no native bf16, and a server's many rows decode faster in float32")
+    assert decode_dtype("auto", CPU, 512, 26_000_000, {"amx_bf16"}, timer=timer(3.5, 8.2),
+                        many_rows=True)[0] == torch.bfloat16
+    # neither the narrow model nor the server on AVX2 is timed
+    assert asked == [(512, 26_000_000)] * 2 + [(256, 8_000_000)] * 2 + [(512, 26_000_000)] * 2
     # Slower in bf16 (a Xeon with AMX at one row), or not faster by the margin: float32, saying why; a model
     # larger than TIMED_WEIGHTS is timed through that many.
     assert decode_dtype("auto", CPU, 512, 2 * TIMED_WEIGHTS, {"amx_bf16"}, timer=timer(5.9, 4.95)) == (
