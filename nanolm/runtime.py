@@ -123,11 +123,6 @@ BF16_DECODE_MIN_D_MODEL_EMULATED = 512
 TIMED_WEIGHTS = 32 * 2**20
 
 
-def weight_count(model: torch.nn.Module) -> int:
-    """The number of weights `model` holds, a tied tensor once (what a decoded token reads)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 @functools.lru_cache(maxsize=None)
 def weight_pass_seconds(d_model: int, weights: int, dtype: torch.dtype) -> float:
     """The median time on this CPU of one row multiplied by distinct (4 d_model, d_model) matrices (an MLP's shape)

@@ -38,7 +38,8 @@ from nanolm.config.sampling import SamplingParams
 from nanolm.data.kinds.prompts import PromptBatch, last_user_text
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.infer.engine import Engine
-from nanolm.runtime import decode_dtype, weight_count
+from nanolm.model.transformer import count_params
+from nanolm.runtime import decode_dtype
 from nanolm.train import distributed
 from nanolm.train.objectives import token_logps
 from nanolm.train.rewards import Completion, Rewards
@@ -91,7 +92,7 @@ class Sampler:
             # rank, and a resumed run, must decode in the same dtype. Rollouts decode many rows, which every
             # native-bf16 CPU measured decodes faster in bf16 (a Xeon with AMX, 16 rows at width 512: 196 against
             # 967 us a product). The update still scores the tokens with the policy.
-            dtype = decode_dtype("auto", self.device, model.config.d_model, weight_count(model), timer=None)[0]
+            dtype = decode_dtype("auto", self.device, model.config.d_model, count_params(model)["total"], timer=None)[0]
             self.engine = Engine(model, self.device, dtype)
             if self.compile:
                 # Untimed (keep_faster false): every rank, and a resumed run, decode through the same step. The
