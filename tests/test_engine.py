@@ -420,6 +420,31 @@ def test_rows_join_and_leave_between_steps():
     assert got[ids[2]] == alone[2][:len(got[ids[2]])] and len(got[ids[2]]) == 6  # steps 3..8 drew 6 tokens
 
 
+def test_rows_leaving_from_the_middle_and_a_grown_cache_keep_every_row_as_alone():
+    """Rows that end at once from the front and middle of the batch give their places to the last rows (whose
+    filled positions move), and a later row needing more positions than the batch's buffers grows them while
+    rows decode: every row's tokens are still its tokens alone, and the cache holds the running rows only."""
+    engine = Engine(_varied_model())
+    prompts = [[3, 14, 15], list(range(5, 30)), [7], list(range(40, 52)), [9, 9, 9, 9, 9, 2], list(range(1, 21))]
+    budgets = [4, 30, 4, 25, 6, 40]  # rows 0, 2 and 4 end early, the rows after them move into their places
+    params = [SamplingParams(max_new_tokens=b, temperature=1.0, seed=40 + i) for i, b in enumerate(budgets)]
+    alone = [engine.generate_all(p, q) for p, q in zip(prompts, params)]
+    batch = engine.batch()
+    got: dict[int, list[int]] = {}
+    ids = {i: batch.add(prompts[i], params[i])[0] for i in range(5)}
+    for step in range(60):
+        if step == 8:  # 20 + 40 positions: more than any row so far asked for
+            ids[5] = batch.add(prompts[5], params[5])[0]
+            assert batch._k_buf[0].shape[2] < 60
+        for out in batch.step():
+            if out.token is not None:
+                got.setdefault(out.row, []).append(out.token)
+        if step == 8:
+            assert batch._k_buf[0].shape[2] >= 60 and batch._cache.k[0].shape[0] == len(batch) == 3
+    assert not batch
+    assert [got[ids[i]] for i in range(6)] == alone
+
+
 def test_n_samples_share_one_prefill():
     """n samples of one prompt cost one prefill; sample 0 draws as the seed alone, sample i as seed + i."""
     engine = Engine(_varied_model())

@@ -351,9 +351,10 @@ class DecodeBatch:
     """Rows decoded together, one token per row per `step`; rows join (`add`) and leave between steps.
 
     Rows being decoded share one KV cache, a row per sequence, each filled to its own length
-    (`KVCache.lengths`); a row joining is copied in once and a row leaving is dropped once (its cache rows
-    freed), so a step costs one forward of the rows there are. Not thread-safe: one thread adds, steps
-    and cancels (the server's worker thread).
+    (`KVCache.lengths`): the first rows of buffers kept for the batch's life. A row joining is copied in once,
+    into the rows after the running ones; a row leaving gives its place to one of the last rows (that row's
+    filled positions copied once), so neither copies the whole cache and a step costs one forward of the rows
+    there are. Not thread-safe: one thread adds, steps and cancels (the server's worker thread).
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -361,7 +362,9 @@ class DecodeBatch:
         self._next_id = 0
         self._running: list[_Row] = []  # rows in the shared cache, in its row order
         self._joining: list[_Row] = []  # rows added since the last step
-        self._cache: KVCache | None = None
+        self._cache: KVCache | None = None  # the running rows' cache: views of the buffers' first rows
+        self._k_buf: list[torch.Tensor] = []  # per layer (rows, nkv, positions, hs), grown as rows join
+        self._v_buf: list[torch.Tensor] = []
         self._cancelled: set[int] = set()
 
     def __len__(self) -> int:
@@ -522,20 +525,35 @@ class DecodeBatch:
         return out
 
     def _leave(self, ids: set[int]) -> None:
+        """The rows `ids` leave: the running rows after the last one kept move into their places (only those rows'
+        filled positions are copied, not the whole cache), and the batch's cache views the buffers' first rows."""
         if not ids:
             return
-        keep = [i for i, r in enumerate(self._running) if r.id not in ids]
-        self._running = [self._running[i] for i in keep]
-        if not keep:
-            self._cache = None
+        leaving = [r.id in ids for r in self._running]
+        kept = len(self._running) - sum(leaving)
+        if kept == 0:
+            self._running, self._cache = [], None  # the buffers stay, for the rows that join next
             return
-        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        holes = [i for i in range(kept) if leaving[i]]
+        movers = [i for i in range(kept, len(self._running)) if not leaving[i]]
         c = self._cache
-        self._cache = KVCache([k.index_select(0, index) for k in c.k], [v.index_select(0, index) for v in c.v],
-                              lengths=c.lengths.index_select(0, index))
+        lengths = c.lengths[:kept].clone()
+        if holes:
+            device = self.engine.device
+            src, dst = (torch.tensor(i, dtype=torch.long, device=device) for i in (movers, holes))
+            span = int(c.lengths.index_select(0, src).max())  # the movers' filled positions
+            for buf in self._k_buf + self._v_buf:
+                part = buf[:, :, :span]
+                part.index_copy_(0, dst, part.index_select(0, src))
+            lengths.index_copy_(0, dst, c.lengths.index_select(0, src))
+            for i, j in zip(holes, movers):
+                self._running[i] = self._running[j]
+        self._running = self._running[:kept]
+        self._cache = self._view(kept, lengths)
 
     def _join(self, rows: list[_Row], prefill: KVCache | None) -> None:
-        """The rows' prefill cache rows (`slot`) join the batch's cache, after the running rows."""
+        """The rows' prefill cache rows (`slot`) join the batch's cache, after the running rows: written into the
+        batch's buffers, which grow (copying the running rows once) when the rows or their positions do not fit."""
         if not rows:
             return
         device = self.engine.device
@@ -546,21 +564,25 @@ class DecodeBatch:
         else:
             index = torch.tensor(slots, dtype=torch.long, device=device)
             k, v = [t.index_select(0, index) for t in prefill.k], [t.index_select(0, index) for t in prefill.v]
-        if self._cache is None:  # no batch yet: the joining rows' cache becomes the batch's
-            self._cache = KVCache(k, v, lengths=lengths)
-        else:
-            c = self._cache
-            capacity = max(c.max_len, prefill.max_len)
-
-            def stacked(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [torch.cat([_padded(a, capacity), _padded(b, capacity)]) for a, b in zip(old, new)]
-
-            self._cache = KVCache(stacked(c.k, k), stacked(c.v, v), lengths=torch.cat([c.lengths, lengths]))
+        old = len(self._running)
+        total, positions = old + len(rows), prefill.max_len
+        if not self._k_buf or self._k_buf[0].shape[0] < total or self._k_buf[0].shape[2] < positions:
+            capacity = self._k_buf[0].shape[0] if self._k_buf else 0
+            capacity = capacity if capacity >= total else max(total, 2 * capacity)  # rows: doubled when short
+            positions = max(positions, self._k_buf[0].shape[2] if self._k_buf else 0)
+            grown = [torch.zeros(capacity, t.shape[1], positions, t.shape[3], dtype=t.dtype, device=t.device)
+                     for t in k + v]  # zeros: positions past a row's length are masked, never NaN garbage
+            if old:  # the running rows' filled positions move to the grown buffers
+                span = int(self._cache.lengths.max())
+                for was, buf in zip(self._k_buf + self._v_buf, grown):
+                    buf[:old, :, :span] = was[:old, :, :span]
+            self._k_buf, self._v_buf = grown[:len(k)], grown[len(k):]
+        span = int(lengths.max())  # the joining rows' filled positions (their prompts)
+        for buf, t in zip(self._k_buf + self._v_buf, k + v):
+            buf[old:total, :, :span] = t[:, :, :span]
+        self._cache = self._view(total, lengths if not old else torch.cat([self._cache.lengths, lengths]))
         self._running += rows
 
-
-def _padded(t: torch.Tensor, capacity: int) -> torch.Tensor:
-    """t (B, nkv, L, hs) with zeros up to `capacity` positions."""
-    if t.shape[2] >= capacity:
-        return t
-    return torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[2]))
+    def _view(self, rows: int, lengths: torch.Tensor) -> KVCache:
+        """The batch's cache: the buffers' first `rows` rows (contiguous views), filled to `lengths`."""
+        return KVCache([b[:rows] for b in self._k_buf], [b[:rows] for b in self._v_buf], lengths=lengths)
