@@ -68,6 +68,12 @@ HALF_NATIVE = {torch.bfloat16: _onednn_has("_is_mkldnn_bf16_supported"),
                torch.float16: _onednn_has("_is_mkldnn_fp16_supported")}
 
 
+def widens(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of `rows` rows by `weight` runs on float32 copies: more than HALF_ROWS rows of a bf16 (fp16)
+    weight on a CPU without oneDNN's half-precision products."""
+    return rows > HALF_ROWS and weight.device.type == "cpu" and not HALF_NATIVE.get(weight.dtype, True)
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   right: bool | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x (..., in), weight (out, in) and bias (out,); with 2 to SMALL_ROWS float32 rows on
@@ -75,7 +81,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     of a bf16 (fp16) weight on a CPU without oneDNN's half-precision products, in float32 (the result in x's
     dtype)."""
     rows = x.numel() // x.shape[-1]
-    if rows > HALF_ROWS and not HALF_NATIVE.get(weight.dtype, True) and x.device.type == "cpu":
+    if widens(weight, rows):
         return decode_linear(x.float(), weight.float(), None if bias is None else bias.float(), right).to(x.dtype)
     if ((ROWS_ON_THE_RIGHT if right is None else right) and 1 < rows <= SMALL_ROWS and x.device.type == "cpu"
             and weight.dtype == torch.float32):
@@ -235,8 +241,8 @@ def choose_product_form(model: nn.Module, rows: int = 16, rounds: int = 5) -> tu
     (or bf16 / fp16 widened to it there, which the form applies to as well) keeps F.linear for every product."""
     modules = [m for m in model.modules() if isinstance(m, PRODUCTS)]
     weights = [getattr(m, m.product) for m in modules]
-    if (not weights or weights[0].device.type != "cpu"
-            or (weights[0].dtype != torch.float32 and HALF_NATIVE.get(weights[0].dtype, True))):
+    if not weights or weights[0].device.type != "cpu" or (weights[0].dtype != torch.float32
+                                                          and not widens(weights[0], rows)):
         return False, "F.linear (the rows' form applies to float32 on a CPU only)"
     g = torch.Generator().manual_seed(0)
     xs = {w.shape[1]: torch.randn(rows, 1, w.shape[1], generator=g).to(weights[0].dtype) for w in weights}
