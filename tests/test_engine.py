@@ -880,3 +880,69 @@ def test_load_weights_takes_a_trained_models_current_weights(dtype):
     other = Transformer(ModelConfig(vocab_size=61, d_model=32, n_layer=3, n_head=4, n_kv_head=2, max_seq_len=64))
     with pytest.raises(RuntimeError, match="layers.2"):
         engine.load_weights(other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_joining_running_rows_is_prefilled_in_their_decode_pass(dtype):
+    """A prompt added while rows decode is prefilled in the same pass through the layers as their step
+    (decode_and_prefill: no separate forward), and every row's tokens are still its tokens alone."""
+    engine = Engine(_varied_model(), dtype=dtype)
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=14, temperature=1.0, seed=70 + i) for i in range(len(prompts))]
+    alone = [engine.generate_all(p, q) for p, q in zip(prompts, params)]
+    forwards, folded = [], []
+    hook = engine.model.register_forward_pre_hook(lambda _m, args: forwards.append(args[0].shape))
+    fold = engine.model.decode_and_prefill
+    engine.model.decode_and_prefill = lambda *a: folded.append(a[2].shape) or fold(*a)
+    batch = engine.batch()
+    got: dict[int, list[int]] = {}
+    ids = {0: batch.add(prompts[0], params[0])[0]}
+    for step in range(30):
+        if step == 2:
+            ids[1] = batch.add(prompts[1], params[1])[0]
+            ids[2] = batch.add(prompts[2], params[2])[0]
+        if step == 5:
+            ids[3] = batch.add(prompts[3], params[3])[0]
+            ids[4] = batch.add(prompts[4], params[4])[0]
+        before = len(forwards)
+        for out in batch.step():
+            if out.token is not None:
+                got.setdefault(out.row, []).append(out.token)
+        if step in (2, 5):
+            assert len(forwards) == before  # the prompts rode on the rows' pass
+    hook.remove()
+    assert folded == [(2, 25), (2, 12)]  # two prompts each time, right-padded to the longer
+    assert [got[ids[i]] for i in range(5)] == alone
+
+
+def test_decode_and_prefill_computes_what_the_two_forwards_compute():
+    """Rows of different lengths decoding one token and right-padded prompts prefilled in one pass: the same
+    logits and caches as the decode step and the prefill run apart."""
+    model = _varied_model()
+    cfg = model.config
+    rows = [list(range(3, 12)), [5, 6], list(range(20, 40))]
+    with torch.inference_mode():
+        def running() -> KVCache:
+            cache = KVCache.empty(cfg, len(rows), 48, "cpu", torch.float32)
+            for i, r in enumerate(rows):
+                one = KVCache.empty(cfg, 1, 48, "cpu", torch.float32)
+                model(torch.tensor([r]), one)
+                for a, b in zip(cache.k + cache.v, one.k + one.v):
+                    a[i] = b[0]
+            cache.lengths = torch.tensor([len(r) for r in rows])
+            return cache
+        x = torch.tensor([[7], [8], [9]])
+        prompts = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]])
+        last = torch.tensor([4, 1])
+        apart, together = running(), running()
+        rows_ref = model(x, apart)[:, 0]
+        prompt_ref_cache = KVCache.empty(cfg, 2, 20, "cpu", torch.float32)
+        prompt_ref = model(prompts, prompt_ref_cache, last=last)[:, 0]
+        prompt_cache = KVCache.empty(cfg, 2, 20, "cpu", torch.float32)
+        rows_logits, prompt_logits = model.decode_and_prefill(x, together, prompts, prompt_cache, last)
+    torch.testing.assert_close(rows_logits, rows_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits, prompt_ref, rtol=1e-5, atol=1e-5)
+    assert together.lengths.tolist() == apart.lengths.tolist() == [10, 3, 21] and prompt_cache.pos == 5
+    for a, b in zip(together.k + together.v + prompt_cache.k + prompt_cache.v,
+                    apart.k + apart.v + prompt_ref_cache.k + prompt_ref_cache.v):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -408,10 +408,13 @@ class DecodeBatch:
             self._leave({r.id for r in self._running if r.id in self._cancelled})
             self._joining = [r for r in self._joining if r.id not in self._cancelled]
             self._cancelled.clear()
-        prefill = self._prefill([r for r in self._joining if r.budget > 0])
         parts = []
-        if self._running:
-            x = torch.tensor([[r.last] for r in self._running], dtype=torch.long, device=self.engine.device)
+        x = torch.tensor([[r.last] for r in self._running], dtype=torch.long, device=self.engine.device) \
+            if self._running else None
+        prefill, rows_logits = self._prefill([r for r in self._joining if r.budget > 0], x)
+        if rows_logits is not None:  # the running rows decoded in the prefill's pass
+            parts.append(rows_logits)
+        elif self._running:
             cache = self._cache
             if len(self._running) == 1:  # one row: the plain cache path (no mask, no scattered writes)
                 lengths, cache.lengths, cache.pos = cache.lengths, None, int(cache.lengths[0])
@@ -433,13 +436,15 @@ class DecodeBatch:
         self._joining = []
         return tokens
 
-    def _prefill(self, rows: list[_Row]) -> KVCache | None:
+    def _prefill(self, rows: list[_Row], x: torch.Tensor | None) -> tuple[KVCache | None, torch.Tensor | None]:
         """Prefill the prompts of the rows about to join, each prompt once for its samples, as few forwards as
         PREFILL_TOKENS allows (right-padded: a row's causal attention never reaches the padding after it, whose
         cache positions its own tokens overwrite); sets each row's first logits and its slot in the returned
-        cache, whose rows are the prompts in order."""
+        cache, whose rows are the prompts in order. x (B, 1): the running rows' latest tokens, or None; where
+        the prompts take one forward and the decode step is not compiled, the running rows decode in the same
+        pass (`Transformer.decode_and_prefill`) and their logits (B, V) are returned too (else None)."""
         if not rows:
-            return None
+            return None, None
         engine = self.engine
         slots: dict[int, int] = {}  # by identity: the samples of one add share their prompt list
         order: list[list[int]] = []  # the prompts, each once, in the order added
@@ -450,6 +455,7 @@ class DecodeBatch:
             r.slot = slots[id(r.prompt)]
         capacity = max([r.prompt_len + r.budget for r in rows] + [self._cache.max_len if self._cache is not None else 0])
         chunks, logits = [], []
+        rows_logits = None
         start = 0
         while start < len(order):  # the next prompts while their padded positions fit PREFILL_TOKENS
             end, longest = start + 1, len(order[start])
@@ -457,21 +463,25 @@ class DecodeBatch:
                 longest = max(longest, len(order[end]))
                 end += 1
             part = order[start:end]
-            x = torch.zeros(len(part), longest, dtype=torch.long, device=engine.device)
+            tokens = torch.zeros(len(part), longest, dtype=torch.long, device=engine.device)
             for i, p in enumerate(part):
-                x[i, :len(p)] = torch.tensor(p, dtype=torch.long, device=engine.device)
+                tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long, device=engine.device)
             cache = KVCache.empty(engine.model.config, len(part), capacity, engine.device, engine.cache_dtype)
             last = torch.tensor([len(p) - 1 for p in part], dtype=torch.long, device=engine.device)
-            logits.append(engine.model(x, cache, last=last)[:, 0, :])  # (P, V): each prompt's last position
+            if x is not None and start == 0 and end == len(order) and engine._compiled is None:
+                rows_logits, first = engine.model.decode_and_prefill(x, self._cache, tokens, cache, last)
+                logits.append(first)
+            else:
+                logits.append(engine.model(tokens, cache, last=last)[:, 0, :])  # (P, V): each prompt's last position
             chunks.append(cache)
             start = end
         first = torch.cat(logits) if len(logits) > 1 else logits[0]
         for r in rows:
             r.logits, r.prompt = first[r.slot:r.slot + 1], None
         if len(chunks) == 1:
-            return chunks[0]
+            return chunks[0], rows_logits
         return KVCache([torch.cat(k) for k in zip(*(c.k for c in chunks))],
-                       [torch.cat(v) for v in zip(*(c.v for c in chunks))])
+                       [torch.cat(v) for v in zip(*(c.v for c in chunks))]), rows_logits
 
     def _draw(self, rows: list[_Row], raw: torch.Tensor) -> list[Token]:
         """Every row's next token from its logits (raw: (B, V), a row per entry of `rows`), as tensor operations
