@@ -402,8 +402,9 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def step(self) -> list[Token]:
-        """One token for every row: the running rows decode their latest token together, then every row draws
-        its next one. Rows that end (stop id, budget, context) leave; rows added since the last step join."""
+        """One token for every row: the running rows decode their latest token together (the prompts added since
+        the last step prefilled in the same pass where they fit one forward), then every row draws its next one.
+        Rows that end (stop id, budget, context) leave; rows added since the last step join."""
         if self._cancelled:
             self._leave({r.id for r in self._running if r.id in self._cancelled})
             self._joining = [r for r in self._joining if r.id not in self._cancelled]
