@@ -545,6 +545,20 @@ class Transformer(nn.Module):
 
     def _decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per row after rows of different lengths (cache.lengths): idx (B, 1) -> logits (B, 1, V)."""
+        B, lengths = idx.shape[0], cache.lengths
+        mask = self._rows_mask(idx, cache)
+        cos = self.rope_cos[lengths].view(B, 1, 1, -1)  # (B, 1, 1, hs): each row rotated by its own position
+        sin = self.rope_sin[lengths].view(B, 1, 1, -1)
+        x = self.dropout(self._embed(idx))  # (B, 1, C)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+        cache.lengths += 1
+        return self._head(self.norm(x))  # (B, 1, V)
+
+    def _rows_mask(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The attention mask (B, 1, 1, S) of one new token per row after rows of different lengths (cache.lengths),
+        S the longest row with its new token: each row sees its own filled positions and the new one. Checks
+        that idx is (B, 1) and that the longest row fits the model and the cache."""
         B, T = idx.shape
         lengths = cache.lengths
         if T != 1 or lengths.shape != (B,):
@@ -554,14 +568,7 @@ class Transformer(nn.Module):
         if span > min(self.config.max_seq_len, cache.max_len):
             raise ValueError(f"sequence of {span} tokens exceeds model.max_seq_len={self.config.max_seq_len} "
                              f"or the cache's {cache.max_len} positions")
-        cos = self.rope_cos[lengths].view(B, 1, 1, -1)  # (B, 1, 1, hs): each row rotated by its own position
-        sin = self.rope_sin[lengths].view(B, 1, 1, -1)
-        mask = (torch.arange(span, device=idx.device) <= lengths[:, None]).view(B, 1, 1, span)
-        x = self.dropout(self._embed(idx))  # (B, 1, C)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-        cache.lengths += 1
-        return self._head(self.norm(x))  # (B, 1, V)
+        return (torch.arange(span, device=idx.device) <= lengths[:, None]).view(B, 1, 1, span)
 
     def decode_and_prefill(self, idx: torch.Tensor, cache: KVCache, prompts: torch.Tensor, prompt_cache: KVCache,
                            last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -571,18 +578,13 @@ class Transformer(nn.Module):
         being decoded costs its tokens' arithmetic, not a second forward's operations. idx (B, 1), prompts (P, T)
         right-padded -> (the rows' logits (B, V), the prompts' at their position last[p] (P, V))."""
         B, P, T = idx.shape[0], prompts.shape[0], prompts.shape[1]
-        lengths = cache.lengths
-        span = int(lengths.max()) + 1
-        if (idx.shape[1] != 1 or lengths.shape != (B,) or prompt_cache.pos != 0
-                or span > min(self.config.max_seq_len, cache.max_len)
-                or T > min(self.config.max_seq_len, prompt_cache.max_len)):
-            raise ValueError(f"decode_and_prefill: rows {tuple(idx.shape)} after {tuple(lengths.shape)} cached "
-                             f"rows (the longest {span} positions of {cache.max_len}), prompts {tuple(prompts.shape)} "
-                             f"into an empty cache of {prompt_cache.max_len} (model.max_seq_len "
-                             f"{self.config.max_seq_len})")
-        at = torch.cat([lengths, torch.arange(T, device=idx.device).repeat(P)])  # each token's position
+        mask = self._rows_mask(idx, cache)
+        if prompt_cache.pos != 0 or T > min(self.config.max_seq_len, prompt_cache.max_len):
+            raise ValueError(f"prompts {tuple(prompts.shape)} are prefilled into an empty cache of at least their "
+                             f"length: this one has {prompt_cache.pos} of {prompt_cache.max_len} positions filled "
+                             f"(model.max_seq_len {self.config.max_seq_len})")
+        at = torch.cat([cache.lengths, torch.arange(T, device=idx.device).repeat(P)])  # each token's position
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # (B + P*T, hs)
-        mask = (torch.arange(span, device=idx.device) <= lengths[:, None]).view(B, 1, 1, span)
         x = self.dropout(self._embed(torch.cat([idx.reshape(B), prompts.reshape(P * T)]))).unsqueeze(0)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask, prompt_cache)
