@@ -114,10 +114,11 @@ BF16_DECODE_MARGIN = 1.15
 # measured on a 2-core AVX2 EPYC, ms a step in float32 / bf16 at 1 and at 16 rows: cpu-small (256 wide) 1.98 /
 # 1.97 and 3.85 / 4.42, minimind-26m (512 wide) 12.0 / 7.1 and 20.7 / 21.8.
 BF16_DECODE_MIN_D_MODEL_EMULATED = 512
-# A server decodes many rows at once, whose products widen bf16 weights to float32 without native bf16: measured
-# serving minimind-26m on a 2-core AVX2 EPYC (1 decoding thread, bench/server_load.py --scaling 1,16, two runs of
-# each), 16 requests kept in flight made 267-277 tokens/s with bf16 weights against 309-342 in float32, one alone
-# 89-102 against 68-85. So the server keeps float32 on such CPUs (`many_rows`); generate and chat take the timing.
+# many_rows: a server decodes many rows at once, whose products widen bf16 weights to float32 without native
+# bf16: measured serving minimind-26m on a 2-core AVX2 EPYC (1 decoding thread, bench/server_load.py --scaling
+# 1,16, two runs of each), 16 requests kept in flight made 267-277 tokens/s with bf16 weights against 309-342 in
+# float32, one alone 89-102 against 68-85. So the server keeps float32 on such CPUs; generate and chat take the
+# timing.
 # The most weights the timed pass holds: 32 M (128 MB in float32) is past a 2-core machine's caches, so a larger
 # model's pass times as its own would.
 TIMED_WEIGHTS = 32 * 2**20
@@ -154,7 +155,8 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
     bf16) and `timer` finds one row through that many weights BF16_DECODE_MARGIN times as fast in bf16 as in
     float32; else float32. timer None: no timing, bf16 wherever the CPU has native bf16 matmuls and the width
     allows (a choice every process makes alike). many_rows (the server): float32 on a CPU without native bf16,
-    whose many-row products widen to float32 (BF16_SERVER_NEEDS_NATIVE). flags, timer: the CPU's, for tests."""
+    whose many-row products widen to float32 (measured: the many_rows note above). flags, timer: the CPU's, for
+    tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
