@@ -22,6 +22,8 @@ and the calculator's result as the reference answer) in phrasings of their own (
 neither the conversations nor the benchmark use. `calc_items` makes the built-in `calc` benchmark's
 questions: other phrasings (`HELDOUT_ZH`, `HELDOUT_EN`, never used here for training or RL) over number pairs
 that `nanolm.corpora.holdout.numbers_held_out` keeps out of every conversation and prompt this module writes.
+`calc2_items` makes the `calc2` benchmark's: two operations each (`HELDOUT2_ZH`, `HELDOUT2_EN`), over number
+triples held out the same way.
 """
 
 from __future__ import annotations
@@ -400,4 +402,56 @@ def calc_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> l
         seen.add(text)
         items.append(CalcItem(text, expression, calculator({"expression": expression}), f"calc:{len(items)}",
                               question))
+    return items
+
+
+# The `calc2` benchmark's phrasings: two operations each (a compound expression, or two calls one after the
+# other), none a template of the tool-use set, its RL prompts, the `calc` benchmark or the arithmetic task (tested).
+HELDOUT2_ZH: list[tuple[str, str]] = [
+    ("先把 {a} 和 {b} 加起来，再乘以 {c}，得多少？", "({a} + {b}) * {c}"),
+    ("{a} 减去 {b} 的差再乘 {c} 是多少？", "({a} - {b}) * {c}"),
+    ("{a} 与 {b} 的积再加上 {c}，结果是几？", "{a} * {b} + {c}"),
+    ("{a} 与 {b} 的积减去 {c} 是多少？", "{a} * {b} - {c}"),
+    ("一班有 {a} 人，二班有 {b} 人，每人发 {c} 支笔，一共要几支笔？", "({a} + {b}) * {c}"),
+    ("把 {a} 加 {b} 的和平均分成 {c} 份，每份是多少？", "({a} + {b}) / {c}"),
+]
+HELDOUT2_EN: list[tuple[str, str]] = [
+    ("Add {a} and {b}, then multiply the result by {c}.", "({a} + {b}) * {c}"),
+    ("Take {b} from {a} and multiply what is left by {c}.", "({a} - {b}) * {c}"),
+    ("Multiply {a} by {b} and then add {c} to the product.", "{a} * {b} + {c}"),
+    ("What is {c} less than the product of {a} and {b}?", "{a} * {b} - {c}"),
+    ("{a} guests came, then {b} more, and each brought {c} flowers. How many flowers in all?", "({a} + {b}) * {c}"),
+    ("Sum {a} and {b}, then divide the total by {c}.", "({a} + {b}) / {c}"),
+]
+
+
+def calc2_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> list[CalcItem]:
+    """n `calc2` benchmark questions, half Chinese and half English (alternating): a phrasing of HELDOUT2_ZH /
+    HELDOUT2_EN over a and b from 21 to 99 (above every number the arithmetic task writes; a > b in a
+    difference) and c (2 to 9 where it multiplies or divides, the sum then a multiple of it; 10 to 99 where it
+    is added or subtracted), whose (a, b) and (a, b, c) are both held out (`numbers_held_out("calc", ...)`, so
+    neither the tool-use set, its drill nor its RL prompts write them, nor the first step's pair), each with the
+    calculator's result for its expression. The same n and seed give the same items."""
+    _check_count(n, "questions")
+    rng = random.Random(seed)
+    items: list[CalcItem] = []
+    seen: set[str] = set()
+    while len(items) < n:
+        zh = len(items) % 2 == 0
+        question, expr = rng.choice(HELDOUT2_ZH if zh else HELDOUT2_EN)
+        a, b = rng.randint(21, 99), rng.randint(21, 99)
+        if "{a} - {b}" in expr:
+            a, b = max(a, b), min(a, b)
+        scales = "* {c}" in expr or "/ {c}" in expr
+        c = rng.randint(2, 9) if scales else rng.randint(10, 99)
+        if "/ {c}" in expr and (a + b) % c:
+            continue
+        if a == b or not (numbers_held_out("calc", a, b) and numbers_held_out("calc", a, b, c)):
+            continue
+        nums = {"a": a, "b": b, "c": c}
+        expression, text = expr.format(**nums), question.format(**nums)
+        if text in seen:
+            continue
+        seen.add(text)
+        items.append(CalcItem(text, expression, _computed(calculator, expression), f"calc2:{len(items)}", question))
     return items

@@ -8,6 +8,12 @@
 - `arith`: the arithmetic task's held-out problems (`nanolm.data.arith`,
   numbers no SFT set or RL prompt file has), answered directly and matched
   on the final answer (`####`, else the last number).
+- `calc2`: questions that need two operations, answered through the
+  calculator (a compound expression or two calls), in phrasings and over
+  numbers no training path writes (`calc.py`);
+- `everyday`: held-out everyday prompts of the built-in chat corpora, scored
+  on the share of replies that compute or call a tool unasked and on the bits
+  per byte of the corpus's own replies, both better lower (`everyday.py`).
 
 `idioms` (`nanolm eval RUN --task idioms`): for each held-out idiom of the
 built-in idioms corpus (`nanolm.corpora.holdout`: ~3%, picked by a hash of
@@ -119,7 +125,18 @@ def _calc(n: int | None) -> Task:
     return calc_task(n)
 
 
-_BUILDERS = {"idioms": _idioms, "cloze": _cloze, "calc": _calc, "arith": arith_task}
+def _calc2(n: int | None) -> Task:
+    from nanolm.eval.calc import calc2_task
+    return calc2_task(n)
+
+
+def _everyday(n: int | None) -> Task:
+    from nanolm.eval.everyday import everyday_task
+    return everyday_task(n)
+
+
+_BUILDERS = {"idioms": _idioms, "cloze": _cloze, "calc": _calc, "calc2": _calc2, "arith": arith_task,
+             "everyday": _everyday}
 BUILTIN_TASKS = tuple(_BUILDERS)
 
 

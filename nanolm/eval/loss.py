@@ -203,3 +203,55 @@ def format_result(result: dict[str, Any]) -> str:
     return (f"loss {result['loss']:.4f} nats/token | ppl {result['ppl']:.2f} | bpb {result['bpb']:.4f} | "
             f"{fmt_count(result['tokens'])} tokens, {fmt_count(result['bytes'])} bytes, seq_len "
             f"{result['seq_len']} | {result['checkpoint']} on {result['data']}")
+
+
+def reply_batches(tok: Tokenizer, conversations: Sequence[Any], max_len: int, batch_size: int) -> Iterator[Batch]:
+    """Batches of one conversation per row, teacher-forced with the loss on its replies: each conversation
+    (`nanolm.chat.Conversation`) rendered through the tokenizer's chat template with its tools, ids and mask as
+    `nanolm prepare --format chat` stores them (`chat.encode_chat`), cut to max_len + 1 tokens by ChatML's
+    truncation policy (left out when no reply token would be left). A row's x is ids[:-1], y is ids[1:] with
+    IGNORE_INDEX where the target is not a reply token; rows are padded at the end (x 0, y IGNORE_INDEX)."""
+    from nanolm.chat import TARGET, encode_chat, fit_conversation
+    from nanolm.data.shards import IGNORE_INDEX
+
+    fmt, lengths = tok.chat_format, tok.spelled_lengths()
+    rows: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def batch() -> Batch:
+        width = max(len(ids) for ids, _ in rows) - 1
+        x = torch.zeros(len(rows), width, dtype=torch.long)
+        y = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for r, (ids, mask) in enumerate(rows):
+            n = len(ids) - 1
+            x[r, :n] = torch.from_numpy(ids[:-1].astype(np.int64))
+            y[r, :n] = torch.from_numpy(np.where(mask[1:] & TARGET, ids[1:], IGNORE_INDEX).astype(np.int64))
+        return Batch(x, y)  # (rows, width) each
+
+    for conv in conversations:
+        spans = fmt.spans(conv.messages, conv.tools)
+        ids, mask = encode_chat(spans, tok.encode("".join(s.text for s in spans)), lengths, str(tok.path))
+        fitted = fit_conversation(ids, mask, max_len + 1)
+        if fitted is None:
+            continue
+        rows.append(fitted)
+        if len(rows) == batch_size:
+            yield batch()
+            rows = []
+    if rows:
+        yield batch()
+
+
+def reply_bits(model: torch.nn.Module, tok: Tokenizer, conversations: Sequence[Any], *,
+               batch_size: int = 8) -> dict[str, float]:
+    """Bits per byte of the assistant replies of `conversations` under `model`, teacher-forced (`reply_batches`:
+    the replies and their closing tags are the targets, as SFT's loss and its val_bpb take them). Runs in the
+    caller's autocast, the model as it is (eval mode is the caller's). Returns {"bits", "tokens", "bytes",
+    "bpb"} (bpb nan when no reply byte was scored)."""
+    from contextlib import nullcontext
+    device = next(model.parameters()).device
+    token_bytes = torch.from_numpy(tok.token_byte_lengths().astype(np.float64))
+    batches = (b.to(device) for b in reply_batches(tok, conversations, model.config.max_seq_len, batch_size))
+    loss_sum, n_tokens, n_bytes = lm_scores(model, batches, nullcontext, token_bytes)
+    bits = loss_sum / math.log(2)
+    return {"bits": bits, "tokens": n_tokens, "bytes": int(n_bytes),
+            "bpb": bits / n_bytes if n_bytes > 0 else float("nan")}

@@ -1,8 +1,8 @@
 """`nanolm eval RUN --task ...`: tasks named on the command line, scored, summarised and saved.
 
 A task spec is a built-in task name (`idioms`) or a task file (see
-`tasks.py`; the built-in names are `idioms`, `cloze`, `calc` and `arith`,
-see `builtin.py`; `toolcall:FILE`, tool use scored on calls and answers, see
+`tasks.py`; the built-in names are `idioms`, `cloze`, `calc`, `calc2`, `arith`
+and `everyday`, see `builtin.py`; `toolcall:FILE`, tool use scored on calls and answers, see
 `toolcall.py`), optionally followed by `:key=value,...` options:
 
 - `n=N`: score the first N items only;
@@ -164,9 +164,14 @@ def evaluate_tasks(model: torch.nn.Module, tok: Any, tasks: Sequence[LoadedTask]
                 if engine is None:
                     from nanolm.infer.engine import Engine
                     engine = Engine(model, next(model.parameters()).device)
-                if lt.task.kind == "calc":  # always through the chat template, with the built-in tools
-                    from nanolm.eval.calc import score_calc
-                    res, chat = score_calc(engine, tok, lt.task.items, rows=rows), True
+                if lt.task.kind in ("calc", "calc2"):  # always through the chat template, with the built-in tools
+                    from nanolm.eval.calc import ROUNDS, score_calc
+                    res = score_calc(engine, tok, lt.task.items, rows=rows, rounds=ROUNDS[lt.task.kind])
+                    chat = True
+                elif lt.task.kind == "everyday":  # through the chat template, no tools offered
+                    from nanolm.eval.everyday import score_everyday
+                    res, chat = score_everyday(engine, tok, lt.task.items, model=model, rows=rows,
+                                               batch_size=batch_size), True
                 elif lt.task.kind == "toolcall":  # through the chat template with each item's tools
                     max_new = sampling.max_new_tokens if sampling is not None else MAX_NEW_TOKENS
                     res, chat = score_toolcall(LocalBackend(engine, tok, rows=rows, max_new_tokens=max_new),
@@ -196,10 +201,19 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def score_of(r: dict[str, Any]) -> tuple[float, float, float]:
-    """A task result's score, the accuracy its task names (acc, acc_norm or acc_mutual_info): (accuracy,
-    chance-centred accuracy, standard error)."""
-    key = r.get("metric", "acc").removeprefix("acc")
+    """A task result's score, the accuracy its task names (acc, acc_norm or acc_mutual_info) or another share
+    (everyday's arith_or_call, better lower): (score, score less chance (chance-centred for an accuracy),
+    standard error)."""
+    metric = r.get("metric", "acc")
+    if not metric.startswith("acc"):
+        return r[metric], r[metric] - r["chance"], r[f"{metric}_stderr"]
+    key = metric.removeprefix("acc")
     return r["acc" + key], r["centred" + key], r["stderr" + key]
+
+
+def higher_is_better(r: dict[str, Any]) -> bool:
+    """Whether a task result's score is better higher (every accuracy; not everyday's share)."""
+    return r.get("higher_is_better", True)
 
 
 def run_dir_of(ckpt_dir: Path) -> Path:
@@ -322,10 +336,10 @@ def format_degeneration(d: dict[str, Any]) -> str:
 
 def task_metrics(results: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Results as flat metrics for metrics.jsonl and the trackers: task/<name>/acc (and acc_norm,
-    acc_mutual_info, centred)."""
+    acc_mutual_info, centred; everyday's arith_or_call and reply_bpb)."""
     out: dict[str, float] = {}
     for r in results:
-        for key in ("acc", "acc_norm", "acc_mutual_info", "centred"):
+        for key in ("acc", "acc_norm", "acc_mutual_info", "centred", "arith_or_call", "reply_bpb"):
             if key in r and math.isfinite(r[key]):
                 out[f"task/{r['task']}/{key}"] = r[key]
     return out
