@@ -287,19 +287,134 @@ def _nested(levels: int) -> dict:
     # Schemas whose guide would cost more per token than the guide bounds (an enum of 10,000 values took 6.8 s
     # a token): refused before any work, naming the place.
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "pick", "parameters": {"type": "object",
-      "properties": {"x": {"enum": list(range(65))}}}}}]}, "tools",
+      "properties": {"x": {"enum": list(range(65))}}}}}]}, "tools[1].function.parameters.properties.x.enum",
      "tools[1].function.parameters.properties.x.enum: 65 values; the tool-call guide follows at most 64 (each "
      "token's cost grows with them); give fewer, or a plain string"),
     ({"tools": [{"type": "function", "function": {"name": "wide", "parameters": {"type": "object", "properties": {
-        f"p{i}": {"type": "string"} for i in range(65)}}}}]}, "tools",
+        f"p{i}": {"type": "string"} for i in range(65)}}}}]}, "tools[0].function.parameters.properties",
      "tools[0].function.parameters.properties: 65 properties; the tool-call guide follows at most 64"),
-    ({"tools": [{"type": "function", "function": {"name": "deep", "parameters": _nested(9)}}]}, "tools",
-     "tools[0].function.parameters.items.items.items.items.items.items.items.items: nested more than 8 levels "
+    ({"tools": [{"type": "function", "function": {"name": "deep", "parameters": {"type": "object", "properties": {
+        "x": _nested(8)}}}}]}, "tools[0].function.parameters.properties.x.items.items.items.items.items.items.items",
+     "tools[0].function.parameters.properties.x.items.items.items.items.items.items.items: nested more than 8 levels "
      "deep; the tool-call guide follows at most 8"),
 ])
 def test_tool_choice_and_thinking_fields_are_checked(server, extra, param, message):
     status, err = post(server, {"messages": [USER], **extra})
     assert (status, err["param"], err["message"]) == (400, param, message)
+
+
+def _tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def _prop(schema) -> dict:
+    """A tool whose one property x has `schema`."""
+    return _tool({"type": "object", "properties": {"x": schema}})
+
+
+P = "tools[0].function.parameters"
+ENUM_65 = {"enum": list(range(65))}
+TOO_MANY = "65 values; the tool-call guide follows at most 64 (each token's cost grows with them); give fewer, or a " \
+           "plain string"
+NOT_FOLLOWED = ("the tool-call guide does not follow this keyword; write the schema without it (anyOf, enum, type, "
+                "properties and items are followed)")
+
+
+@pytest.mark.parametrize("tool, place, problem", [
+    (_tool("str"), P, "must be a JSON schema object (the arguments' schema), not a string"),
+    (_tool([1]), P, "must be a JSON schema object (the arguments' schema), not a list"),
+    (_tool(5), P, "must be a JSON schema object (the arguments' schema), not a number"),
+    (_tool(None), P, "must be a JSON schema object (the arguments' schema), not null"),
+    (_tool({"type": "string"}), f"{P}.type",
+     'the arguments are an object, so their schema\'s type is "object", not "string"'),
+    (_tool({"type": "object", "properties": [{"x": {}}]}), f"{P}.properties",
+     "must be an object of property schemas, not a list"),
+    (_prop({"enum": "xyz"}), f"{P}.properties.x.enum", "must be a non-empty list of strings, numbers, booleans or null"),
+    (_prop({"type": "bogus"}), f"{P}.properties.x.type",
+     '"bogus" is not a JSON type or a list of distinct ones; use string, number, integer, boolean, null, object, array'),
+    (_prop({"type": "array", "items": 1}), f"{P}.properties.x.items", "must be a JSON schema object, not a number"),
+    (_prop({"$ref": "#/$defs/x"}), f"{P}.properties.x.$ref", NOT_FOLLOWED),
+    (_prop({"oneOf": [{"type": "string"}]}), f"{P}.properties.x.oneOf", NOT_FOLLOWED),
+    (_tool({"type": "object", "properties": {"a": {}}, "required": "a"}), f"{P}.required",
+     "must be a list of property names"),
+    (_tool({"type": "object", "properties": {"a": {}}, "required": ["b"]}), f"{P}.required",
+     "names 'b', which properties does not list; the tool-call guide writes only listed properties"),
+    (_prop({"type": "string", "maxLength": "9"}), f"{P}.properties.x.maxLength", 'must be a whole number >= 0, not "9"'),
+    (_prop({"type": "string", "description": 5}), f"{P}.properties.x.description", "must be a string, not a number"),
+    # the limits at every depth: inside anyOf, an items schema, additionalProperties
+    (_prop({"anyOf": [{"type": "null"}, ENUM_65]}), f"{P}.properties.x.anyOf[1].enum", TOO_MANY),
+    (_prop({"anyOf": [{"enum": list(range(40))}, {"enum": list(range(40))}]}), f"{P}.properties.x.anyOf",
+     "80 alternatives in all (enum values and types counted); the tool-call guide follows at most 64"),
+    (_prop({"type": "array", "items": [ENUM_65]}), f"{P}.properties.x.items",
+     "a list of schemas (one per position) is not followed by the tool-call guide; give one schema for every item"),
+    (_prop({"type": "array", "items": ENUM_65}), f"{P}.properties.x.items.enum", TOO_MANY),
+    (_tool({"type": "object", "additionalProperties": ENUM_65}), f"{P}.additionalProperties.enum", TOO_MANY),
+    (_prop({"type": "string", "anyOf": [{"type": "null"}]}), f"{P}.properties.x.anyOf",
+     "given beside type, which the tool-call guide cannot combine with it; move type into each alternative"),
+])
+@pytest.mark.parametrize("choice", [None, "none", "required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_schema_is_checked_whole_and_refused_naming_the_place(server, tool, place, problem, choice):
+    """Every keyword's type and every nested schema, whatever tool_choice says, before anything else is converted:
+    the request's message here is also malformed (assistant first), and the schema is what the 400 names."""
+    body = {"messages": [{"role": "assistant", "content": "x"}, USER], "tools": [tool]}
+    if choice is not None:
+        body["tool_choice"] = choice
+    status, err = post(server, body)
+    assert (status, err["param"], err["message"]) == (400, place, f"{place}: {problem}")
+
+
+def test_schemas_in_the_guides_subset_are_served_and_guide_the_call(server, tok):
+    """anyOf (a nullable value, as pydantic writes Optional), additionalProperties and annotations are accepted, and
+    a forced call is held to them."""
+    tool = _tool({"type": "object", "title": "F", "properties": {
+        "x": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "X", "minimum": 0},
+        "tags": {"type": "object", "additionalProperties": {"type": "boolean"}}}, "required": ["x", "tags"],
+        "additionalProperties": False})
+    # The script writes a string where x must be an integer or null: the guide refuses it, so the engine's
+    # scripted replay (which ignores masks) is not what is checked; the prompt accepted is.
+    r, prompts = ask(server, tok, ['{"x": null, "tags": {"a": true}}}\n</tool_call>'], tools=[tool],
+                     tool_choice={"type": "function", "function": {"name": "f"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("f", {"x": None, "tags": {"a": True}})
+    assert len(prompts) == 1
+
+
+USER_2 = {"role": "user", "content": "and?"}
+ASSISTANT = {"role": "assistant", "content": "ok"}
+SYSTEM = {"role": "system", "content": "be brief"}
+CALLING = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "2"}
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([USER, USER_2], "messages[1] is user after user; user and assistant turns must alternate"),
+    ([SYSTEM, USER, SYSTEM], "messages[2] is a system message, but a system message may only come first"),
+    ([ASSISTANT, USER], "messages[0] is assistant, but the first turn (after an optional system message) must be "
+                        "user"),
+    ([SYSTEM, ASSISTANT, USER], "messages[1] is assistant, but the first turn (after an optional system message) "
+                                "must be user"),
+    ([USER, ASSISTANT, ASSISTANT, USER_2], "messages[2] is assistant after assistant; user and assistant turns must "
+                                           "alternate"),
+    # a last assistant message: the reply would follow it, assistant after assistant
+    ([USER, ASSISTANT], "the reply is assistant after assistant; user and assistant turns must alternate"),
+])
+def test_the_docs_message_rules_are_enforced(server, messages, message):
+    status, err = post(server, {"messages": messages})
+    assert (status, err["message"], err["param"]) == (400, message, message.split(" ")[0] if
+                                                      message.startswith("messages") else "messages")
+
+
+@pytest.mark.parametrize("messages", [
+    [SYSTEM, USER],
+    [USER, ASSISTANT, USER_2],
+    [USER, CALLING, RESULT],  # the reply answers the tool result
+    [USER, CALLING, RESULT, {"role": "assistant", "content": "2"}, USER_2],
+    [SYSTEM, USER, CALLING, RESULT, CALLING, RESULT],  # an assistant calling again after a result
+])
+def test_conversations_in_the_docs_order_are_served(server, tok, messages):
+    r, _ = ask(server, tok, ["fine"], tools=TOOLS, messages=messages)
+    assert r.choices[0].message.content == "fine"
 
 
 def test_an_old_chatml_tokenizer_refuses_tools_and_thinking(tok, tmp_path):

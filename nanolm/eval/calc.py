@@ -87,8 +87,8 @@ def miss(question: str, calls: Sequence[str], computed: bool, correct: bool) -> 
 def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 16,
                max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                rounds: int = 1) -> dict[str, Any]:
-    """Score `calc` (and `calc2`, rounds 2) items with greedy replies (or sampled at `temperature`, nothing else cut, item i of each
-    round drawing with seed + i) through the chat template with the built-in tools offered.
+    """Score `calc` (and `calc2`, rounds 2) items with greedy replies (or sampled at `temperature`, nothing else
+    cut, item i of each round drawing with seed + i) through the chat template with the built-in tools offered.
     Returns {"kind": "calc", "n", "acc", "chance": 0, "centred", "stderr", "called", "computed", "misses",
     "by_phrasing", "items"}: misses, the missed items counted by MISSES; by_phrasing, {phrasing: {"n",
     "correct"}} over the items that carry their phrasing. rounds: how many replies' calls are run, each
@@ -154,7 +154,8 @@ def score_calc(engine: Any, tok: Any, items: Sequence[CalcItem], *, rows: int = 
             count = by_phrasing.setdefault(p["phrasing"], {"n": 0, "correct": 0})
             count["n"] += 1
             count["correct"] += p["correct"]
-    return {"kind": "calc2" if rounds > 1 else "calc", "n": n, "acc": s["acc"], "chance": 0.0, "centred": s["centred"], "stderr": s["stderr"],
+    return {"kind": "calc2" if rounds > 1 else "calc", "n": n, "acc": s["acc"], "chance": 0.0,
+            "centred": s["centred"], "stderr": s["stderr"],
             "called": len(answered) / n, "computed": sum(p["computed"] for p in per_item) / n,
             "misses": {k: sum(p["miss"] == k for p in per_item) for k in MISSES}, "by_phrasing": by_phrasing,
             "items": per_item}

@@ -82,11 +82,12 @@ def _expand(item: tuple) -> list[tuple]:
     if kind == "alt":
         return list(item[1])
     if kind == "value":
-        return [(_lit(b"{"), ("members", True)), (_lit(b"["), ("elems", True, (_VALUE,))), (_lit(b'"'), _STR),
+        return [(_lit(b"{"), ("members", True, (_VALUE,))), (_lit(b"["), ("elems", True, (_VALUE,))),
+                (_lit(b'"'), _STR),
                 (("num", 0, True),), (_lit(b"true"),), (_lit(b"false"),), (_lit(b"null"),)]
-    if kind == "members":  # the rest of an object of any keys
+    if kind == "members":  # the rest of an object of any keys, each value item[2]
         lead = b'"' if item[1] else b', "'
-        return [(_lit(b"}"),), (_lit(lead), _STR, _lit(b": "), _VALUE, ("members", False))]
+        return [(_lit(b"}"),), (_lit(lead), _STR, _lit(b": "), *item[2], ("members", False, item[2]))]
     if kind == "elems":  # the rest of an array of item[2]s
         lead = () if item[1] else (_lit(b", "),)
         return [(_lit(b"]"),), (*lead, *item[2], ("elems", False, item[2]))]
@@ -164,50 +165,175 @@ def step(state: State, data: bytes) -> State:
 
 
 # What a schema may hold for the guide to follow it: the parse configurations a state carries, and so the cost of
-# each token's mask, grow with an enum's values and an object's optional properties (measured with a 6,400-token
-# vocabulary, the worst mask of a call: 6 ms at 64 enum values, 27 ms at 256, 220 ms at 1,024, 2.9 s at 4,096).
+# each token's mask, grow with the alternatives a value may start as (enum values, anyOf alternatives, types) and
+# an object's optional properties (measured with a 6,400-token vocabulary, the worst mask of a call: 6 ms at 64
+# enum values, 27 ms at 256, 220 ms at 1,024, 2.9 s at 4,096).
 MAX_ENUM = 64
 MAX_PROPERTIES = 64
 MAX_DEPTH = 8
+SCHEMA_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+# Keywords the guide does not follow: a call held to the rest of the schema could break them (a reference it
+# cannot resolve, a branch it cannot exclude), so a schema holding one is refused rather than guided wrongly.
+_UNFOLLOWED = ("$ref", "$defs", "definitions", "$dynamicRef", "allOf", "oneOf", "not", "if", "then", "else",
+               "patternProperties", "prefixItems", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+               "contains", "propertyNames", "dependentSchemas", "dependentRequired", "dependencies")
+# Keywords checked for their type only: constraints on a value that the guide does not hold a call to (the
+# model may break them; the tool gets the call as written), and annotations.
+_TEXT_KEYS = ("description", "title", "format", "pattern", "$schema", "$id", "$comment")
+_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+class SchemaError(ValueError):
+    """A tool's schema the guide cannot follow (or not at a bounded cost); `place` names where, as
+    `tools[0].function.parameters.properties.x.enum`."""
+
+    def __init__(self, place: str, problem: str) -> None:
+        super().__init__(f"{place}: {problem}")
+        self.place = place
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, bool, int, float))
+
+
+def _breadth(schema: dict) -> int:
+    """How many alternatives a value of `schema` may start as: the live parse configurations at its start."""
+    if isinstance(schema.get("enum"), list):
+        return len(schema["enum"])
+    if isinstance(schema.get("anyOf"), list):
+        return sum(_breadth(s) for s in schema["anyOf"] if isinstance(s, dict))
+    kind = schema.get("type")
+    return len(kind) if isinstance(kind, list) else 1
+
+
+def _check_node(schema: Any, at: str, depth: int) -> None:
+    """SchemaError unless `schema` and every schema in it are in the subset `_value_items` follows, within the
+    limits; `at` names it, `depth` counts the schemas it is nested in."""
+    if not isinstance(schema, dict):
+        raise SchemaError(at, f"must be a JSON schema object, not {_json_kind(schema)}")
+    if depth > MAX_DEPTH:
+        raise SchemaError(at, f"nested more than {MAX_DEPTH} levels deep; the tool-call guide follows at most "
+                              f"{MAX_DEPTH}")
+    for key in _UNFOLLOWED:
+        if key in schema:
+            raise SchemaError(f"{at}.{key}", "the tool-call guide does not follow this keyword; write the schema "
+                                             "without it (anyOf, enum, type, properties and items are followed)")
+    for key in _TEXT_KEYS:
+        if key in schema and not isinstance(schema[key], str):
+            raise SchemaError(f"{at}.{key}", f"must be a string, not {_json_kind(schema[key])}")
+    for key in _COUNT_KEYS:
+        v = schema.get(key)
+        if key in schema and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise SchemaError(f"{at}.{key}", f"must be a whole number >= 0, not {json.dumps(v)[:40]}")
+    for key in _NUMBER_KEYS:
+        v = schema.get(key)
+        if key in schema and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise SchemaError(f"{at}.{key}", f"must be a number, not {json.dumps(v)[:40]}")
+    kind = schema.get("type")
+    if "type" in schema:
+        kinds = kind if isinstance(kind, list) else [kind]
+        if not kinds or len(set(map(str, kinds))) != len(kinds) or not all(k in SCHEMA_TYPES for k in kinds):
+            raise SchemaError(f"{at}.type", f"{json.dumps(kind)[:80]} is not a JSON type or a list of distinct "
+                                            f"ones; use {', '.join(SCHEMA_TYPES)}")
+    if "enum" in schema:
+        enum = schema["enum"]
+        if not isinstance(enum, list) or not enum or not all(_scalar(v) for v in enum):
+            raise SchemaError(f"{at}.enum", "must be a non-empty list of strings, numbers, booleans or null")
+        if len(enum) > MAX_ENUM:
+            raise SchemaError(f"{at}.enum", f"{len(enum)} values; the tool-call guide follows at most {MAX_ENUM} "
+                                            "(each token's cost grows with them); give fewer, or a plain string")
+    if "const" in schema and not _scalar(schema["const"]):
+        raise SchemaError(f"{at}.const", "must be a string, number, boolean or null")
+    if "anyOf" in schema:
+        alts = schema["anyOf"]
+        if not isinstance(alts, list) or not alts:
+            raise SchemaError(f"{at}.anyOf", "must be a non-empty list of schemas")
+        beside = [k for k in ("type", "enum", "const", "properties", "items") if k in schema]
+        if beside:
+            raise SchemaError(f"{at}.anyOf", f"given beside {beside[0]}, which the tool-call guide cannot combine "
+                                             f"with it; move {beside[0]} into each alternative")
+        for i, sub in enumerate(alts):
+            _check_node(sub, f"{at}.anyOf[{i}]", depth + 1)
+        if _breadth(schema) > MAX_ENUM:
+            raise SchemaError(f"{at}.anyOf", f"{_breadth(schema)} alternatives in all (enum values and types "
+                                             f"counted); the tool-call guide follows at most {MAX_ENUM}")
+    props = schema.get("properties")
+    if "properties" in schema:
+        if not isinstance(props, dict):
+            raise SchemaError(f"{at}.properties", f"must be an object of property schemas, not {_json_kind(props)}")
+        if len(props) > MAX_PROPERTIES:
+            raise SchemaError(f"{at}.properties", f"{len(props)} properties; the tool-call guide follows at most "
+                                                  f"{MAX_PROPERTIES}")
+        for key, sub in props.items():
+            _check_node(sub, f"{at}.properties.{key[:64]}", depth + 1)
+    if "required" in schema:
+        required = schema["required"]
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise SchemaError(f"{at}.required", "must be a list of property names")
+        missing = [k for k in required if not isinstance(props, dict) or k not in props]
+        if missing:
+            raise SchemaError(f"{at}.required", f"names {missing[0][:64]!r}, which properties does not list; the "
+                                                "tool-call guide writes only listed properties")
+    extra = schema.get("additionalProperties")
+    if "additionalProperties" in schema and not isinstance(extra, bool):
+        _check_node(extra, f"{at}.additionalProperties", depth + 1)
+    if "items" in schema:
+        if isinstance(schema["items"], list):
+            raise SchemaError(f"{at}.items", "a list of schemas (one per position) is not followed by the tool-call "
+                                             "guide; give one schema for every item")
+        _check_node(schema["items"], f"{at}.items", depth + 1)
+
+
+def _json_kind(v: Any) -> str:
+    """What a JSON value is, for a message: `null`, `a string`, `a list` ..."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    return ("a string" if isinstance(v, str) else "a number" if isinstance(v, (int, float))
+            else "a list" if isinstance(v, list) else "an object")
 
 
 def check_schema(tool: Any, where: str) -> None:
-    """ValueError naming the place in `tool` (an OpenAI tool object or a bare function) that is too large for the
-    guide to follow at a bounded cost per token: an enum of more than MAX_ENUM values, an object of more than
-    MAX_PROPERTIES properties, a schema nested more than MAX_DEPTH deep."""
+    """SchemaError naming the place in `tool` (an OpenAI tool object or a bare function) whose `parameters` the
+    guide cannot follow, checked whole: a keyword of the wrong type (`"enum": "xyz"`, `"type": "bogus"`,
+    `"required": "a"`), a schema that is not an object (`"items": 1`, `"parameters": null`), a keyword the guide
+    does not follow (`$ref`, `oneOf`, an `items` list ...), or more than the guide follows at a bounded cost per
+    token at any depth: more than MAX_ENUM alternatives for a value (enum values, anyOf, types), an object of more
+    than MAX_PROPERTIES properties, a schema nested more than MAX_DEPTH deep. A tool that is not an object with a
+    `function` object is left to the chat format to name."""
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
-    is_tool = isinstance(tool, dict) and "function" in tool
-
-    def walk(schema: Any, at: str, depth: int) -> None:
-        if not isinstance(schema, dict):
-            return
-        if depth > MAX_DEPTH:
-            raise ValueError(f"{at}: nested more than {MAX_DEPTH} levels deep; the tool-call guide follows at most "
-                             f"{MAX_DEPTH}")
-        enum = schema.get("enum")
-        if isinstance(enum, list) and len(enum) > MAX_ENUM:
-            raise ValueError(f"{at}.enum: {len(enum)} values; the tool-call guide follows at most {MAX_ENUM} (each "
-                             "token's cost grows with them); give fewer, or a plain string")
-        props = schema.get("properties")
-        if isinstance(props, dict):
-            if len(props) > MAX_PROPERTIES:
-                raise ValueError(f"{at}.properties: {len(props)} properties; the tool-call guide follows at most "
-                                 f"{MAX_PROPERTIES}")
-            for key, sub in props.items():
-                walk(sub, f"{at}.properties.{key}", depth + 1)
-        walk(schema.get("items"), f"{at}.items", depth + 1)
-    if isinstance(fn, dict):
-        walk(fn.get("parameters"), f"{where}{'.function' if is_tool else ''}.parameters", 1)
+    if not isinstance(fn, dict) or "parameters" not in fn:
+        return  # no parameters: the arguments are any object
+    at = f"{where}{'.function' if 'function' in tool else ''}.parameters"
+    params = fn["parameters"]
+    if not isinstance(params, dict):
+        raise SchemaError(at, f"must be a JSON schema object (the arguments' schema), not {_json_kind(params)}")
+    if params.get("type", "object") != "object":
+        raise SchemaError(f"{at}.type", f"the arguments are an object, so their schema's type is \"object\", not "
+                                        f"{json.dumps(params['type'])[:80]}")
+    if "anyOf" in params or "enum" in params or "const" in params:
+        key = next(k for k in ("anyOf", "enum", "const") if k in params)
+        raise SchemaError(f"{at}.{key}", "the arguments' schema names their properties; give this keyword to a "
+                                         "property instead")
+    _check_node(params, at, 1)
 
 
 def _value_items(schema: Any) -> tuple:
-    """The items of a JSON value that `schema` describes."""
+    """The items of a JSON value that `schema` (checked by `check_schema`, or anything: what it does not say
+    admits any value) describes."""
     if not isinstance(schema, dict):
         return (_VALUE,)
-    enum = schema.get("enum")
-    if isinstance(enum, list) and enum and all(isinstance(v, (str, int, float, bool)) or v is None for v in enum):
+    enum = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(enum, list) and enum and all(_scalar(v) for v in enum):
         return (("alt", tuple((_lit(json.dumps(v, ensure_ascii=False).encode()),) for v in enum)),)
+    alts = schema.get("anyOf")
+    if isinstance(alts, list) and alts:
+        return (("alt", tuple(_value_items(s) for s in alts)),)
     kind = schema.get("type")
+    if kind is None:  # untyped, but its keywords say which kind of value
+        kind = "object" if "properties" in schema else "array" if isinstance(schema.get("items"), dict) else None
     if isinstance(kind, list):
         alts = tuple(_value_items({**schema, "type": k}) for k in kind if isinstance(k, str))
         return (("alt", alts),) if alts else (_VALUE,)
@@ -228,8 +354,11 @@ def _value_items(schema: Any) -> tuple:
 
 def _object_items(schema: Any) -> tuple:
     props = schema.get("properties") if isinstance(schema, dict) else None
-    if not isinstance(props, dict) or not props:
-        return (_lit(b"{"), ("members", True))  # no properties named: any object
+    if not isinstance(props, dict) or not props:  # no properties named: any object, its values as
+        extra = schema.get("additionalProperties") if isinstance(schema, dict) else None  # additionalProperties says
+        if extra is False:
+            return (_lit(b"{}"),)
+        return (_lit(b"{"), ("members", True, _value_items(extra) if isinstance(extra, dict) else (_VALUE,)))
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     entries = tuple((json.dumps(str(key), ensure_ascii=False).encode(), _value_items(sub), key in required)
                     for key, sub in props.items())

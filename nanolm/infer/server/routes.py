@@ -36,12 +36,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanolm.chat import ChatError, ToolCall, check_conversation, message_from_dict, tools_from_value
+from nanolm.chat import ChatError, Message, ToolCall, check_conversation, message_from_dict, tools_from_value
 from nanolm.config.sampling import SamplingParams
 from nanolm.config.serve import ServeConfig
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
-from nanolm.infer.guide import GuideVocab, ToolCallGuide, check_schema
+from nanolm.infer.guide import GuideVocab, SchemaError, ToolCallGuide, check_schema
 from nanolm.infer.generate import check_vocab
 from nanolm.infer.server.choices import ChatPlan, Choice
 from nanolm.infer.server.page import chat_page, static_file
@@ -118,11 +118,12 @@ class ServerState:
 
     async def _read_body(self, request: Request, chat: bool = False,
                          most_bytes: int | None = None) -> tuple[bytes, int]:
-        """The body and, for a chat body, the `"role"` keys it holds; refused as soon as it is known to pass
-        max_body_bytes (or `most_bytes`, a route's own smaller limit): by its declared length, before reading any of it, else while it arrives. uvicorn
-        discards the unread rest after the response. A chat body is also refused as soon as it holds twice as
-        many `"role"` keys as the context can hold messages: a body of thousands of messages is not read to its
-        end, nor parsed."""
+        """The body and the `{` bytes it holds (at least one per JSON object, however its keys are spelt:
+        `\u0072ole` is `role`); refused as soon as it is known to pass max_body_bytes (or `most_bytes`, a
+        route's own smaller limit): by its declared length, before reading any of it, else while it arrives.
+        uvicorn discards the unread rest after the response. A chat body is also refused as soon as it holds
+        twice as many `"role"` keys as the context can hold messages: a body of thousands of messages so spelt
+        is not read to its end, nor parsed."""
         limit = min(self.config.max_body_bytes, most_bytes or self.config.max_body_bytes)
         timeout = self.config.body_timeout_s
         fix = "shorten the prompt or the conversation" if most_bytes is None else "send a shorter call"
@@ -130,11 +131,12 @@ class ServerState:
         if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise self._too_large(int(declared), limit, fix)
         body = bytearray()
-        roles, most = 0, 2 * (self.engine.max_seq_len // 3)
+        roles, braces, most = 0, 0, 2 * (self.engine.max_seq_len // 3)
 
         async def receive() -> None:
-            nonlocal roles
+            nonlocal roles, braces
             async for part in request.stream():
+                braces += part.count(b"{")
                 if chat:  # a key cut between two parts is counted with the part it ends in
                     tail = bytes(body[-5:])
                     roles += (tail + part).count(b'"role"') - tail.count(b'"role"')
@@ -153,18 +155,36 @@ class ServerState:
             raise ApiError(408, f"the request body did not arrive within {timeout:g} s of its headers "
                                 f"({len(body)} bytes came); send the whole request at once", None,
                            "request_timeout") from None
-        return bytes(body), roles
+        return bytes(body), braces
 
     async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
         """The request body, read within the limits and validated; 400 naming the field otherwise."""
-        body, roles = await self._read_body(request, chat=schema is ChatRequest)
+        body, braces = await self._read_body(request, chat=schema is ChatRequest)
         if schema is ChatRequest:
-            self._count_messages(body, roles)
+            self._count_messages(body, braces)
         try:
-            return schema.model_validate_json(body)
+            req = schema.model_validate_json(body)
         except ValidationError as e:
             message, param = validation_error(e.errors(include_url=False))
             raise ApiError(400, message, param) from None
+        self._check_logit_bias(req.logit_bias)
+        return req
+
+    def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
+        """400 for a logit_bias OpenAI would refuse (a key that is not a token id of the model, a bias outside
+        [-100, 100]), and for any other non-empty one: the sampler has no per-token bias, and a bias ignored
+        would change the reply the client asked for without a word."""
+        if not bias:
+            return
+        size = self.engine.model.config.vocab_size
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit() and int(key) < size):
+                raise ApiError(400, f"logit_bias: {key[:40]!r} is not a token id of this model; its ids are 0 to "
+                                    f"{size - 1}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias[{key!r}]: {value:g} is outside -100 to 100", "logit_bias")
+        raise ApiError(400, "logit_bias: not supported by this server (its sampler has no per-token bias); leave "
+                            "it out", "logit_bias")
 
     def too_many_messages(self, n: int) -> ApiError:
         limit = self.engine.max_seq_len
@@ -172,12 +192,13 @@ class ServerState:
                              "can hold (each takes at least 3); shorten the conversation", "messages",
                         "context_length_exceeded")
 
-    def _count_messages(self, body: bytes, roles: int) -> None:
+    def _count_messages(self, body: bytes, braces: int) -> None:
         """A chat body of more messages than the context can hold, refused before it is validated: validating
-        20,000 messages took 140 ms, where the `"role"` keys are counted as the body arrives and, when there are
-        more than the limit, parsing the JSON to count the messages exactly takes 7 ms."""
+        20,000 messages took 140 ms, where the `{` bytes are counted as the body arrives (each message is an
+        object, so there are at least as many, whatever its keys' spelling) and, when there are more than the
+        limit, parsing the JSON to count the messages as the parser produces them takes 7 ms."""
         limit = self.engine.max_seq_len // 3
-        if roles <= limit:
+        if braces <= limit:
             return
         try:
             messages = json.loads(body).get("messages")
@@ -205,18 +226,19 @@ class ServerState:
         """
         fmt = self.tokenizer.chat_format
         forced = req.forced_call()
+        # The tools' schemas, whole, before anything else is converted or rendered, whatever tool_choice says:
+        # the guide follows a schema only in the subset check_schema accepts, at a bounded cost per token.
+        for i, tool in enumerate(req.tools or ()):
+            try:
+                check_schema(tool, f"tools[{i}]")
+            except SchemaError as e:
+                raise ApiError(400, str(e), e.place) from None
         # Before any message is converted or rendered: a conversation too long for the context by its count of
         # messages (each takes at least 3 tokens: the turn's opening, its role and its end) or by the bytes of
         # its texts alone is refused at once, so a body of thousands of tiny messages costs no rendering.
         limit = self.engine.max_seq_len
         if len(req.messages) > limit // 3:
             raise self.too_many_messages(len(req.messages))
-        if req.tools and req.tool_choice != "none" and self.config.guide_calls:  # before the tools are rendered
-            try:
-                for i, tool in enumerate(req.tools):
-                    check_schema(tool, f"tools[{i}]")
-            except ValueError as e:
-                raise ApiError(400, str(e), "tools") from None
         size = sum(len(m.content.encode("utf-8")) for m in req.messages if isinstance(m.content, str))
         if size > self.max_prompt_bytes:
             raise ApiError(400, f"the messages hold {size} bytes of text, more tokens than the model's context of "
@@ -228,6 +250,10 @@ class ServerState:
             messages = [message_from_dict(f"messages[{i}]", m.as_dict(), replies_as_written=True)
                         for i, m in enumerate(req.messages)]
             check_conversation("messages", messages, complete=False)
+            # The order the docs promise (an optional system message first, user and assistant turns
+            # alternating, tool results after calls), as the conversation stands once the reply completes it.
+            check_conversation("messages", [*messages, Message("assistant", "reply")], complete=True,
+                               names=[f"messages[{i}]" for i in range(len(messages))] + ["the reply"])
             offered = tools_from_value("tools", req.tools) if req.tools else ()  # checked whatever tool_choice says
             tools = offered if req.tool_choice != "none" else ()
             fmt.check("the request", messages, tools, str(self.tokenizer.path))
@@ -582,12 +608,14 @@ class BearerAuth:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode("utf-8")
+        self.expected = api_key.encode("utf-8")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            # The scheme's name is case-insensitive (RFC 9110, 11.1): `bearer KEY` is `Bearer KEY`.
+            scheme, _, key = given.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(b" "), self.expected)):
                 what = "a wrong API key" if given else "no API key"
                 body = error_body(f"this server needs an API key and the request has {what}; "
                                   "send the header `Authorization: Bearer <key>`", code="invalid_api_key")

@@ -32,8 +32,9 @@ _DEFAULTS = SamplingParams()
 
 
 class _Strict(BaseModel):
-    # strict: "0.5" is not a number and 1 is not a bool; unknown OpenAI fields are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: "0.5" is not a number and 1 is not a bool; NaN and Infinity (which Python's JSON reads) are not
+    # numbers either; unknown OpenAI fields are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -54,6 +55,8 @@ class _Common(_Strict):
     frequency_penalty: float = Field(_DEFAULTS.frequency_penalty, ge=-2, le=2)
     repetition_penalty: float = Field(_DEFAULTS.repetition_penalty, gt=0, le=10)  # the usual extension (vLLM's)
     n: int = Field(1, ge=1, le=MAX_N)  # choices; sample i of a seeded request draws with seed + i
+    # OpenAI's {"<token id>": bias}: read, and its ids checked against the vocabulary, by the route
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -216,6 +219,8 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     loc = [p for p in e.get("loc", ()) if p != "body"]  # FastAPI puts request bodies under "body"
     param = _param_name(loc)
     msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if e.get("type") == "finite_number":
+        msg = "must be a number (NaN and Infinity are not numbers)"
     return (f"{param}: {msg}" if param else f"request body: {msg}"), param
 
 
