@@ -25,7 +25,12 @@ tokens too (chat data holding them is refused).
 
 A tokenizer is a directory holding `tokenizer.json` (what `tokenizers` reads)
 and `tokenizer_config.json` (what `transformers.AutoTokenizer` also needs: the
-class, the special-token roles and the chat template). The roles follow
+class, the special-token roles and the chat template). A directory saved by
+transformers 5 keeps its chat template in `chat_template.jinja` instead; as in
+transformers (`PreTrainedTokenizerBase._from_pretrained`), that file wins over
+the config's `chat_template` when both exist. `Tokenizer.load` folds it into
+`config`, so `save` (and every copy made from a saved tokenizer: an imported
+or trained checkpoint) carries the template in tokenizer_config.json. The roles follow
 Qwen2/3-Instruct and MiniMind: eos is `<|im_end|>`, because a chat model ends
 its turn with it and `generate` should stop there; pad is `<|endoftext|>`;
 there is no bos (nothing is prepended in training) and no unk.
@@ -65,6 +70,7 @@ MODEL_MAX_LENGTH = 32768
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's chat template
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + len(TAG_TOKENS) + 1  # every byte, the added tokens and one merge
 MAX_VOCAB_SIZE = 2**32  # ids are 32-bit in `tokenizers` and in nanolm's shards
@@ -205,8 +211,9 @@ class Tokenizer:
 
     Build one with `Tokenizer.load` or `train_tokenizer`. `path` is the
     tokenizer.json file it was loaded from; `config` the tokenizer_config.json
-    beside it (as read; nanolm's own when there is none), whose chat template
-    picks `chat_format`.
+    beside it (as read; nanolm's own when there is none), with the template of
+    a chat_template.jinja beside it as its `chat_template`, which picks
+    `chat_format`.
     """
 
     def __init__(self, tok: HFTokenizer, data: dict[str, Any], path: Path, config: dict[str, Any],
@@ -250,6 +257,13 @@ class Tokenizer:
                                 f"tokenizer or delete {CONFIG_FILE}")
         else:
             config = _tokenizer_config()
+        jinja = file.parent / CHAT_TEMPLATE_FILE
+        if jinja.is_file():  # transformers reads it before the config's chat_template, and so does nanolm
+            try:
+                config = {**config, "chat_template": jinja.read_text(encoding="utf-8")}
+            except UnicodeDecodeError as e:
+                raise UserError(f"{jinja}: not UTF-8 text ({e.reason} at byte {e.start}); save the chat template "
+                                f"as UTF-8 or delete {CHAT_TEMPLATE_FILE}") from None
         variables = _template_variables(config)
         # A template of neither nanolm layout renders as itself, with the special tokens it may read.
         fmt = format_of(_template_of(config, config_file), str(file.parent), variables)
@@ -278,7 +292,8 @@ class Tokenizer:
         return cls(tok, data, file.resolve(), config, ids, fmt)
 
     def save(self, out_dir: Path | str) -> Path:
-        """Write tokenizer.json and tokenizer_config.json into out_dir as loaded, each atomically."""
+        """Write tokenizer.json and tokenizer_config.json into out_dir as loaded, each atomically (the chat
+        template in the config, wherever it was read from)."""
         return _save_files(self._data, self.config, Path(out_dir))
 
     def missing_tags(self) -> list[str]:

@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from chat_helpers import write_jsonl
 from conftest import EN
 from nanolm import chat
-from nanolm.chat import ChatError, TemplateFormat, encode_chat, message_from_dict, tools_from_value
+from nanolm.chat import ChatError, Message, TemplateFormat, encode_chat, message_from_dict, tools_from_value
 from nanolm.data.prepare import prepare
 from nanolm.errors import UserError
 from nanolm.tokenizer import Tokenizer
@@ -247,13 +247,19 @@ def test_template_whose_prefixes_do_not_nest_is_refused(dirs):
         tok.chat_format.spans(messages(CONVS[0]))
 
 
-def test_template_without_tools_refuses_tools_in_one_line(dirs):
+def test_template_without_tools_renders_them_as_text_and_refuses_reasoning_in_one_line(dirs):
     tok = Tokenizer.load(dirs["smollm2"])
-    assert not tok.chat_format.tools
-    with pytest.raises(ChatError, match=r"does not render tools") as e:
-        tok.chat_format.check("the request", [], tools_from_value("tools", [ADD]), str(tok.path))
+    fmt = tok.chat_format
+    assert (fmt.tools, fmt.reads_tools, fmt.guided_calls, fmt.reasoning) == (True, False, True, False)
+    fmt.check("the request", messages(TOOL_CONV), tools_from_value("tools", [ADD]), str(tok.path))  # no error
+    thought = [Message("user", "hi"), Message("assistant", "Hello.", "I greet.")]
+    with pytest.raises(ChatError, match=r"^the request has reasoning, but the chat template of .*smollm2/tokenizer.json has no "
+                                        r"think block .*; leave reasoning and thinking out") as e:
+        fmt.check("the request", thought, (), str(tok.path))
     assert "\n" not in str(e.value)
-    assert Tokenizer.load(dirs["llama3"]).chat_format.tools
+    with pytest.raises(ChatError, match=r"has thinking on, but the chat template of .*smollm2 has no think block"):
+        fmt.render(thought[:1], add_generation_prompt=True, thinking=True)
+    assert Tokenizer.load(dirs["llama3"]).chat_format.reads_tools
 
 
 def test_generation_prompt_is_the_templates(dirs):
@@ -305,7 +311,7 @@ def test_nanolm_templates_keep_their_layouts_and_bad_jinja_is_named():
         chat.format_of("{% for m in messages %}", "tok/")
 
 
-def test_serve_renders_prompts_through_the_template_and_refuses_tools_it_cannot_render(dirs):
+def test_serve_renders_prompts_through_the_template_with_tools_as_text(dirs):
     httpx = pytest.importorskip("httpx")
     from server_helpers import ScriptedEngine, running  # skips without uvicorn
 
@@ -320,8 +326,14 @@ def test_serve_renders_prompts_through_the_template_and_refuses_tools_it_cannot_
         assert eng.prompts[-1] == tok.encode(ref.apply_chat_template(conv, tokenize=False,
                                                                       add_generation_prompt=True))
         r = httpx.post(url + "/v1/chat/completions", json={"messages": conv, "tools": [ADD]}, timeout=30)
-        err = r.json()["error"]
-        assert (r.status_code, err["param"]) == (400, "tools") and "does not render tools" in err["message"]
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello."
+        system = "You are terse.\n\n" + chat.templates._TOOLS_HEAD + "\n" + json.dumps(ADD) + chat.templates._TOOLS_TAIL
+        want = ref.apply_chat_template([{"role": "system", "content": system}, *conv[1:]], tokenize=False,
+                                       add_generation_prompt=True)
+        assert eng.prompts[-1] == tok.encode(want)
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": conv, "chat_template_kwargs":
+                                                           {"enable_thinking": True}}, timeout=30)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "chat_template_kwargs")
 
 
 def test_a_template_tokenizer_finds_its_own_control_tokens(dirs, tmp_path):

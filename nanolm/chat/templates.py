@@ -25,6 +25,29 @@ A tokenizer's chat template says which layout it uses (`format_of`):
   the template's `{% generation %}` markers, or from prefixes of the
   conversation (see the class).
 
+Tools through a template that has no place for them (one that never reads
+`tools`, such as SmolLM2's): the conversation is first written as plain
+messages in the text of the QWEN3 layout, then the template renders those.
+The tool list becomes a system message, the conversation's own system text
+then a blank line then `_TOOLS_HEAD`, one JSON object per line and
+`_TOOLS_TAIL` (QWEN3's system turn, word for word; a conversation without a
+system message gets one holding the tool list alone, which takes the place
+of a default system prompt the template would insert); an assistant's calls
+are appended to its content as `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>`
+(a newline before each but a first that opens an empty reply); consecutive
+tool results become one user message, each result in
+`<tool_response>\n…\n</tool_response>`, joined by newlines. The calls are part
+of the assistant's text, so they train; the tags need not be tokens of their
+own (SmolLM2 spells `<tool_call>` in several), and the call guide and the
+reply parser read them back as text. Chat, serve, eval, prepare and GRPO all
+render through the format, so they all see this one layout.
+
+Reasoning through a template that never reads `reasoning_content` (nor
+`enable_thinking`, nor writes `<think>`) is refused, one line naming the
+tokenizer: a conversation with reasoning, and thinking switched on, are
+`ChatError`s rather than reasoning silently dropped or a think block the
+model was never shown (`ChatFormat.reasoning` says which formats have one).
+
 `ChatFormat.spans` renders a conversation as `Span`s, pieces of text that
 train or not and that open an exchange or not (what nanolm/chat/encoding.py
 turns into the loss mask); `render` is their text. `ChatFormat.template` is
@@ -92,6 +115,11 @@ class ChatFormat:
     bare_calls: bool = False
 
     @property
+    def reasoning(self) -> bool:
+        """Whether it renders an assistant's reasoning and has a think block to prompt with (thinking on)."""
+        return self.tools
+
+    @property
     def guided_calls(self) -> bool:
         """Whether its calls are <tool_call> blocks, which the call guide (infer/guide.py) holds to the offered
         tools' schemas: nanolm's layouts and a template's own that writes them (Qwen's), not Llama 3's bare JSON
@@ -126,6 +154,24 @@ class ChatFormat:
 
 def _turn(role: str, content: str) -> str:
     return f"{IM_START}{role}\n{content}{IM_END}{TURN_SEP}"
+
+
+def _calls_text(content: str, calls: Sequence[ToolCall]) -> str:
+    """An assistant's calls as QWEN3 writes them after its content: each in <tool_call> tags, a newline before
+    each but a first that directly opens an empty reply."""
+    return "".join(("\n" if content or k else "") + f'{TOOL_CALL}\n{{"name": "{c.name}", "arguments": '
+                   f'{c.arguments}}}\n{TOOL_CALL_END}' for k, c in enumerate(calls))
+
+
+def _tool_results(results: Sequence[str]) -> str:
+    """Consecutive tool results as the text of one user turn, each in <tool_response> tags (QWEN3's)."""
+    return "\n".join(f"{TOOL_RESPONSE}\n{r}\n{TOOL_RESPONSE_END}" for r in results)
+
+
+def _tools_text(system: str | None, tools: Sequence[str]) -> str:
+    """The system turn's text with tools offered (QWEN3's): the system text and a blank line, then the list."""
+    return ("" if system is None else system + "\n\n") + _TOOLS_HEAD + "".join("\n" + t for t in tools) \
+        + _TOOLS_TAIL
 
 
 class _ChatML(ChatFormat):
@@ -211,9 +257,7 @@ class _Qwen3(ChatFormat):
         out: list[Span] = []
         system = messages[0].role == "system" if messages else False
         if tools:
-            head = messages[0].content + "\n\n" if system else ""
-            out.append(Span(f"{IM_START}system\n{head}{_TOOLS_HEAD}" + "".join("\n" + t for t in tools)
-                            + _TOOLS_TAIL + IM_END + TURN_SEP))
+            out.append(Span(_turn("system", _tools_text(messages[0].content if system else None, tools))))
         elif system:
             out.append(Span(_turn("system", messages[0].content)))
         for i, m in enumerate(messages):
@@ -229,9 +273,7 @@ class _Qwen3(ChatFormat):
             else:
                 trains = not final_only or i == len(messages) - 1
                 reasoning = m.reasoning.strip("\n")
-                calls = "".join(("\n" if m.content or k else "") + f'{TOOL_CALL}\n{{"name": "{c.name}", '
-                                f'"arguments": {c.arguments}}}\n{TOOL_CALL_END}' for k, c in enumerate(m.tool_calls))
-                reply = m.content.lstrip("\n") + calls + IM_END
+                reply = m.content.lstrip("\n") + _calls_text(m.content, m.tool_calls) + IM_END
                 out.append(Span(f"{IM_START}assistant\n{THINK}\n"))
                 if reasoning:
                     out.append(Span(f"{reasoning}\n{THINK_END}\n\n{reply}", trains=trains))
@@ -324,8 +366,10 @@ class TemplateFormat(ChatFormat):
     them, else what each assistant turn adds to the conversation rendered up to it with the generation
     prompt (messages[:k] + prompt, then messages[:k+1]), which needs each such prefix to be a prefix of the
     whole text; a template where neither holds is refused (UserError). Tools are offered to the template as
-    it expects them (`tools=`, a list of JSON schemas); reasoning as `reasoning_content`, and thinking as
-    `enable_thinking`.
+    it expects them (`tools=`, a list of JSON schemas) where it reads `tools` (`reads_tools`); where it does
+    not, the conversation is written as plain messages with the tools, calls and results in QWEN3's text
+    (`plain_messages`, the module doc), so `tools` is true either way. Reasoning goes in as
+    `reasoning_content`, thinking as `enable_thinking`, where the template has them (`reasoning`).
     """
 
     name = "template"
@@ -338,13 +382,45 @@ class TemplateFormat(ChatFormat):
         env = _environment()
         try:
             self._compiled = env.from_string(template)
-            self.tools = "tools" in meta.find_undeclared_variables(env.parse(template))
+            self.reads_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
         except TemplateError as e:
             detail = " ".join(str(e).split())
-            raise UserError(f"{where}: chat_template is not valid Jinja ({detail}); fix the template in "
-                            "tokenizer_config.json or remove it") from None
+            raise UserError(f"{where}: chat_template is not valid Jinja ({detail}); fix the template "
+                            "(chat_template.jinja, or tokenizer_config.json's chat_template) or remove it") from None
+        self.tools = True  # in the template's own place, or as text in a system turn (plain_messages)
+        # A template that reads neither an assistant's reasoning nor the thinking switch, nor writes a think
+        # block, has no place for reasoning: it would be dropped without a word.
+        self._reasoning = any(word in template for word in ("reasoning_content", "enable_thinking", THINK))
         self.marked = _GENERATION.search(template) is not None
-        self.bare_calls = self.tools and self._writes_bare_calls()
+        self.bare_calls = self.reads_tools and self._writes_bare_calls()
+
+    @property
+    def reasoning(self) -> bool:
+        return self._reasoning
+
+    def plain_messages(self, messages: Sequence[Message], tools: Sequence[str]) -> list[Message]:
+        """The conversation as the template is given it where it never reads `tools`: the tool list in a system
+        message, calls appended to their assistant's content and tool results in user messages, all in QWEN3's
+        text (module doc). A template that reads `tools` gets the messages unchanged."""
+        if self.reads_tools:
+            return list(messages)
+        out: list[Message] = []
+        rest = list(messages)
+        if tools:
+            system = rest.pop(0).content if rest and rest[0].role == "system" else None
+            out.append(Message("system", _tools_text(system, tools)))
+        results: list[str] = []  # the tool results of the run in progress
+        for k, m in enumerate(rest):
+            if m.role == "tool":
+                results.append(m.content)
+                if k + 1 == len(rest) or rest[k + 1].role != "tool":
+                    out.append(Message("user", _tool_results(results)))
+                    results = []
+            elif m.tool_calls:
+                out.append(Message(m.role, m.content + _calls_text(m.content, m.tool_calls), m.reasoning))
+            else:
+                out.append(m)
+        return out
 
     def _writes_bare_calls(self) -> bool:
         """Whether the template writes an assistant's call as a bare JSON object (`{"name": ..., "parameters":
@@ -369,6 +445,10 @@ class TemplateFormat(ChatFormat):
 
     def _text(self, messages: Sequence[Message], tools: Sequence[str], add_generation_prompt: bool,
               thinking: bool = False, marks: bool = False) -> str:
+        if not self._reasoning and (thinking or any(m.reasoning for m in messages)):
+            raise self._no_reasoning("the conversation", "thinking on" if thinking else "reasoning")
+        if not self.reads_tools:
+            messages, tools = self.plain_messages(messages, tools), ()
         dicts = []
         for m in messages:
             d = m.to_dict()
@@ -397,9 +477,15 @@ class TemplateFormat(ChatFormat):
         return whole[len(self.render(probe)):]
 
     def check(self, where: str, messages: Sequence[Message], tools: Sequence[str], tokenizer: str) -> None:
-        if tools and not self.tools:
-            raise ChatError(f"{where} has tools, but the chat template of {tokenizer} does not render tools "
-                            "(it never reads `tools`); use a tokenizer whose template does, or offer none")
+        """ChatError for a conversation with reasoning where the template has no place for it; tools are
+        rendered by every template (as text where it has no place for them)."""
+        if not self._reasoning and any(m.reasoning for m in messages):
+            raise self._no_reasoning(where, "reasoning", tokenizer)
+
+    def _no_reasoning(self, where: str, what: str, tokenizer: str | None = None) -> ChatError:
+        return ChatError(f"{where} has {what}, but the chat template of {tokenizer or self.where} has no think block "
+                         "(it never reads reasoning_content or enable_thinking); leave reasoning and thinking out, "
+                         "or use a tokenizer whose template has <think>")
 
     def spans(self, messages: Sequence[Message], tools: Sequence[str] = (), *,
               final_only: bool = False) -> list[Span]:

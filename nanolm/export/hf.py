@@ -86,6 +86,7 @@ and a different tokenizer means the embeddings start over.
 from __future__ import annotations
 
 import json
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -571,6 +572,8 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     config made from the HF config, and nothing else: a model needs no
     training settings) and, when nanolm can use it, the tokenizer. Train from it with
     `nanolm train --config <out_dir>/config.json --init-from <out_dir> ...`.
+    The tokenizer's chat template (tokenizer_config.json's, or chat_template.jinja's, which wins as in
+    transformers) is written into the checkpoint's tokenizer_config.json.
     Warns (and copies no tokenizer) when the HF tokenizer lacks nanolm's
     ChatML tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`). Returns out_dir.
     """
@@ -599,5 +602,11 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
                       f"{', '.join(SPECIAL_TOKENS)} as special tokens. The weights belong to the original tokenizer: "
                       f"fine-tuning them in nanolm with another one starts the embeddings over", stacklevel=2)
 
-    return write_model_dir(out_dir, sd, model_cfg, tokenizer_from=None if problem else hf_dir,
-                           metadata={"imported_from": str(hf_dir)})
+    if problem:
+        return write_model_dir(out_dir, sd, model_cfg, tokenizer_from=None, metadata={"imported_from": str(hf_dir)})
+    # The tokenizer as nanolm saves it: a chat_template.jinja (transformers 5's place for the template) folded into
+    # tokenizer_config.json, which every checkpoint made from this one copies, so the model keeps its own layout.
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tok.save(tok_dir)
+        return write_model_dir(out_dir, sd, model_cfg, tokenizer_from=Path(tok_dir),
+                               metadata={"imported_from": str(hf_dir)})

@@ -30,7 +30,7 @@ from nanolm.config.sampling import SamplingParams
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.generate import check_text, stream_text
-from nanolm.infer.guide import GuideVocab, ToolCallGuide
+from nanolm.infer.bans import ReplyGuides
 from nanolm.infer.tools import MAX_TOOL_ROUNDS, Toolbox
 from nanolm.tokenizer import Tokenizer
 
@@ -73,7 +73,8 @@ class ChatSession:
                  tools: Toolbox | None = None, thinking: bool = False, max_tool_rounds: int = MAX_TOOL_ROUNDS,
                  guide_calls: bool = True) -> None:
         """guide_calls: once the model opens a tool call, hold what it writes to the offered tools' schemas
-        (`infer/guide.py`); False reads its calls as they come."""
+        (`infer/guide.py`); False reads its calls as they come. With no tools, a reply cannot open a call, nor,
+        with thinking off, a think block (`infer/bans.py`)."""
         self.engine = engine
         self.tok = tokenizer
         self.fmt = tokenizer.chat_format
@@ -88,14 +89,15 @@ class ChatSession:
             self.fmt.check("the chat", [], self.tool_texts, str(tokenizer.path))
         except ChatError as e:
             raise UserError(str(e)) from None
-        if thinking and not self.fmt.tools:
-            raise UserError(f"the chat has thinking on, but the tokenizer {tokenizer.path} carries the plain ChatML "
-                            "template of nanolm before tools and reasoning, which has no think block; drop --think or "
-                            "use a tokenizer that has <think>")
+        if thinking and not self.fmt.reasoning:
+            raise UserError(f"the chat has thinking on, but the tokenizer {tokenizer.path} carries "
+                            + ("the plain ChatML template of nanolm before tools and reasoning" if self.fmt.nanolm_layout
+                               else "a chat template") + ", which has no think block; drop --think or use a tokenizer "
+                            "that has <think>")
         self.system = checked_text(system, "the system prompt")
-        self.guide = (ToolCallGuide(GuideVocab.of(tokenizer, engine.model.config.vocab_size, engine.device),
-                                    list(self.tools.tools))
-                      if guide_calls and self.tools is not None and self.fmt.guided_calls else None)
+        # With tools, calls held to their schemas; with none, no call tag; with thinking off, no <think>.
+        self.guide = ReplyGuides(tokenizer, engine.model.config.vocab_size, engine.device).reply(
+            self.tools.tools if self.tools is not None else (), thinking=thinking, guide_calls=guide_calls)
         self.history: list[Message] = []  # the conversation without the system prompt, oldest first
         self.dropped_total = 0
         self.last_dropped = 0  # exchanges dropped to fit the last turn

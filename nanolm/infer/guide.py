@@ -1,8 +1,8 @@
 """Tool calls held to the tools' schemas while the model writes them: a grammar that wakes on `<tool_call>`.
 
 A small model that has learnt *when* to call a tool often cannot yet write the call: a brace too few, a key
-misspelt, a name that is no tool's. `ToolCallGuide` follows one row's tokens; outside a call it masks nothing
-and costs nothing, so the model still decides whether to call, which tool and with what arguments. From the
+misspelt, a name that is no tool's. `ToolCallGuide` follows one row's tokens; outside a call it masks almost
+nothing, so the model still decides whether to call, which tool and with what arguments. From the
 moment the model opens a call (the bytes `<tool_call>`) until the call is closed, only tokens that keep the
 text a prefix of a well-formed call are allowed:
 
@@ -20,6 +20,13 @@ ambiguity (a number that may go on or end) is several configurations until a byt
 state walks the vocabulary in byte order, sharing each prefix's parse and skipping every token that starts
 with a dead prefix; inside a free string, where any token without a quote, backslash or control byte keeps
 the state as it is, only the tokens that have one are walked. Masks are cached by state.
+
+The tags are read as bytes, never as token ids: `<tool_call>` may be one added token (nanolm's tokenizers) or
+text the model spells in several (SmolLM2's, whose template has no tools section: nanolm/chat/templates.py).
+Spelt in pieces, the token that finishes the trigger may carry the call's first bytes too (`>\n{"`); outside a
+call the guide masks the few tokens that would finish it and go on as no call of the offered tools can
+(`GuideVocab.entry_mask`, cached by how much of the trigger the text ends with), so the call it opens is
+guided from its first byte.
 
 The engine knows nothing of text: it asks a row's guide for `allowed()` (None: nothing masked) before each
 draw and tells it `advance(token)` after, and gives each of a request's n samples its own `fork()`.
@@ -380,6 +387,17 @@ def call_state(tools: Iterable[Any]) -> State:
     return frozenset({(_lit(_HEAD), ("alt", tuple(alternatives)))})
 
 
+def _trigger_next(written: int, b: int) -> int:
+    """How much of TRIGGER the text ends with after byte b, when it ended with its first `written` bytes."""
+    data = TRIGGER[:written] + bytes([b])
+    return next(k for k in range(min(len(data), len(TRIGGER)), -1, -1) if data.endswith(TRIGGER[:k]))
+
+
+def _trigger_written(tail: bytes) -> int:
+    """How much of TRIGGER (short of all of it) the text ends with, from its last bytes."""
+    return next(k for k in range(min(len(tail), len(TRIGGER) - 1), -1, -1) if tail.endswith(TRIGGER[:k]))
+
+
 def _after(prefix: bytes) -> bytes | None:
     """The least byte string greater than every string that starts with `prefix` (None: there is none)."""
     p = prefix.rstrip(b"\xff")
@@ -412,6 +430,9 @@ class GuideVocab:
         self._plain = plain
         self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
+        # Only a token that holds the trigger's last byte can finish writing it (`entry_mask`).
+        self._closers = [i for _, i in spelled if TRIGGER[-1] in self.token_bytes[i]]
+        self._entry: dict[tuple[State, int], torch.Tensor | None] = {}
 
     @classmethod
     def of(cls, tokenizer: Any, size: int, device: torch.device | str = "cpu") -> "GuideVocab":
@@ -446,6 +467,32 @@ class GuideVocab:
                 end = _after(dead)
                 i = n if end is None else bisect.bisect_left(keys, end, i + 1)
         return allowed
+
+    def entry_mask(self, start: State, written: int) -> torch.Tensor | None:
+        """bool (size,): the ids that may come next outside a call, the text ending with the first `written`
+        bytes of TRIGGER: all but those that would finish the trigger and go on as no call from `start` can
+        (`call_state`); None when that is every id. Cached by (start, written)."""
+        key = (start, written)
+        if key in self._entry:
+            return self._entry[key]
+        banned = []
+        for i in self._closers:
+            data, k = self.token_bytes[i], written
+            for j, b in enumerate(data):
+                k = _trigger_next(k, b)
+                if k == len(TRIGGER):
+                    if not step(start, data[j + 1:]):
+                        banned.append(i)
+                    break
+        out = None
+        if banned:
+            out = torch.ones(self.size, dtype=torch.bool)
+            out[banned] = False
+            out = out.to(self.device)
+        if len(self._entry) >= self._cache_size:
+            self._entry.clear()
+        self._entry[key] = out
+        return out
 
     def mask(self, state: State) -> torch.Tensor:
         """bool (size,): the ids that may come next in `state`."""
@@ -493,7 +540,7 @@ class ToolCallGuide:
     def allowed(self) -> torch.Tensor | None:
         """The ids that may come next (bool, the vocabulary's size), or None when nothing is masked."""
         if self.state is None:
-            return None
+            return self.vocab.entry_mask(self.start, _trigger_written(self._tail))
         mask = self.vocab.mask(self.state)
         if not bool(mask.any()):
             self.state = None

@@ -41,7 +41,8 @@ from nanolm.config.sampling import SamplingParams
 from nanolm.config.serve import ServeConfig
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
-from nanolm.infer.guide import GuideVocab, SchemaError, ToolCallGuide, check_schema
+from nanolm.infer.bans import ReplyGuides
+from nanolm.infer.guide import SchemaError, check_schema
 from nanolm.infer.generate import check_vocab
 from nanolm.infer.server.choices import ChatPlan, Choice
 from nanolm.infer.server.page import chat_page, static_file
@@ -103,7 +104,7 @@ class ServerState:
         self.max_prompt_bytes = 4 * max_token_bytes(tokenizer) * engine.max_seq_len
         self.max_batch = max_batch(config, engine.device)
         self.worker = Worker(engine, config.max_queue, self.max_batch)
-        self._guide_vocab: GuideVocab | None = None  # built at the first request that offers tools
+        self._guides = ReplyGuides(tokenizer, engine.model.config.vocab_size, engine.device)  # the replies' guides
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -280,7 +281,7 @@ class ServerState:
             raise ApiError(400, "tools: every tool's function name holds a quote or backslash, which a call cannot "
                                 "write; give at least one tool a plain name", "tools")
         thinking = req.thinking()
-        if thinking and not fmt.tools:
+        if thinking and not fmt.reasoning:
             raise ApiError(400, f"chat_template_kwargs.enable_thinking: the tokenizer {self.tokenizer.path} carries "
                                 "the plain ChatML template of nanolm before tools and reasoning, which has no think "
                                 "block; leave thinking off, or serve a model whose tokenizer has <think>",
@@ -292,17 +293,14 @@ class ServerState:
         return text, ChatPlan(thinking=thinking, calls=bool(tools), prefill=prefill,
                               tools=tuple(req.tools or ()) if tools else (), bare_calls=fmt.bare_calls)
 
-    def guide(self, plan: ChatPlan) -> ToolCallGuide | None:
-        """The guide that holds a reply's tool calls to the tools offered (ServeConfig.guide_calls), started
-        on the prefilled opening of a forced call; None when no tools are offered or guiding is off."""
-        # plan.calls: tools rendered, so the format has them; bare_calls: Llama 3's (ChatFormat.guided_calls)
-        if not (self.config.guide_calls and plan.calls and plan.tools) or plan.bare_calls:
-            return None
-        if self._guide_vocab is None:
-            self._guide_vocab = GuideVocab.of(self.tokenizer, self.engine.model.config.vocab_size,
-                                              self.engine.device)
-        guide = ToolCallGuide(self._guide_vocab, list(plan.tools))
-        guide.feed(plan.prefill.encode("utf-8"))
+    def guide(self, plan: ChatPlan) -> Any:
+        """The reply's guide (`infer/bans.py`): its tool calls held to the tools offered (ServeConfig.guide_calls),
+        started on the prefilled opening of a forced call; with no tools rendered (absent, empty, tool_choice
+        "none"), no call tag; with thinking off, no <think>. None when there is nothing to guide."""
+        guide = self._guides.reply(plan.tools if plan.calls else (), thinking=plan.thinking,
+                                   guide_calls=self.config.guide_calls)
+        if guide is not None:
+            guide.feed(plan.prefill.encode("utf-8"))
         return guide
 
     def sampling_params(self, req: BaseModel, max_tokens: int | None) -> SamplingParams:
@@ -313,7 +311,7 @@ class ServerState:
                                    max_new_tokens=self.sampling.max_new_tokens if max_tokens is None else max_tokens)
 
     def start(self, prompt_ids: list[int], req: Any, max_tokens: int | None, param: str,
-              guide: ToolCallGuide | None = None) -> Job:
+              guide: Any = None) -> Job:
         """Submit the request's generation to the worker: 400 if the prompt leaves no room or it asks for more
         choices than decode together, 429 if the queue is full."""
         max_seq_len = self.engine.max_seq_len
