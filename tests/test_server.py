@@ -282,9 +282,43 @@ def test_prompt_longer_than_the_context_is_refused(base, tok):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "repetition_penalty"])
+def test_nan_and_infinity_are_not_numbers(base, field, number):
+    body = '{"messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field, number)
+    r = httpx.post(base + CHAT, content=body, headers={"content-type": "application/json"}, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"], err["message"]) == (
+        400, field, f"{field}: must be a number (NaN and Infinity are not numbers)")
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({"400": 5}, "logit_bias: '400' is not a token id of this model; its ids are 0 to 399"),
+    ({"99999999999": -100}, "logit_bias: '99999999999' is not a token id of this model; its ids are 0 to 399"),
+    ({"-1": 1}, "logit_bias: '-1' is not a token id of this model; its ids are 0 to 399"),
+    ({"abc": 1}, "logit_bias: 'abc' is not a token id of this model; its ids are 0 to 399"),
+    ({"5": 101}, "logit_bias['5']: 101 is outside -100 to 100"),
+    # in the vocabulary and in range: refused too, rather than ignored (the sampler has no per-token bias)
+    ({"5": -100}, "logit_bias: not supported by this server (its sampler has no per-token bias); leave it out"),
+])
+@pytest.mark.parametrize("path", [CHAT, COMPLETE])
+def test_logit_bias_is_refused_not_ignored(base, bias, message, path):
+    body = {"messages": OK_MSG} if path == CHAT else {"prompt": "a"}
+    r = httpx.post(base + path, json={**body, "logit_bias": bias}, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"], err["message"]) == (400, "logit_bias", message)
+    r = httpx.post(base + path, json={**body, "logit_bias": {}, "max_tokens": 2}, timeout=30)  # empty: nothing to do
+    assert r.status_code == 200
+
+
 def test_api_key_is_enforced(engine, tok):
     with running(create_app(engine, tok, ServeConfig(model_name="tiny", api_key="s3cret"))) as url:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        # The scheme's name is case-insensitive (RFC 9110): any spelling of Bearer with the key is served.
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            r = httpx.get(url + "/v1/models", headers={"Authorization": f"{scheme} s3cret"}, timeout=30)
+            assert r.status_code == 200, scheme
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "bearer s3cretX"}):
             r = httpx.post(url + CHAT, content="{", headers=headers, timeout=30)  # refused before parsing
             assert r.status_code == 401, headers
             assert r.json()["error"]["code"] == "invalid_api_key"
@@ -355,6 +389,17 @@ def test_a_conversation_too_long_to_fit_is_refused_before_it_is_rendered(engine,
                                   f"the model's context of {engine.max_seq_len} tokens can hold (each takes at "
                                   "least 3); shorten the conversation")
         assert r.headers["connection"] == "close"  # the rest of the body is not read and discarded
+        # However the "role" key is spelt (\u0072ole is the same JSON key) or if it is missing: counted as the
+        # parser counts messages, refused before any message is validated or converted.
+        for spelt in ('{"\\u0072ole": "user", "content": "a"}', '{"content": "a"}'):
+            body = '{"model": "tiny", "messages": [' + ", ".join([spelt] * 20_000) + "]}"
+            with monkeypatch.context() as m:  # not validated either (20,000 messages took 140 ms)
+                m.setattr(routes.ChatRequest, "model_validate_json", never)
+                r = httpx.post(url + CHAT, content=body, headers={"content-type": "application/json"}, timeout=30)
+            err = r.json()["error"]
+            assert (r.status_code, err["param"], err["message"]) == (400, "messages", (
+                f"the conversation has 20000 messages, more than the model's context of {engine.max_seq_len} tokens "
+                "can hold (each takes at least 3); shorten the conversation")), spelt
         long = [{"role": "user", "content": "x" * 400_000}]
         r = httpx.post(url + CHAT, json={"model": "tiny", "messages": long}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages hold 400000 bytes")
