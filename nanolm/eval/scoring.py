@@ -48,6 +48,7 @@ import torch
 
 from nanolm.chat import Message
 from nanolm.eval.tasks import GenItem, MCItem
+from nanolm.infer.bans import ReplyGuides
 from nanolm.infer.engine import run_to_end
 from nanolm.model.transformer import KVCache, Transformer
 
@@ -369,8 +370,10 @@ def score_gen(engine: Any, tok: TokenizerLike, items: Sequence[GenItem], params:
     """Score generative items: replies cut at GEN_STOPS (plain text) or the end of the assistant's turn (chat),
     the answer extracted and compared. Returns {"n", "acc", "chance": 0, "centred", "stderr", "items"}."""
     prompts = [tok.encode(gen_prompt(item, shots, chat, tok)) for item in items]
+    # A chat reply where no tools are offered (thinking off) opens no call nor think block, as in `nanolm chat`.
+    guide = ReplyGuides(tok, engine.model.config.vocab_size, engine.device).reply() if chat else None
     replies = generate_texts(engine, tok, prompts, params, stops=() if chat else GEN_STOPS,
-                             stop_ids=(tok.eot_id, tok.im_end_id), rows=rows)
+                             stop_ids=(tok.eot_id, tok.im_end_id), rows=rows, guide=guide)
     per_item, correct = [], []
     for item, reply in zip(items, replies):
         predicted = extract_answer(reply)

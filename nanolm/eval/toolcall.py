@@ -149,21 +149,21 @@ class LocalBackend:
                 ) -> list[dict[str, Any]]:
         from nanolm.config.sampling import SamplingParams
         from nanolm.eval.scoring import generate_texts
-        from nanolm.infer.guide import GuideVocab, ToolCallGuide
+        from nanolm.infer.bans import ReplyGuides
         from nanolm.infer.server.choices import assistant_message, call_id
 
         fmt, tok = self.tok.chat_format, self.tok
-        vocab = GuideVocab.of(tok, self.engine.model.config.vocab_size, self.engine.device)
-        prompts, guides = [], []
+        guides = ReplyGuides(tok, self.engine.model.config.vocab_size, self.engine.device)
+        prompts, per_talk = [], []
         for talk, offered in zip(talks, tools):
             messages = [message_from_dict(f"messages[{i}]", m) for i, m in enumerate(talk)]
             text = fmt.render(messages, tools_from_value("tools", offered), add_generation_prompt=True,
                               thinking=False)
             prompts.append(tok.encode(text))
-            guides.append(ToolCallGuide(vocab, list(offered)))
+            per_talk.append(guides.reply(offered, thinking=False))  # no tools offered: no call tag
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
         texts = generate_texts(self.engine, tok, prompts, params, stop_ids=(tok.im_end_id, tok.eot_id),
-                               rows=self.rows, guide=guides)
+                               rows=self.rows, guide=per_talk)
         out = []
         for text in texts:
             msg = read_reply(text, bare_calls=fmt.bare_calls)

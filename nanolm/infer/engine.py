@@ -16,7 +16,8 @@ generator, so a row's tokens do not depend on which other rows run beside it;
 a row leaves on its stop ids, its budget or `cancel`. `Engine.generate` is one
 row of a batch. Penalties, filters and the draw are pure functions
 (`infer/sampling.py`). A row may carry a guide (`infer/guide.py`, tool calls
-held to their schemas), asked before each draw which ids may come next.
+held to their schemas; `infer/bans.py`, tags a reply may not write), asked
+before each draw which ids may come next.
 """
 
 from __future__ import annotations
@@ -230,18 +231,25 @@ class Engine:
         return list(self.generate(prompt, params, stop_ids))
 
     def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                      stop_ids: Sequence[int] = (), n: int = 1) -> list[list[int]]:
+                      stop_ids: Sequence[int] = (), n: int = 1,
+                      guide: "Guide | Sequence[Guide | None] | None" = None) -> list[list[int]]:
         """Every prompt's reply (n replies each, in order: prompt 0's n, then prompt 1's ...), decoded together."""
-        return [r.tokens for r in self.replies(prompts, params, stop_ids, n)]
+        return [r.tokens for r in self.replies(prompts, params, stop_ids, n, guide)]
 
     def replies(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                stop_ids: Sequence[int] = (), n: int = 1) -> list["Reply"]:
-        """As `generate_many`, each reply with the reason it ended (`Reply`)."""
+                stop_ids: Sequence[int] = (), n: int = 1,
+                guide: "Guide | Sequence[Guide | None] | None" = None) -> list["Reply"]:
+        """As `generate_many`, each reply with the reason it ended (`Reply`). guide: one for every prompt (each
+        row gets its own fork), one per prompt, or None."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        guides = list(guide) if isinstance(guide, (list, tuple)) else [guide] * len(prompts)
+        if len(guides) != len(prompts):
+            raise ValueError(f"{len(guides)} guides for {len(prompts)} prompts")
         batch = self.batch()
-        rows = [row for prompt, p in zip(prompts, per_prompt) for row in batch.add(prompt, p, stop_ids, n=n)]
+        rows = [row for prompt, p, g in zip(prompts, per_prompt, guides)
+                for row in batch.add(prompt, p, stop_ids, n=n, guide=g)]
         replies = run_to_end(batch, rows)
         return [replies[row] for row in rows]
 
@@ -307,8 +315,10 @@ class Token:
 
 
 class Guide(Protocol):
-    """What a row's guide answers (`infer/guide.py`'s ToolCallGuide is one): the ids that may come next (a bool
-    mask over the vocabulary, or None for all), the token drawn, and a copy for another sample."""
+    """What a row's guide answers (`infer/guide.py`'s ToolCallGuide is one; `infer/bans.py`'s TagBan, which keeps
+    a reply from writing a tag, another): the ids that may come next (a bool mask over the vocabulary, or None for
+    all), the token drawn, and a copy for another sample. A row's mask is applied after every change to its
+    logits (penalties), so nothing re-opens an id its guide masks."""
 
     def allowed(self) -> torch.Tensor | None: ...
 

@@ -225,7 +225,6 @@ class AgentSampler(Sampler):
                             "has no tools; use a tokenizer trained by this nanolm (`nanolm tokenizer train`)")
         self.tools, self.max_rounds, self.thinking = tools, max_rounds, thinking
         self.turns = ToolTurns(tokenizer, tools, thinking)
-        self._vocab: Any = None
 
     def prompt_ids(self, pb: PromptBatch) -> tuple[list[list[int]], list[list[dict[str, Any]]]]:
         """Each prompt rendered with its offered tools (generation prompt appended), and those tools."""
@@ -238,18 +237,17 @@ class AgentSampler(Sampler):
             objects.append(objs)
         return ids, objects
 
-    def _guides(self, model: nn.Module, objects: list[list[dict[str, Any]]]) -> list[Any]:
-        from nanolm.infer.guide import GuideVocab, ToolCallGuide
-        if self._vocab is None:
-            self._vocab = GuideVocab.of(self.tok, model.config.vocab_size, self.device)
-        return [ToolCallGuide(self._vocab, objs) if objs else None for objs in objects]
+    def _guides(self, objects: list[list[dict[str, Any]]]) -> list[Any]:
+        """Each prompt's guide: its calls held to its tools, or, offered none, no call tag (`infer/bans.py`)."""
+        assert self.guides is not None  # built with the engine
+        return [self.guides.reply(objs, thinking=self.thinking) for objs in objects]
 
     def sample_batch(self, model: nn.Module, pb: PromptBatch, n: int, params: list[SamplingParams]) -> AgentSampled:
         prompts, objects = self.prompt_ids(pb)
         engine = self._engine(model)
         v = self.tok.vocab_size
         trajs = run_trajectories(engine.batch(), prompts, n, params, self.stop_ids[0], self.turns, self.max_rounds,
-                                 self._guides(model, objects), lambda t: self.tok.decode([i for i in t if i < v]))
+                                 self._guides(objects), lambda t: self.tok.decode([i for i in t if i < v]))
         return self.sampled(trajs)
 
     @staticmethod

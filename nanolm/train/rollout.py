@@ -25,6 +25,7 @@ their mean reward.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from contextlib import AbstractContextManager
@@ -37,6 +38,7 @@ import torch.nn as nn
 from nanolm.config.sampling import SamplingParams
 from nanolm.data.kinds.prompts import PromptBatch, last_user_text
 from nanolm.data.shards import IGNORE_INDEX
+from nanolm.infer.bans import ReplyGuides
 from nanolm.infer.engine import Engine
 from nanolm.model.transformer import count_params
 from nanolm.runtime import decode_dtype
@@ -83,7 +85,9 @@ class Sampler:
         self.generation_prompt = tokenizer.encode(tokenizer.chat_format.generation_prompt(thinking))
         self.stop_ids = (tokenizer.im_end_id,)
         self.compile = compile  # grpo/ppo.compile_rollouts: the engine's decode step under torch.compile
+        self.thinking = thinking
         self.engine: Engine | None = None
+        self.guides: ReplyGuides | None = None  # built with the engine, for its model's vocabulary
 
     def _engine(self, model: nn.Module) -> Engine:
         """The engine, its weights those of `model` now (one copy, refreshed in place each time)."""
@@ -94,6 +98,7 @@ class Sampler:
             # 967 us a product). The update still scores the tokens with the policy.
             dtype = decode_dtype("auto", self.device, model.config.d_model, count_params(model)["total"], timer=None)[0]
             self.engine = Engine(model, self.device, dtype)
+            self.guides = ReplyGuides(self.tok, model.config.vocab_size, self.device)
             if self.compile:
                 # Untimed (keep_faster false): every rank, and a resumed run, decode through the same step. The
                 # compiled step reads the copy's weights, which load_weights refreshes in place.
@@ -102,16 +107,25 @@ class Sampler:
             self.engine.load_weights(model)
         return self.engine
 
-    def sample(self, model: nn.Module, prompts: list[list[int]], n: int, params: list[SamplingParams]) -> Sampled:
-        """n completions of each prompt (generation prompt appended), decoded together by the engine."""
-        replies = self._engine(model).replies([p + self.generation_prompt for p in prompts], params, self.stop_ids,
-                                              n=n)
+    def sample(self, model: nn.Module, prompts: list[list[int]], n: int, params: list[SamplingParams],
+               tools: list[list[Any]] | None = None) -> Sampled:
+        """n completions of each prompt (generation prompt appended), decoded together by the engine. tools: per
+        prompt, the tools its conversation offers (None: none); where none are offered a completion cannot open a
+        call, and with thinking off it cannot open a think block (`infer/bans.py`)."""
+        engine = self._engine(model)
+        assert self.guides is not None
+        offered = tools if tools is not None else [[]] * len(prompts)
+        # Calls are not guided here (the agentic sampler guides them); only what a reply may not write is banned.
+        guides = [self.guides.reply(t, thinking=self.thinking, guide_calls=False) for t in offered]
+        replies = engine.replies([p + self.generation_prompt for p in prompts], params, self.stop_ids, n=n,
+                                 guide=guides)
         return Sampled([i for i in range(len(prompts)) for _ in range(n)], [r.tokens for r in replies],
                        [r.finish for r in replies])
 
     def sample_batch(self, model: nn.Module, pb: PromptBatch, n: int, params: list[SamplingParams]) -> Sampled:
         """n completions of each prompt of a micro-batch (an agent's sampler runs its tools here too)."""
-        return self.sample(model, pb.prompts, n, params)
+        return self.sample(model, pb.prompts, n, params,
+                           [[json.loads(t) for t in r.get("tools") or ()] for r in pb.records])
 
     @staticmethod
     def seeded(how: SamplingSettings, step_seed: int, slot: int, n_prompts: int, n: int) -> list[SamplingParams]:
