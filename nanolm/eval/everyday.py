@@ -120,12 +120,15 @@ def score_everyday(engine: Any, tok: Any, items: Sequence[EverydayItem], *, mode
     from nanolm.config.sampling import SamplingParams
     from nanolm.eval.loss import reply_bits
     from nanolm.eval.scoring import generate_texts, summary
+    from nanolm.infer.bans import ReplyGuides
 
     fmt = tok.chat_format
     prompts = [tok.encode(fmt.render([Message("user", it.prompt)], add_generation_prompt=True, thinking=False))
                for it in items]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0)
-    replies = generate_texts(engine, tok, prompts, params, stop_ids=(tok.im_end_id, tok.eot_id), rows=rows)
+    no_tools = ReplyGuides(tok, engine.model.config.vocab_size, engine.device).reply()  # no call tag, as in chat
+    replies = generate_texts(engine, tok, prompts, params, stop_ids=(tok.im_end_id, tok.eot_id), rows=rows,
+                             guide=no_tools)
     flags = [off_topic(r) for r in replies]
     bits = reply_bits(model if model is not None else engine.model, tok,
                       [Conversation(it.messages) for it in items], batch_size=batch_size)
