@@ -278,9 +278,35 @@ def _cmd_export(args: argparse.Namespace) -> None:
     print(f"exported to {out}")
 
 
+def _cmd_models(args: argparse.Namespace) -> None:
+    from nanolm.corpora.models import describe_models, fetch_model
+    from nanolm.export.gguf_import import builtin_checkpoint
+    if args.models_cmd == "list":
+        print(describe_models())
+    else:
+        for name in args.names:
+            print(fetch_model(name) if args.file_only else builtin_checkpoint(name))
+
+
+def _builtin_models(args: argparse.Namespace) -> None:
+    """A built-in model's name (`nanolm models list`) given where a checkpoint directory goes, and no such path,
+    becomes the checkpoint imported from its file (fetched and verified; imported once into the cache)."""
+    for key in ("checkpoint", "init_from", "train.init_from", "base"):
+        value = getattr(args, key, None)
+        if isinstance(value, str) and "/" not in value and os.sep not in value and not Path(value).exists():
+            from nanolm.corpora.models import MODELS
+            if value in MODELS:
+                from nanolm.export.gguf_import import builtin_checkpoint
+                setattr(args, key, str(builtin_checkpoint(value)))
+
+
 def _cmd_import(args: argparse.Namespace) -> None:
-    from nanolm.export.hf import import_hf
-    out = import_hf(Path(args.hf_dir), Path(args.out))
+    if args.format == "gguf":
+        from nanolm.export.gguf_import import import_gguf
+        out = import_gguf(Path(args.file), Path(args.out))
+    else:
+        from nanolm.export.hf import import_hf
+        out = import_hf(Path(args.hf_dir), Path(args.out))
     print(f"imported into {out}; continue with `nanolm train --config {out}/config.json --init-from {out} "
           f"--data <prepared dir> ...`")
 
@@ -425,6 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_data)
 
+    mo = sub.add_parser("models", help="built-in real models (a name works wherever a checkpoint directory does)")
+    mosub = mo.add_subparsers(dest="models_cmd", required=True, metavar="ACTION")
+    mosub.add_parser("list", help="show the registry of built-in models, their licences and what is cached")
+    mf = mosub.add_parser("fetch", help="download and verify built-in models and import them into the cache")
+    mf.add_argument("names", nargs="+")
+    mf.add_argument("--file-only", action="store_true", help="only the model file (GGUF), not imported")
+    mo.set_defaults(func=_cmd_models)
+
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tsub = t.add_subparsers(dest="tok_cmd", required=True, metavar="ACTION")
     tt = tsub.add_parser("train", help="train on built-in corpora and/or .txt/.jsonl files or directories")
@@ -511,11 +545,17 @@ def build_parser() -> argparse.ArgumentParser:
             _add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
     ex.set_defaults(func=_cmd_export)
 
-    im = sub.add_parser("import", help="bring a transformers Llama, Qwen3 or Qwen3-MoE checkpoint into nanolm")
+    im_help = ("bring a transformers checkpoint (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE) or a GGUF file (llama, "
+               "qwen2, qwen3) into nanolm")
+    im = sub.add_parser("import", help=im_help, description=im_help[0].upper() + im_help[1:] + ".")
     imsub = im.add_subparsers(dest="format", required=True, metavar="FORMAT")
     ih = imsub.add_parser("hf", help="a local transformers directory (config.json + safetensors)")
     ih.add_argument("hf_dir")
     ih.add_argument("out", help="the nanolm checkpoint directory to write")
+    ig = imsub.add_parser("gguf", help="a GGUF model file (llama.cpp's converter or `nanolm export gguf`; any tensor "
+                                       "type the gguf package dequantizes; needs the gguf and hf extras)")
+    ig.add_argument("file")
+    ig.add_argument("out", help="the nanolm checkpoint directory to write")
     im.set_defaults(func=_cmd_import)
 
     sv = _inference_parser(sub, "serve", _cmd_serve, help="an OpenAI-compatible HTTP API (needs the serve extra)",
@@ -585,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _builtin_models(args)
         args.func(args)
         code = 0
     except UserError as e:
