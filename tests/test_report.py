@@ -225,6 +225,65 @@ def test_calc_misses_are_listed_under_the_benchmark_line(report):
             ("pretrain", 0.155, {"no call": 90, "misstated": 20, "operation": 30, "numbers": 29}),
             ("sft", 0.7, {"no call": 1, "misstated": 6, "operation": 31, "numbers": 22}))]}
     lines = format_report({**report, "tasks": [calc]}).splitlines()
-    i = lines.index("- calc (calc, 200 items, acc): pretrain 15.5% ± 3.0%, sft 70.0% ± 3.0%; chance 0.0%")
+    i = lines.index("- calc (calc, 200 items, acc, higher is better): pretrain 15.5% ± 3.0%, sft 70.0% ± 3.0%; "
+                    "chance 0.0%")
     assert lines[i + 1:i + 3] == ["  - pretrain missed: no call 90, misstated 20, operation 30, numbers 29",
                                   "  - sft missed: no call 1, misstated 6, operation 31, numbers 22"]
+
+
+# ------------------------------------------------------------------------------------------ what fine-tuning cost
+
+def test_sft_replies_by_source_are_its_val_split_scored(runs, report):
+    """The SFT run's held-out replies by source: the val split's conversations read again from the sources,
+    the same reply tokens and bytes `nanolm eval` scores on the val split, the same bits per byte."""
+    from nanolm.eval.loss import evaluate
+    (group, got), = report["runs"][1]["by_source"].items()
+    assert group == "chat" and got["files"] == ["chat.jsonl"] and got["conversations"] == 4  # records 1, 11, 21, 31
+    fresh = evaluate(runs["sft"], [runs["root"] / "chat"], batch_size=2, seq_len=64, quiet=True)
+    assert (got["tokens"], got["bytes"]) == (fresh["tokens"], fresh["bytes"])
+    assert got["bpb"] == pytest.approx(fresh["bpb"], rel=1e-5)
+    init = evaluate(runs["base"], [runs["root"] / "chat"], batch_size=2, seq_len=64, quiet=True)
+    assert got["init_bpb"] == pytest.approx(init["bpb"], rel=1e-5)
+    row = next(line for line in format_report(report).splitlines() if "by source" in line)
+    assert f"chat {got['bpb']:.4f}" in row and f"initial model chat {got['init_bpb']:.4f}" in row
+    assert "lower is better" in row
+
+
+def test_val_conversations_by_source_follow_the_split_rule(tmp_path, tokenizer_dir):
+    from nanolm.data.prepare import prepare
+    from nanolm.eval.report import val_by_source
+    from nanolm.tokenizer import Tokenizer
+    files = []
+    for name, n in (("a.jsonl", 5), ("b.jsonl", 7)):
+        files.append(tmp_path / name)
+        files[-1].write_text("".join(json.dumps({"conversations": [{"role": "user", "content": f"{name} {i}"},
+                                                                   {"role": "assistant", "content": "ok"}]}) + "\n"
+                                     for i in range(n)), encoding="utf-8")
+    prepare(files, tokenizer_dir, tmp_path / "d", format="chat", val_fraction=0.25, workers=0, quiet=True)
+    got = val_by_source(tmp_path / "d", Tokenizer.load(tokenizer_dir))
+    # records 0..11 over both files, val when i % 4 == 1: a's 1, b's 0 (record 5) and 4 (record 9)
+    assert {f: [c.messages[0].content for c in convs] for f, convs in got.items()} == {
+        "a.jsonl": ["a.jsonl 1"], "b.jsonl": ["b.jsonl 0", "b.jsonl 4"]}
+    files[0].write_text("changed\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"a.jsonl: gone or changed since .* keep the sources as prepared"):
+        val_by_source(tmp_path / "d", Tokenizer.load(tokenizer_dir))
+
+
+def test_benchmark_rows_say_which_way_is_better_and_everyday_has_both_scores(report):
+    everyday = {"task": "everyday", "kind": "everyday", "path": "built-in", "results": [
+        {"label": label, "n": 48, "metric": "arith_or_call", "arith_or_call": share, "arith_or_call_stderr": 0.05,
+         "arithmetic": share, "calls": 0.0625, "reply_bpb": bpb, "chance": 0.0, "chat": True,
+         "higher_is_better": False} for label, share, bpb in (("pretrain", 0.125, 3.5), ("sft", 0.875, 2.25))]}
+    text = format_report({**report, "tasks": [*report["tasks"], everyday]})
+    lines = text.splitlines()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| ")]
+    assert ["sft", "mine acc (chat template, 3 items; higher is better)"] == cells[-5][:2]
+    assert cells[-4][:3] == ["pretrain", "everyday arith_or_call (chat template, 48 items; lower is better)",
+                             "12.5% ± 5.0%"]
+    assert cells[-3][:3] == ["pretrain", "everyday bits per byte of the held-out replies (48 conversations; lower "
+                                         "is better)", "3.5000"]
+    assert cells[-1][:3] == ["sft", "everyday bits per byte of the held-out replies (48 conversations; lower is "
+                                    "better)", "2.2500"]
+    i = lines.index("- everyday (everyday, 48 items, arith_or_call, lower is better): pretrain 12.5% ± 5.0%, "
+                    "sft 87.5% ± 5.0%; chance 0.0%")
+    assert lines[i + 2] == "  - sft: arithmetic 87.5%, tool calls 6.2%; held-out replies 2.2500 bits per byte"

@@ -47,7 +47,17 @@ text is the run's train split decoded so (or `text_train`'s files).
 A fine-tuning run trained on chat data (sft, lora) gets its initial model
 (train.init_from, best checkpoint) scored by `nanolm.eval.loss.evaluate` on
 the same validation blocks its val_bpb covered (the assistant replies) as
-its baseline.
+its baseline, and its held-out replies' bits per byte split by source
+(`by_source`): the conversations of its data's val split, read again from
+the source files its manifest lists by the split rule `nanolm prepare`
+applied, grouped by file (or as `source_groups` names them: the quickstart's
+chat corpora, tool use and arithmetic), each group scored with the run's best
+checkpoint and its initial model (`nanolm.eval.loss.reply_bits`), so a
+mixture that buys one source with another shows it.
+
+Every benchmark row says whether its score is better higher (accuracies) or
+lower (`everyday`'s share of replies that compute or call unasked, and its
+replies' bits per byte, a row of their own).
 
 `build_report` measures and returns the card as a dict (JSON-serialisable),
 `format_report` renders it as markdown for the terminal, and `write_report`
@@ -306,6 +316,67 @@ def init_baseline(cfg: Any, device: str = "auto") -> dict[str, Any]:
     return {"init_bpb": r["bpb"], "checkpoint": r["checkpoint"], "source": r["data"], "tokens": r["tokens"]}
 
 
+def val_by_source(data_dir: Path, tok: Any) -> dict[str, list]:
+    """{source file name: its conversations in the val split} of a chat data directory: the manifest's sources
+    read again in order (each checked against its sha256), record i of them all in the val split when
+    i % k == 1, k from the val_fraction it was prepared with (`nanolm.data.provenance.val_every`)."""
+    from nanolm.data.formats import iter_chat_records
+    from nanolm.data.provenance import sha256_of, val_every
+    from nanolm.data.shards import MANIFEST, Manifest
+    m = Manifest.read(data_dir)
+    opts = m.options
+    if m.kind != "chat" or opts.get("system_ratio") or opts.get("empty_think_ratio"):
+        raise UserError(f"{data_dir / MANIFEST}: not chat data prepared without augmentations, so its held-out "
+                        "replies cannot be read again by source")
+    k = val_every(opts.get("val_fraction", 0))
+    if not k:
+        raise UserError(f"{data_dir / MANIFEST}: the data has no val split (val_fraction 0)")
+    out: dict[str, list] = {}
+    i = 0
+    for source in m.sources:
+        path = Path(source["path"])
+        if not path.is_file() or sha256_of(path) != source.get("sha256"):
+            raise UserError(f"{path}: gone or changed since {data_dir} was prepared from it, so its held-out "
+                            "replies are not known; keep the sources as prepared")
+        convs = out.setdefault(path.name, [])
+        for conv, _ in iter_chat_records(path, skip_bad=opts.get("skip_bad", False), fmt=tok.chat_format):
+            if i % k == 1:
+                convs.append(conv)
+            i += 1
+    return out
+
+
+def by_source(run: Path, cfg: Any, groups: dict[str, Sequence[str]] | None = None,
+              device: str = "auto") -> dict[str, dict[str, Any]]:
+    """A chat fine-tuning run's held-out reply bits per byte by source (`val_by_source`), with its best
+    checkpoint and its initial model: {group: {"files", "conversations", "tokens", "bytes", "bpb", "init_bpb"}}.
+    groups: {group name: source file names}; a file no group names is a group of its own (its stem)."""
+    from nanolm.checkpoint import load_model
+    from nanolm.eval.loss import reply_bits
+    from nanolm.runtime import autocast, resolve_device, resolve_dtype
+    from nanolm.tokenizer import Tokenizer
+
+    dev = resolve_device(device)
+    model, ckpt = load_model(run, "best", dev)
+    tok = Tokenizer.load(ckpt)
+    per_file = val_by_source(_one_data_dir(cfg), tok)
+    named = {f: g for g, files in (groups or {}).items() for f in files}
+    grouped: dict[str, list[str]] = {}
+    for f in per_file:
+        grouped.setdefault(named.get(f, Path(f).stem), []).append(f)
+    init, _ = load_model(cfg.train.init_from, "best", dev)
+    out = {}
+    with autocast(dev, resolve_dtype("auto", dev)):
+        for group, files in grouped.items():
+            convs = [c for f in files for c in per_file[f]]
+            if not convs:
+                continue
+            mine, theirs = (reply_bits(m.eval(), tok, convs, batch_size=cfg.train.batch_size) for m in (model, init))
+            out[group] = {"files": files, "conversations": len(convs), "tokens": mine["tokens"],
+                          "bytes": mine["bytes"], "bpb": mine["bpb"], "init_bpb": theirs["bpb"]}
+    return out
+
+
 def with_items(spec: str, n: int | None) -> str:
     """A task spec scoring its first n items, unless it names its own n."""
     from nanolm.eval.runner import parse_task_spec
@@ -326,11 +397,13 @@ def _labels(runs: list[Path], stages: list[str]) -> list[str]:
 
 def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_TASKS, n: int | None = None,
                  text_train: Source = None, text_heldout: Source = None, device: str = "auto",
-                 batch_size: int = 8, xz_train_bytes: int = XZ_TRAIN_BYTES) -> dict[str, Any]:
+                 batch_size: int = 8, xz_train_bytes: int = XZ_TRAIN_BYTES,
+                 source_groups: dict[str, Sequence[str]] | None = None) -> dict[str, Any]:
     """Measure the report card of `runs` (run directories; see the module doc). tasks: task specs as
     `nanolm eval --task` takes them; n: score each task's first n items (a spec's own n= wins); text_train,
     text_heldout: files (or built-in corpus names) for the pretraining baselines instead of the run's shards;
-    batch_size: rows per forward pass of the benchmarks (`nanolm eval`'s default). Returns a JSON-serialisable
+    batch_size: rows per forward pass of the benchmarks (`nanolm eval`'s default); source_groups: how a chat
+    fine-tuning run's held-out replies are grouped by source file (`by_source`). Returns a JSON-serialisable
     dict: {"version", "runs": [...], "tasks": [...], "notes": [...], "settings": {...}}."""
     from nanolm.checkpoint import read_run_config, resolve_checkpoint
     from nanolm.eval.runner import run_eval
@@ -359,6 +432,10 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
                                                        device=device)
             elif cfg.train.stage in ("sft", "lora") and (entry["validation"] or {}).get("metric") == "val_bpb":
                 entry["baseline"] = init_baseline(cfg, device)
+                try:
+                    entry["by_source"] = by_source(run, cfg, source_groups, device)
+                except UserError as e:
+                    notes.append(f"{label}: no split by source: {e}")
         except UserError as e:
             notes.append(f"{label}: no baseline: {e}")
         entries.append(entry)
@@ -377,7 +454,7 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
                                          **{k: v for k, v in r.items() if k not in ("items", "task", "path")}})
     return {"version": REPORT_VERSION, "runs": entries, "tasks": list(by_task.values()), "notes": notes,
             "settings": {"tasks": specs, "n": n, "text_train": train_files, "text_heldout": heldout_files,
-                         "xz_train_bytes": xz_train_bytes}}
+                         "xz_train_bytes": xz_train_bytes, "source_groups": source_groups}}
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -432,15 +509,28 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                          f"{b['model_bpb']:.4f}",
                          f"unigram {b['unigram_bpb']:.4f} · xz -9e {b['xz_bpb']:.4f} · "
                          f"uniform {b['uniform_bpb']:.4f}"))
+        if e.get("by_source"):
+            groups = e["by_source"].items()
+            rows.append((e["label"], "held-out bits per byte of replies by source, best checkpoint (lower is better)",
+                         " · ".join(f"{g} {v['bpb']:.4f}" for g, v in groups),
+                         "initial model " + " · ".join(f"{g} {v['init_bpb']:.4f}" for g, v in groups)))
         tokens = "?" if e["tokens"] is None else f"{e['tokens']:,}"
         rows.append((e["label"], "training: steps · tokens · wall time",
                      f"{e['steps']} · {tokens} · {_wall(e['wall_s'])}", "—"))
     for t in report["tasks"]:
         for r in t["results"]:
             how = "chat template" if r["chat"] else "plain text"
-            rows.append((r["label"], f"{t['task']} {r.get('metric', 'acc')} ({how}, {r['n']} items)", _score(r),
-                         f"chance {_pct(r['chance'])}"))
+            rows.append((r["label"], f"{t['task']} {r.get('metric', 'acc')} ({how}, {r['n']} items; {_better(r)} is "
+                                     "better)", _score(r), f"chance {_pct(r['chance'])}"))
+            if "reply_bpb" in r:  # everyday: the corpus's own replies under the model
+                rows.append((r["label"], f"{t['task']} bits per byte of the held-out replies ({r['n']} "
+                                         "conversations; lower is better)", f"{r['reply_bpb']:.4f}", "—"))
     return rows
+
+
+def _better(r: dict[str, Any]) -> str:
+    from nanolm.eval.runner import higher_is_better
+    return "higher" if higher_is_better(r) else "lower"
 
 
 def _score(r: dict[str, Any]) -> str:
@@ -469,12 +559,15 @@ def format_report(report: dict[str, Any]) -> str:
             chance = {_pct(r["chance"]) for r in t["results"]}
             scores = ", ".join(f"{r['label']} {_score(r)}" for r in t["results"])
             metric = t["results"][0].get("metric", "acc")
-            out.append(f"- {t['task']} ({t['kind']}, {t['results'][0]['n']} items, {metric}): {scores}; "
-                       f"chance {' / '.join(sorted(chance))}")
+            out.append(f"- {t['task']} ({t['kind']}, {t['results'][0]['n']} items, {metric}, "
+                       f"{_better(t['results'][0])} is better): {scores}; chance {' / '.join(sorted(chance))}")
             for r in t["results"]:
                 if r.get("misses"):  # calc: what went wrong with the items each model missed
                     from nanolm.eval.calc import format_misses
                     out.append(f"  - {r['label']} missed: {format_misses(r['misses'])}")
+                if "reply_bpb" in r:  # everyday: the two shares apart, and the replies' bits per byte
+                    out.append(f"  - {r['label']}: arithmetic {_pct(r['arithmetic'])}, tool calls {_pct(r['calls'])}; "
+                               f"held-out replies {r['reply_bpb']:.4f} bits per byte")
     pre = [e for e in report["runs"] if e["baseline"] and "xz_bpb" in e["baseline"]]
     if pre:
         out += ["", "Baselines, on the same held-out tokens as the model's bits per byte:", ""]
@@ -491,6 +584,10 @@ def format_report(report: dict[str, Any]) -> str:
     if any(e["baseline"] and "init_bpb" in e["baseline"] for e in report["runs"]):
         out.append("- initial model: the run's train.init_from (best checkpoint) on the validation blocks the "
                    "run's own validation scored")
+    if any(e.get("by_source") for e in report["runs"]):
+        out.append("- by source: the conversations of the fine-tuning data's val split, grouped by the file each "
+                   "came from, their replies teacher-forced (one conversation per row), best checkpoint and initial "
+                   "model")
     if report["notes"]:
         out += ["", *(f"Note: {n}" for n in report["notes"])]
     return "\n".join(out) + "\n"
