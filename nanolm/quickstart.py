@@ -42,7 +42,7 @@ BENCH_ITEMS = 200  # items of each built-in held-out benchmark on the report car
 # Scored on all their items: cloze's 282 (its standard error at 200 would hide what a few CPU-minutes teach), in
 # about 10 s a model.
 WHOLE_TASKS = ("cloze",)
-# Scored on their own default items: everyday's 48 prompts, short replies decoded in batched rows.
+# Scored on at most their own default items: everyday's 48 prompts, short replies decoded in batched rows.
 OWN_ITEMS = ("everyday",)
 # Left off the toy's card: calc2's two rounds of calls over 200 items would take training time from a model that
 # answers few of calc's one-operation questions.
@@ -108,6 +108,7 @@ def quickstart(out: Path, *, minutes: float | None = None, corpora: Sequence[str
     from nanolm.data.prepare import prepare
     from nanolm.data.tooluse import build_calculator_conversations, build_tool_drill
     from nanolm.corpora import REGISTRY
+    from nanolm.eval.everyday import DEFAULT_ITEMS as EVERYDAY_ITEMS
     from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, with_items, write_report
     from nanolm.infer.chat import ChatSession, run_chat
     from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
@@ -243,7 +244,8 @@ def quickstart(out: Path, *, minutes: float | None = None, corpora: Sequence[str
 
     _banner(next(step), n, "report card: each stage's effect on held-out data, against a baseline")
     # built-in chat data leaves the idioms and everyday benchmarks' conversations out; a user's own chat data may not
-    tasks = [t if t in WHOLE_TASKS + OWN_ITEMS else with_items(t, bench_items) for t in DEFAULT_TASKS
+    tasks = [t if t in WHOLE_TASKS else with_items(t, min(bench_items, EVERYDAY_ITEMS) if t in OWN_ITEMS
+                                                   else bench_items) for t in DEFAULT_TASKS
              if t not in CARD_SKIPS and (t not in ("idioms", "everyday") or all(c in REGISTRY for c in chat_corpora))]
     # the SFT row's held-out replies by source: what the tool-use set and the worked arithmetic cost the chat replies
     made = {"tools.jsonl": "tool use", **({arith["sft"].name: "arithmetic"} if arith else {})}

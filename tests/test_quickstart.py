@@ -42,12 +42,21 @@ def test_quickstart_end_to_end(tmp_path):
     # the report card: every built-in benchmark for the base, SFT and RL models, equal to what report.json holds
     card = json.loads((out / "report" / "report.json").read_text(encoding="utf-8"))
     assert [r["stage"] for r in card["runs"]] == ["pretrain", "sft", "grpo"]
-    assert [t["task"] for t in card["tasks"]] == ["idioms", "cloze", "calc", "arith"]
+    assert [t["task"] for t in card["tasks"]] == ["idioms", "cloze", "calc", "arith", "everyday"]
     for t in card["tasks"]:  # --bench-items of each, but cloze scored on all of its items
         assert [r["n"] for r in t["results"]] == [282 if t["task"] == "cloze" else 12] * 3
     assert [r["metric"] for t in card["tasks"] for r in t["results"]][1::3] == ["acc", "acc_mutual_info", "acc",
-                                                                               "acc"]
-    assert re.search(r"\| pretrain +\| cloze acc_mutual_info \(plain text, 282 items\) +\| \d+\.\d% ± ", r.stdout)
+                                                                               "acc", "arith_or_call"]
+    assert re.search(r"\| pretrain +\| cloze acc_mutual_info \(plain text, 282 items; higher is better\) +\| "
+                     r"\d+\.\d% ± ", r.stdout)
+    assert re.search(r"\| sft +\| everyday arith_or_call \(chat template, 12 items; lower is better\) +\| "
+                     r"\d+\.\d% ± ", r.stdout)
+    assert re.search(r"\| sft +\| everyday bits per byte of the held-out replies \(12 conversations; lower is "
+                     r"better\) +\| \d+\.\d{4} ", r.stdout)
+    # what fine-tuning did to each source's held-out replies
+    sft = card["runs"][1]["by_source"]
+    assert list(sft) == ["chat corpora", "tool use", "arithmetic"] and all(g["bpb"] > 0 for g in sft.values())
+    assert sft["tool use"]["files"] == ["tools.jsonl"] and len(sft["chat corpora"]["files"]) == 2
     assert "# nanolm report card" in r.stdout and "xz -9e" in r.stdout
     md = (out / "report" / "report.md").read_text(encoding="utf-8")
     assert md.split("\n![")[0] in r.stdout and "](curves.png)" in md  # the card as printed, and its curves
