@@ -758,8 +758,32 @@ def hostile_cases() -> list[tuple[str, str, dict[str, str], bytes, int]]:
         ("20,000 short messages (880 KB)", {"messages": [{"role": "user", "content": "hello there"}] * 20_000}),
         ("a tool enum of 10,000 values", {"messages": user, "tools": [enum]}),
         ("n past the batch", {"messages": user, "n": 10_000}),
+        # the second probe's (issue 57): tool schemas checked whole, with tool_choice "required" too
+        *((f"tool parameters {json.dumps(p)}", {"messages": user, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": p}}]})
+          for p in ("str", [1], 5, None)),
+        *((f"tool property schema {json.dumps(x)}", {"messages": user, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"x": x}}}}]})
+          for x in ({"enum": "xyz"}, {"type": "bogus"}, {"type": "array", "items": 1}, {"$ref": "#/$defs/a"},
+                    {"anyOf": [{"enum": list(range(65))}]}, {"type": "array", "items": [{"enum": list(range(65))}]})),
+        ("tool properties as a list", {"messages": user, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": [1]}}}]}),
+        ('tool required: "a"', {"messages": user, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": {}}, "required": "a"}}}]}),
+        ("additionalProperties enum of 65", {"messages": user, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "additionalProperties": {"enum": list(range(65))}}}}]}),
+        ("user after user", {"messages": user * 2}),
+        ("a system message after the first", {"messages": [*user, {"role": "system", "content": "x"}]}),
+        ("a conversation starting with the assistant", {"messages": [{"role": "assistant", "content": "x"}, *user]}),
+        ("logit_bias past the vocabulary", {"messages": user, "logit_bias": {"99999999": 5}}),
     ]
     out = [(name, CHAT, {}, _body(body), 400) for name, body in cases]
+    # the same 20,000 messages with the role key spelt as an escape (the same JSON), or left out
+    for name, spelt in (("20,000 messages, role spelt \\u0072ole", b'{"\\u0072ole": "user", "content": "hello there"}'),
+                        ("20,000 messages without a role", b'{"content": "hello there"}')):
+        out.append((name, CHAT, {}, b'{"messages": [' + b", ".join([spelt] * 20_000) + b"]}", 400))
+    out.append(("temperature NaN", CHAT, {}, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+                400))
     simple = _body({"messages": user, "max_tokens": 8})
     out.append(("a cross-origin simple POST (text/plain)", CHAT, {"origin": "https://evil.example",
                                                                   "content-type": "text/plain"}, simple, 403))
@@ -767,11 +791,12 @@ def hostile_cases() -> list[tuple[str, str, dict[str, str], bytes, int]]:
     return out
 
 
-def hostile(base: str, repeats: int, clients: int, per_client: int) -> list[dict[str, Any]]:
+def hostile(base: str, repeats: int, clients: int, per_client: int, only: str = "") -> list[dict[str, Any]]:
     """Per hostile request: its status and latency alone (median of `repeats`); then a simple request's latency
     alone and when sent as `clients` clients each start sending the hostile request `per_client` times (the
     probe's burst; medians of `repeats` bursts), and their ratio. The first row is the control: `GET /health`
-    sent the same way, the cost of such a burst itself on this machine (the clients run on its cores too)."""
+    sent the same way, the cost of such a burst itself on this machine (the clients run on its cores too).
+    only: the cases whose name holds it (the control always)."""
     simple = {"prompt": "To be", "max_tokens": 16, "temperature": 0}
 
     def simple_s(client: httpx.Client) -> float:
@@ -779,7 +804,7 @@ def hostile(base: str, repeats: int, clients: int, per_client: int) -> list[dict
         r = client.post(base + COMPLETE, json=simple, timeout=60)
         assert r.status_code == 200, r.text
         return time.monotonic() - t
-    cases = [("control: GET /health", "/health", {}, b"", 200)] + hostile_cases()
+    cases = [("control: GET /health", "/health", {}, b"", 200)] + [c for c in hostile_cases() if only in c[0]]
     rows = []
     with httpx.Client(trust_env=False) as c:
         for _ in range(3):
@@ -839,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile", action="store_true",
                     help="each hostile request of the adversarial probe: its 4xx and time, and a simple request's "
                          "time alone against sent as 4 clients send it 3 times each")
+    ap.add_argument("--only", default="", help="--hostile: only the requests whose name holds this text")
+    ap.add_argument("--repeats", type=int, default=7, help="--hostile: times each is measured (medians)")
     ap.add_argument("--requests", type=int, default=200, help="requests per round")
     ap.add_argument("--clients", type=int, default=20, help="concurrent client threads")
     ap.add_argument("--rounds", type=int, default=3, help="rounds after the warm-up round")
@@ -877,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="nanolm-load-") as tmp:
             ckpt = args.checkpoint or build_checkpoint(Path(tmp), max_seq_len=768)
             with serving(ckpt, max_queue=args.max_queue, threads=args.threads) as server:
-                report["hostile"] = hostile(server.url, 7, 4, 3)
+                report["hostile"] = hostile(server.url, args.repeats, 4, 3, args.only)
         print(json.dumps(report, ensure_ascii=False))
         return 0 if all(r["status"] == [r["want"]] for r in report["hostile"]) else 1
     problems: list[str] = []
