@@ -268,6 +268,17 @@ def _cmd_export(args: argparse.Namespace) -> None:
     elif args.format == "gguf":
         from nanolm.export.gguf import export_gguf
         out = export_gguf(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, outtype=args.outtype)
+    elif args.format == "web":
+        from nanolm.config import SamplingParams
+        from nanolm.export.web import export_web, serve
+        out = export_web(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, outtype=args.outtype,
+                         sampling=_from_fields(args, SamplingParams), system=args.system or "")
+        if args.serve:
+            serve(out, port=args.port)
+        else:
+            print(f"exported to {out}; open it with `python -m http.server -d {out}` (http://localhost:8000/) "
+                  "or put the folder on any static host")
+        return
     else:
         from nanolm.config import SamplingParams
         from nanolm.export.ollama import MODELFILE, export_ollama
@@ -521,15 +532,17 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--base", default=None, help="the base checkpoint (default: the one the adapter was trained from)")
     lo.set_defaults(func=_cmd_lora_merge)
 
-    ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers), gguf (llama.cpp) "
-                                       "or ollama")
+    ex = sub.add_parser("export", help="write a checkpoint in another format: hf (transformers), gguf (llama.cpp), "
+                                       "ollama or web (a page that runs it in the browser)")
     exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
     for fmt, help_text, out_help in (("hf", "a transformers directory (Llama, Qwen2 with q/k/v biases, Qwen3 with "
                                             "QK-norm; MoE: Qwen2-MoE, Qwen3-MoE with QK-norm)",
                                       "output directory"),
                                      ("gguf", "a GGUF file for llama.cpp / ollama", "output .gguf file"),
                                      ("ollama", "a directory of model.gguf and a Modelfile for `ollama create`",
-                                      "output directory")):
+                                      "output directory"),
+                                     ("web", "a static folder whose page chats with the model in the browser "
+                                             "(llama.cpp's WebAssembly build)", "output directory")):
         e = exsub.add_parser(fmt, help=help_text)
         e.add_argument("checkpoint", help="a run or checkpoint directory")
         e.add_argument("out", help=out_help)
@@ -543,6 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
         if fmt == "ollama":
             e.add_argument("--system", default=None, help="a system prompt for the Modelfile (default: none)")
             _add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
+        if fmt == "web":
+            e.add_argument("--system", default=None, help="the page's default system prompt (default: none)")
+            e.add_argument("--serve", action="store_true", help="then serve the folder on localhost (Ctrl-C stops)")
+            e.add_argument("--port", type=int, default=8000, help="the port --serve listens on (default 8000)")
+            _add_fields(e, SamplingParams, "sampling (the page's default settings)")
     ex.set_defaults(func=_cmd_export)
 
     im_help = ("bring a transformers checkpoint (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE) or a GGUF file (llama, "
