@@ -71,9 +71,9 @@ class BanVocab:
             raise ValueError("a ban needs at least one non-empty tag")
         self.token_bytes, self.size, self.tags = token_bytes, size, tuple(tags)
         self.device = torch.device(device)
-        spelled = sorted((b, i) for i, b in enumerate(token_bytes[:size]) if b)
-        keys, ids = [b for b, _ in spelled], [i for _, i in spelled]
-        self._always = [i for b, i in spelled if any(t in b for t in self.tags)]
+        ids = sorted((i for i, b in enumerate(token_bytes[:size]) if b), key=token_bytes.__getitem__)
+        keys = [token_bytes[i] for i in ids]
+        self._always = sorted({i for tag in self.tags for i, b in zip(ids, keys) if tag in b})
         self._automata = [_automaton(t) for t in self.tags]
         # _starts[k][j]: the ids whose bytes start with tags[k][j:] (j = 1 .. L-1; entry 0 unused)
         self._starts: list[list[list[int]]] = []
