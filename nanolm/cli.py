@@ -387,10 +387,17 @@ def _cmd_report(args: argparse.Namespace) -> None:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> None:
+    if args.model:
+        from nanolm.quickstart_model import quickstart_model
+        out = args.out or f"runs/quickstart-{Path(args.model).name}"
+        quickstart_model(Path(out), args.model, minutes=args.minutes, rl=args.rl,
+                         **({"bench_items": args.bench_items} if args.bench_items is not None else {}))
+        return
     from nanolm.quickstart import quickstart
-    quickstart(Path(args.out), minutes=args.minutes, corpora=args.corpora, chat_corpora=args.chat_corpora,
+    quickstart(Path(args.out or "runs/quickstart"), minutes=args.minutes, corpora=args.corpora, chat_corpora=args.chat_corpora,
                vocab_size=args.vocab_size, preset_name=args.preset, max_chars=args.max_chars,
-               chat_max_chars=args.chat_max_chars, rl=args.rl, bench_items=args.bench_items)
+               chat_max_chars=args.chat_max_chars, rl=args.rl,
+               **({"bench_items": args.bench_items} if args.bench_items is not None else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -403,9 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     q = sub.add_parser("quickstart", help="every stage at tiny scale on the built-in corpora, in minutes")
+    q.add_argument("--model", default=None,
+                   help="start from a real model instead: a built-in one (`nanolm models list`, e.g. "
+                        "smollm2-135m-instruct) or an imported checkpoint; LoRA on tool use, its card, its GGUF")
     q.add_argument("--minutes", type=float, default=None,
-                   help="total time budget (default 6; 7.5 with --rl, so that the stages before RL train as long)")
-    q.add_argument("--out", default="runs/quickstart", help="where every artefact goes")
+                   help="total time budget (default 6; 7.5 with --rl, so that the stages before RL train as long; "
+                        "with --model 15, or 25 with --rl)")
+    q.add_argument("--out", default=None, help="where every artefact goes (default runs/quickstart, with --model "
+                                               "runs/quickstart-MODEL)")
     q.add_argument("--corpora", nargs="+", default=["sanguo", "shakespeare", "sotu"],
                    help="pretraining text: built-in corpora or your own files/directories")
     q.add_argument("--chat-corpora", nargs="*", default=["idioms", "chatterbot"],
@@ -420,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--rl", action="store_true",
                    help="add a GRPO stage (answer reward) on the arithmetic task after fine-tuning, with its row on "
                         "the report card")
-    q.add_argument("--bench-items", type=int, default=200, help="items of each benchmark on the report card (cloze: all of its items)")
+    q.add_argument("--bench-items", type=int, default=None,
+                   help="items of each benchmark on the report card (default 200, cloze: all of its items; with "
+                        "--model 100)")
     q.set_defaults(func=_cmd_quickstart)
 
     d = sub.add_parser("data", help="built-in corpora: list, fetch")

@@ -276,7 +276,14 @@ def test_benchmark_rows_say_which_way_is_better_and_everyday_has_both_scores(rep
          "higher_is_better": False} for label, share, bpb in (("pretrain", 0.125, 3.5), ("sft", 0.875, 2.25))]}
     text = format_report({**report, "tasks": [*report["tasks"], everyday]})
     lines = text.splitlines()
-    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| ")]
+    card, stages = text.split("\nEach stage against the model before it")
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in card.splitlines() if line.startswith("| ")]
+    # the second table: a row per model, each score's change from the model before, a gain or a cost
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in stages.splitlines() if line.startswith("| ")]
+    assert table[0][-3:] == ["everyday arith_or_call (lower better)", "everyday reply bits per byte (lower better)",
+                             "training time"]
+    assert table[2][0] == "pretrain" and table[2][-3:-1] == ["12.5%", "3.5000"]
+    assert table[3][0] == "sft" and table[3][-3:-1] == ["87.5% (+75.0 pts, cost)", "2.2500 (−35.7%, gain)"]
     assert ["sft", "mine acc (chat template, 3 items; higher is better)"] == cells[-5][:2]
     assert cells[-4][:3] == ["pretrain", "everyday arith_or_call (chat template, 48 items; lower is better)",
                              "12.5% ± 5.0%"]

