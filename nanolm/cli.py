@@ -26,9 +26,13 @@ def _cmd_data(args: argparse.Namespace) -> None:
                                       args.seed)
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     elif args.data_cmd == "tools":
-        from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
+        from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
         from nanolm.infer.tools import BUILTIN_TOOLS, calculator
-        if args.prompts:
+        if args.prompts2:
+            out = calculator_prompts2(Path(args.out), args.n, args.seed, calculator=calculator)
+            print(f"{args.n} two-operation calculator prompts for --stage grpo with --grpo.tools builtin (phrasings "
+                  f"of their own, numbers no calc or calc2 item uses) -> {out}")
+        elif args.prompts:
             out = calculator_prompts(Path(args.out), args.n, args.seed, calculator=calculator)
             print(f"{args.n} calculator prompts for --stage grpo / ppo with --grpo.tools builtin (in phrasings the "
                   f"conversations never use; each answer the calculator's) -> {out}")
@@ -454,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--prompts", action="store_true",
                     help="write RL prompts instead ({\"prompt\", \"answer\"} records for `nanolm prepare --format "
                          "prompts`), in phrasings of their own")
+    tl.add_argument("--prompts2", action="store_true",
+                    help="RL prompts that need two operations (where the held-out calc2 benchmark scores)")
     tl.add_argument("--seed", type=int, default=0)
     ar = dsub.add_parser("arith", help="arithmetic word problems with computed answers (English and Chinese): an SFT "
                                        "set with worked answers, and RL prompts (train and held out) for --stage grpo")

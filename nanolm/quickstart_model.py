@@ -107,7 +107,7 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     items and everyday's prompts on the card; tool_conversations: the size of the fine-tuning set."""
     from nanolm.config import SamplingParams
     from nanolm.data.prepare import prepare
-    from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
+    from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
     from nanolm.eval.report import build_report, format_report, with_items, write_report
     from nanolm.eval.runner import run_eval
     from nanolm.export.gguf import export_gguf
@@ -141,11 +141,14 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     prepare([tools_file], base, sft_dir, format="chat", max_tokens=SEQ_LEN + 1, val_fraction=0.02, workers=2)
     rl_dir = out / "rl-data"
     if rl:
-        prompts = calculator_prompts(out / "corpora" / "rl-prompts.jsonl", RL_PROMPTS, 0, calculator=calculator)
-        prepare([prompts], base, rl_dir, format="prompts", val_fraction=0.05, workers=0)
+        # one operation and two (where the held-out calc2 scores), in phrasings no benchmark uses
+        one = calculator_prompts(out / "corpora" / "rl-prompts.jsonl", RL_PROMPTS // 2, 0, calculator=calculator)
+        two = calculator_prompts2(out / "corpora" / "rl-prompts2.jsonl", RL_PROMPTS // 2, 0, calculator=calculator)
+        prepare([one, two], base, rl_dir, format="prompts", val_fraction=0.05, workers=0)
 
     _banner(next(step), n, "the base model on the held-out benchmarks")
-    tasks = [with_items("calc", bench_items), with_items("everyday", bench_items)]
+    tasks = [with_items("calc", bench_items), *([with_items("calc2", bench_items)] if rl else []),
+             with_items("everyday", bench_items)]
     t_eval = time.perf_counter()
     base_scores = run_eval(base, tasks, out=out / "eval" / "base.json")
     eval_s = time.perf_counter() - t_eval

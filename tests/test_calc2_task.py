@@ -118,3 +118,31 @@ def test_nanolm_eval_names_the_task():
     from nanolm.eval.runner import load_task
     lt = load_task("calc2:n=3")
     assert lt.task.name == "calc2" and lt.task.kind == "calc2" and len(lt.task.items) == 3
+
+
+def test_two_operation_rl_prompts_are_disjoint_from_calc_and_calc2():
+    """The two-operation RL prompts (`calculator_prompts2`) train where calc2 scores: their phrasings are none of
+    calc2's, calc's, the tool-use set's or the one-operation RL prompts', neither of their numbers' pairs nor
+    triples is held out, and each answer is the calculator's result of its phrasing's expression."""
+    import tempfile
+    from pathlib import Path
+    others = [q for q, _ in t._QUESTIONS_ZH + t._QUESTIONS_EN + t.RL_ZH + t.RL_EN + t.HELDOUT_ZH + t.HELDOUT_EN
+              + HELDOUT2_ZH + HELDOUT2_EN]
+    mine = t.RL2_ZH + t.RL2_EN
+    assert not {q for q, _ in mine} & set(others)
+    items = {it.question for it in calc2_items(400, calculator=calculator)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = t.calculator_prompts2(Path(tmp) / "rl2.jsonl", 600, calculator=calculator)
+        records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+        assert t.calculator_prompts2(Path(tmp) / "again.jsonl", 600, calculator=calculator).read_text() == \
+            out.read_text()
+    assert len(records) == 600 and not {r["prompt"] for r in records} & items
+    assert sum(bool(re.search("[\u4e00-\u9fff]", r["prompt"])) for r in records) == 300
+    for r in records:
+        (template, expr), = [(q, e) for q, e in mine if _template_re(q).match(r["prompt"])]
+        assert not any(_template_re(q).match(r["prompt"]) for q in others)
+        nums = dict(zip(re.findall(r"\{([abc])\}", template), map(int, re.findall(r"\d+", r["prompt"]))))
+        expression = expr.format(**nums)
+        a, b, c = operands(expression)
+        assert not numbers_held_out("calc", a, b) and not numbers_held_out("calc", a, b, c)
+        assert r["answer"] == calculator({"expression": expression})

@@ -381,6 +381,50 @@ def calculator_prompts(out: Path, n: int, seed: int = 0, *, calculator: Callable
     return _write_lines(out, lines)
 
 
+# Reinforcement-learning prompts that need two operations, in phrasings of their own: none is a `calc2`
+# benchmark phrasing, a tool-use or one-operation RL phrasing (tested).
+RL2_ZH: list[tuple[str, str]] = [
+    ("{a} 加上 {b}，然后整体乘以 {c}，是多少？", "({a} + {b}) * {c}"),
+    ("从 {a} 里去掉 {b}，剩下的乘 {c} 等于几？", "({a} - {b}) * {c}"),
+    ("{a} 乘 {b} 之后再加 {c}，一共多少？", "{a} * {b} + {c}"),
+    ("{a} 乘 {b} 的结果再减掉 {c}，剩多少？", "{a} * {b} - {c}"),
+    ("书架上层 {a} 本、下层 {b} 本，每本 {c} 元，总价多少元？", "({a} + {b}) * {c}"),
+    ("{a} 和 {b} 合在一起，再平均分给 {c} 个人，每人几个？", "({a} + {b}) / {c}"),
+]
+RL2_EN: list[tuple[str, str]] = [
+    ("What do you get if you add {a} to {b} and then multiply by {c}?", "({a} + {b}) * {c}"),
+    ("Subtract {b} from {a}, then multiply that by {c}. What is it?", "({a} - {b}) * {c}"),
+    ("Work out {a} times {b}, plus {c}.", "{a} * {b} + {c}"),
+    ("Find {a} times {b}, minus {c}.", "{a} * {b} - {c}"),
+    ("A shop sold {a} pens in the morning and {b} in the afternoon at {c} dollars each. How much money?",
+     "({a} + {b}) * {c}"),
+    ("Put {a} and {b} together and split them evenly into {c} groups. How many per group?", "({a} + {b}) / {c}"),
+]
+
+
+def calculator_prompts2(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> Path:
+    """Write n reinforcement-learning prompts that need two operations (`RL2_ZH` / `RL2_EN`, alternating) to
+    `out`, as `calculator_prompts` writes its prompts: a and b from 21 to 99 and c as `calc2_items` draws them,
+    over numbers the held-out rule leaves to training (neither the pair nor the triple held out, so no `calc`
+    or `calc2` item's numbers). The same n and seed give the same file."""
+    _check_count(n, "prompts")
+    rng = random.Random(seed)
+    lines: list[str] = []
+    while len(lines) < n:
+        question, expr = rng.choice(RL2_ZH if len(lines) % 2 == 0 else RL2_EN)
+        a, b = rng.randint(21, 99), rng.randint(21, 99)
+        if "{a} - {b}" in expr:
+            a, b = max(a, b), min(a, b)
+        c = rng.randint(2, 9) if "* {c}" in expr or "/ {c}" in expr else rng.randint(10, 99)
+        if a == b or ("/ {c}" in expr and (a + b) % c) or numbers_held_out("calc", a, b) \
+                or numbers_held_out("calc", a, b, c):
+            continue
+        nums = {"a": a, "b": b, "c": c}
+        answer = _computed(calculator, expr.format(**nums))
+        lines.append(json.dumps({"prompt": question.format(**nums), "answer": answer}, ensure_ascii=False) + "\n")
+    return _write_lines(out, lines)
+
+
 def calc_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> list[CalcItem]:
     """n `calc` benchmark questions, half Chinese and half English (alternating): a held-out phrasing over two
     two-digit numbers whose pair is held out (a quotient's dividend a multiple of its divisor, so that the result
