@@ -20,6 +20,7 @@ import torch
 from nanolm.chat import render_chat
 from nanolm.config import SamplingParams, ServeConfig
 from nanolm.errors import UserError
+from nanolm.infer.bans import ReplyGuides
 from nanolm.infer.engine import Engine
 
 from engine_doubles import SlowBatch
@@ -42,10 +43,23 @@ def chat_ids(tok, text: str) -> list[int]:
     return tok.encode(render_chat([{"role": "user", "content": text}], add_generation_prompt=True))
 
 
-def reference(engine, tok, ids, max_tokens, temperature=0.0, top_p=1.0, seed=None) -> tuple[str, str, int]:
-    """What a solo request must return: (text, finish_reason, completion_tokens)."""
-    out = engine.generate_all(ids, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                  seed=seed), STOPS)
+def no_tools(engine, tok):
+    """The guide the server gives a chat reply that offers no tools, thinking off (`ServerState.guide`): no
+    <tool_call>, no <think>. A completion gets none."""
+    return ReplyGuides(tok, engine.model.config.vocab_size, engine.device).reply()
+
+
+def solo(engine, tok, ids, params: SamplingParams, chat: bool) -> list[int]:
+    """The engine's reply to `ids` generated alone, a chat's under the server's no-tools guide."""
+    return list(engine.generate(ids, params, STOPS, guide=no_tools(engine, tok) if chat else None))
+
+
+def reference(engine, tok, ids, max_tokens, temperature=0.0, top_p=1.0, seed=None,
+              chat: bool = True) -> tuple[str, str, int]:
+    """What a solo request must return: (text, finish_reason, completion_tokens). chat: ids are a rendered chat
+    (guided as the server guides it), else a completion's prompt."""
+    out = solo(engine, tok, ids, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                                seed=seed), chat)
     return tok.decode(out), "length" if len(out) == max_tokens else "stop", len(out)
 
 
@@ -98,7 +112,7 @@ def test_official_client_gets_the_engines_greedy_output(base, engine, tok):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == finish
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
 
-    ctext, cfinish, cn = reference(engine, tok, tok.encode("To be, or not"), 20)
+    ctext, cfinish, cn = reference(engine, tok, tok.encode("To be, or not"), 20, chat=False)
     r = c.completions.create(model="tiny", prompt="To be, or not", temperature=0, max_tokens=20)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (ctext, cfinish)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode("To be, or not")), cn)
@@ -110,7 +124,7 @@ def test_official_client_gets_the_engines_greedy_output(base, engine, tok):
     # Without max_tokens a completion stops after 16 tokens, as OpenAI's does.
     r = c.completions.create(model="tiny", prompt="To be, or not", temperature=0)
     assert r.usage.completion_tokens == 16 and r.choices[0].text == reference(engine, tok, tok.encode("To be, or not"),
-                                                                              16)[0]
+                                                                              16, chat=False)[0]
 
 
 def test_stream_wire_format(base, engine, tok):
@@ -252,19 +266,19 @@ def test_fields_a_request_leaves_out_take_the_sampling_defaults(base, engine, to
     completion without it 16 tokens (OpenAI's rule)."""
     ids = chat_ids(tok, "hi")
     r = client(base).chat.completions.create(model="tiny", messages=OK_MSG, seed=11, max_tokens=12)
-    assert r.choices[0].message.content == tok.decode(engine.generate_all(ids, SamplingParams(max_new_tokens=12,
-                                                                                             seed=11), STOPS))
+    assert r.choices[0].message.content == tok.decode(solo(engine, tok, ids, SamplingParams(max_new_tokens=12,
+                                                                                           seed=11), True))
     defaults = SamplingParams(max_new_tokens=5, temperature=0.9, top_k=7, top_p=0.8, seed=3)
     with running(create_app(engine, tok, ServeConfig(model_name="tiny"), defaults)) as url:
         c = client(url)
-        want = engine.generate_all(ids, defaults, STOPS)
+        want = solo(engine, tok, ids, defaults, True)
         r = c.chat.completions.create(model="tiny", messages=OK_MSG)
         assert (r.choices[0].message.content, r.usage.completion_tokens) == (tok.decode(want), len(want))
         r = c.chat.completions.create(model="tiny", messages=OK_MSG, temperature=0, max_tokens=9)
         assert r.choices[0].message.content == reference(engine, tok, ids, 9)[0]
         mixed = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=0, top_p=0.8, seed=4)
         r = c.chat.completions.create(model="tiny", messages=OK_MSG, max_tokens=8, extra_body={"top_k": 0}, seed=4)
-        assert r.choices[0].message.content == tok.decode(engine.generate_all(ids, mixed, STOPS))
+        assert r.choices[0].message.content == tok.decode(solo(engine, tok, ids, mixed, True))
         r = c.completions.create(model="tiny", prompt="To be", temperature=0)
         assert r.usage.completion_tokens == 16
 
@@ -440,7 +454,8 @@ def test_concurrent_clients_each_get_their_solo_output(base, engine, tok):
         kind, streaming, p = ("chat", "completion")[i % 2], bool(i // 2 % 2), prompts[i % 8]
         temperature, seed = (0.0, None) if i % 3 else (0.9, 100 + i)
         ids = chat_ids(tok, p) if kind == "chat" else tok.encode(p)
-        jobs.append((kind, streaming, p, temperature, seed, reference(engine, tok, ids, 12, temperature, 0.9, seed)))
+        want = reference(engine, tok, ids, 12, temperature, 0.9, seed, chat=kind == "chat")
+        jobs.append((kind, streaming, p, temperature, seed, want))
     results: dict[int, tuple] = {}
     barrier = threading.Barrier(8)
 
@@ -487,7 +502,7 @@ def test_twenty_concurrent_clients_are_decoded_together_and_each_gets_its_solo_a
         penalties = {"frequency_penalty": 0.5, "repetition_penalty": 1.3} if i % 4 == 1 else {}
         ids = chat_ids(tok, p) if kind == "chat" else tok.encode(p)
         params = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=0.9, seed=seed, **penalties)
-        out = engine.generate_all(ids, params, STOPS)
+        out = solo(engine, tok, ids, params, kind == "chat")
         jobs.append((kind, streaming, p, temperature, seed, penalties,
                      (tok.decode(out), "length" if len(out) == 16 else "stop")))
     CountingBatch.most = 0
@@ -521,8 +536,8 @@ def test_twenty_concurrent_clients_are_decoded_together_and_each_gets_its_solo_a
 def test_n_choices_share_the_prompt_and_each_is_its_seed_alone(base, engine, tok):
     """n = 3 seeded: choice i is the request alone with seed + i, streaming or not; usage counts every choice."""
     ids = chat_ids(tok, "滚滚长江")
-    alone = [engine.generate_all(ids, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=42 + i),
-                                 STOPS) for i in range(3)]
+    alone = [solo(engine, tok, ids, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=42 + i),
+                  True) for i in range(3)]
     want = [tok.decode(reply) for reply in alone]
     assert len(set(want)) == 3
     c = client(base)
@@ -553,7 +568,7 @@ def test_logprobs_in_both_apis_are_the_models(base, engine, tok):
     c = client(base)
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0,
                                   max_tokens=6, logprobs=True, top_logprobs=3)
-    reply = engine.generate_all(ids, SamplingParams(max_new_tokens=6, temperature=0), STOPS)
+    reply = solo(engine, tok, ids, SamplingParams(max_new_tokens=6, temperature=0), True)
     entries = r.choices[0].logprobs.content
     assert len(entries) == len(reply) > 0
     context = list(ids)
