@@ -355,6 +355,12 @@ def val_by_source(data_dir: Path, tok: Any) -> dict[str, list]:
     return out
 
 
+def _sources(cfg: Any) -> int:
+    """How many source files a run's (one) data directory was prepared from."""
+    from nanolm.data.shards import Manifest
+    return len(Manifest.read(_one_data_dir(cfg)).sources)
+
+
 def by_source(run: Path, cfg: Any, groups: dict[str, Sequence[str]] | None = None,
               device: str = "auto") -> dict[str, dict[str, Any]]:
     """A chat fine-tuning run's held-out reply bits per byte by source (`val_by_source`), with its best
@@ -450,7 +456,8 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
             elif cfg.train.stage in ("sft", "lora") and (entry["validation"] or {}).get("metric") == "val_bpb":
                 entry["baseline"] = init_baseline(cfg, device)
                 try:
-                    entry["by_source"] = by_source(run, cfg, source_groups, device)
+                    if _sources(cfg) > 1:  # one source: its replies are the validation row's
+                        entry["by_source"] = by_source(run, cfg, source_groups, device)
                 except UserError as e:
                     notes.append(f"{label}: no split by source: {e}")
         except UserError as e:
