@@ -78,9 +78,11 @@ def llama_cpp_agreement(gguf: Path, ckpt: Path, prompts: tuple[str, ...] = LLAMA
     from nanolm.chat.templates import render_chat
     from nanolm.config import SamplingParams
     from nanolm.infer.engine import Engine
+    from nanolm.model.lora import merge_lora
     from nanolm.tokenizer import Tokenizer
 
     model, ckpt_dir = load_model(ckpt, "best")
+    merge_lora(model)  # as the GGUF holds it
     tok = Tokenizer.load(ckpt_dir)
     prompts_ids = [tok.encode(render_chat([{"role": "user", "content": p}], True, fmt=tok.chat_format))
                    for p in prompts]
@@ -117,6 +119,7 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     from nanolm.infer.engine import Engine
     from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
     from nanolm.checkpoint import load_model
+    from nanolm.model.lora import merge_lora
     from nanolm.tokenizer import Tokenizer
 
     if minutes is None:
@@ -175,7 +178,7 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
 
     _banner(next(step), n, "a scripted chat")
     sft_model, sft_ckpt = load_model(sft_run, "best")
-    engine, sft_tok = Engine(sft_model), Tokenizer.load(sft_ckpt)
+    engine, sft_tok = Engine(merge_lora(sft_model)), Tokenizer.load(sft_ckpt)
     greedy = SamplingParams(max_new_tokens=60, temperature=0.0)
     run_chat(ChatSession(engine, sft_tok, greedy), stdin=io.StringIO("\n".join(CHAT_SCRIPT) + "\n"),
              interactive=False)

@@ -265,6 +265,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import check_vocab
     from nanolm.io import write_json_atomic
+    from nanolm.model.lora import merge_lora
     from nanolm.runtime import autocast, resolve_device, resolve_dtype
     from nanolm.tokenizer import Tokenizer
 
@@ -275,6 +276,7 @@ def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best
     loaded = [load_task(s) for s in specs]  # a bad task file fails before the model loads
     dev = resolve_device(device)
     model, ckpt_dir = load_model(checkpoint, which, dev, adapter=adapter)
+    merge_lora(model)  # a LoRA run scores as its merged model, the one it exports as: W + BA once, not per token
     require_causal(model.config, "a benchmark (choices scored, replies decoded token by token)", ckpt_dir)
     if not (ckpt_dir / "tokenizer.json").is_file():
         raise UserError(f"{ckpt_dir}: holds no tokenizer.json, so the tasks cannot be tokenized; use a checkpoint "
