@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the report card")
     q.add_argument("--bench-items", type=int, default=None,
                    help="items of each benchmark on the report card (default 200, cloze: all of its items; with "
-                        "--model 100)")
+                        "--model 50)")
     q.set_defaults(func=_cmd_quickstart)
 
     d = sub.add_parser("data", help="built-in corpora: list, fetch")

@@ -33,7 +33,7 @@ from nanolm.progress import fmt_duration
 MINUTES = 15.0  # the default budget, from the first step to the report card
 RL_MINUTES = 25.0  # with rl: the same fine-tuning, then GRPO
 TOOL_CONVERSATIONS = 800  # more than 15 CPU-minutes read (the trainer stops at the time, repeating nothing)
-BENCH_ITEMS = 100  # items of calc on the card (everyday: all of its prompts up to this)
+BENCH_ITEMS = 50  # items of calc on the card and of everyday (its 48 prompts): each calc item is prefilled twice
 RL_PROMPTS = 400
 # LoRA on every projection. Rank 16 (alpha 32) and a learning rate of 1e-3: a few minutes of a CPU see a few
 # hundred conversations, so the adapters need larger steps than a long GPU run's 1e-4.
@@ -105,10 +105,11 @@ def llama_cpp_agreement(gguf: Path, ckpt: Path, prompts: tuple[str, ...] = LLAMA
 
 def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl: bool = False,
                      bench_items: int = BENCH_ITEMS, tool_conversations: int = TOOL_CONVERSATIONS,
-                     quiet_train: bool = False) -> dict[str, Path]:
+                     seq_len: int = SEQ_LEN, quiet_train: bool = False) -> dict[str, Path]:
     """Fine-tune built-in model `model` (or an imported checkpoint directory) into `out`; returns the artefacts.
     rl: add agentic GRPO. minutes: the whole budget (None: MINUTES, or RL_MINUTES with rl); bench_items: calc's
-    items and everyday's prompts on the card; tool_conversations: the size of the fine-tuning set."""
+    items and everyday's prompts on the card; tool_conversations: the size of the fine-tuning set; seq_len: the
+    training window (a conversation longer than it is left out)."""
     from nanolm.config import SamplingParams
     from nanolm.data.prepare import prepare
     from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
@@ -143,7 +144,7 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     tools_file = build_calculator_conversations(out / "corpora" / "tools.jsonl", tool_conversations,
                                                 calculator=calculator, tools=BUILTIN_TOOLS)
     sft_dir = out / "sft-data"
-    prepare([tools_file], base, sft_dir, format="chat", max_tokens=SEQ_LEN + 1, val_fraction=0.02, workers=2)
+    prepare([tools_file], base, sft_dir, format="chat", max_tokens=seq_len + 1, val_fraction=0.02, workers=2)
     rl_dir = out / "rl-data"
     if rl:
         # one operation and two (where the held-out calc2 scores), in phrasings no benchmark uses
@@ -172,7 +173,7 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     sft_time = max(10.0, remaining() - reserve - rl_time)
     _banner(next(step), n, f"LoRA fine-tuning on tool use ({fmt_duration(sft_time)})")
     lora = {"train.stage": "lora", "data.path": str(sft_dir), "train.out_dir": str(sft_run),
-            "train.seq_len": SEQ_LEN, "train.batch_size": BATCH_SIZE, "train.eval_interval": 25,
+            "train.seq_len": seq_len, "train.batch_size": BATCH_SIZE, "train.eval_interval": 25,
             "train.eval_batches": 4, "train.log_interval": 5, **LORA}
     _train(base, lora, sft_time, quiet=quiet_train)
 
@@ -191,7 +192,7 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     if rl:
         _banner(next(step), n, "agentic GRPO: calculator prompts, the calculator in the loop, the answer reward")
         grpo = {"train.stage": "grpo", "data.path": str(rl_dir), "train.out_dir": str(rl_run),
-                "train.init_from": str(sft_run), "train.seq_len": SEQ_LEN, "train.batch_size": 4,
+                "train.init_from": str(sft_run), "train.seq_len": seq_len, "train.batch_size": 4,
                 "train.eval_batches": 4, "grpo.group_size": 8, "grpo.max_new_tokens": 48, "grpo.tools": "builtin",
                 "grpo.max_rounds": 2, "grpo.rewards": "answer", **LORA, "optim.lr": 2e-4}
         _train(base, grpo, max(10.0, remaining() - AFTER_EVAL * eval_s * 2 - EXPORT_RESERVE), quiet=quiet_train)

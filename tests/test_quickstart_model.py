@@ -30,7 +30,8 @@ def tiny_smol(tmp_path_factory) -> Path:
     tok_dir = family_tokenizer(root / "tok", SMOLLM2, NANOLM, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     tok = Tokenizer.load(tok_dir)
     src = root / "hf"
-    hf_model("Llama", vocab_size=tok.vocab_size, tie_word_embeddings=True).save_pretrained(src)
+    hf_model("Llama", vocab_size=tok.vocab_size, tie_word_embeddings=True,
+             max_position_embeddings=2048).save_pretrained(src)
     tok.save(src)
     return import_hf(src, root / "base")
 
@@ -41,14 +42,15 @@ def test_real_model_quickstart_end_to_end(tiny_smol, tmp_path, capsys):
 
     out = tmp_path / "qs"
     artefacts = quickstart_model(out, str(tiny_smol), minutes=1.0, bench_items=4, tool_conversations=40,
-                                 quiet_train=True)
+                                 seq_len=2048, quiet_train=True)
     printed = capsys.readouterr().out
 
     # the tool-use conversations went through the model's own template: tools in a system turn, as text
     manifest = json.loads((out / "sft-data" / "manifest.json").read_text(encoding="utf-8"))
-    assert manifest["format"] == "chat" and manifest["n_docs"] == 40
+    assert manifest["chat"]["template"] == "template" and manifest["totals"]["n_docs"] == 40
+    assert manifest["chat"]["skipped_too_long"] == 0
 
-    card = json.loads((artefacts["report"] / "report.json").read_text(encoding="utf-8"))
+    card = json.loads((artefacts["report"].parent / "report.json").read_text(encoding="utf-8"))
     assert [r["stage"] for r in card["runs"]] == ["base", "lora"]
     assert card["runs"][0]["validation"] is None and card["runs"][1]["steps"] >= 1
     tasks = {t["task"]: t for t in card["tasks"]}
@@ -61,7 +63,7 @@ def test_real_model_quickstart_end_to_end(tiny_smol, tmp_path, capsys):
     assert {t["task"]: t["acc"] for t in base_eval["tasks"] if "acc" in t} == \
         {name: t["results"][0]["acc"] for name, t in tasks.items() if "acc" in t["results"][0]}
 
-    report_md = (artefacts["report"] / "report.md").read_text(encoding="utf-8")
+    report_md = (artefacts["report"].parent / "report.md").read_text(encoding="utf-8")
     assert "calc acc (chat template, 4 items; higher is better)" in report_md
     assert "everyday reply bits per byte (lower better)" in report_md  # the table of gains and costs
     assert "| lora " in report_md and "| base " in report_md

@@ -683,6 +683,8 @@ def plot_curves(report: dict[str, Any], out: Path) -> Path:
     ax_val, ax_loss = fig.subplots(1, 2)
     for i, e in enumerate(report["runs"]):
         color = f"C{i % 10}"
+        if e["stage"] == "base":
+            continue  # an imported model: no curves of ours
         records = read_metrics(Path(e["path"]) / "metrics.jsonl")
         xs, ys = _series(records, "val_bpb", "tokens")
         if xs:
