@@ -114,7 +114,6 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     from nanolm.data.prepare import prepare
     from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
     from nanolm.eval.report import build_report, format_report, with_items, write_report
-    from nanolm.eval.runner import run_eval
     from nanolm.export.gguf import export_gguf
     from nanolm.infer.chat import ChatSession, run_chat
     from nanolm.infer.engine import Engine
@@ -155,12 +154,10 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     _banner(next(step), n, "the base model on the held-out benchmarks")
     tasks = [with_items("calc", bench_items), *([with_items("calc2", bench_items)] if rl else []),
              with_items("everyday", bench_items)]
-    t_eval = time.perf_counter()
-    base_scores = run_eval(base, tasks, out=out / "eval" / "base.json")
-    eval_s = time.perf_counter() - t_eval
+    base_scores, eval_s, cached = _base_scores(base, tasks, out / "eval" / "base.json")
     for r in base_scores["tasks"]:
         print(f"  {r['task']}: {_line(r)}")
-    print(f"  ({fmt_duration(eval_s)})")
+    print(f"  ({fmt_duration(eval_s)}{'; measured by an earlier run, kept in ' + str(cached) if cached else ''})")
 
     sft_run, rl_run = out / "lora", out / "rl"
     for d in (sft_run, rl_run):
@@ -226,6 +223,39 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     print(f"\nnext: nanolm chat {final} --tools builtin   |   nanolm serve {final}   |   "
           f"ollama: nanolm export ollama {final} OUT")
     return artefacts
+
+
+def _base_scores(base: Path, tasks: list[str], out: Path) -> tuple[dict[str, Any], float, Path | None]:
+    """The base model's scores on `tasks` (run_eval's result), the seconds they took, and where they were kept
+    when an earlier run measured them (else None). Greedy scoring of the same weights on the same items gives
+    the same result, so a second quickstart of the same model spends that time fine-tuning; the key is the
+    task specs, the weights file (size and modification time), the config and the tokenizer."""
+    import hashlib
+
+    from nanolm.corpora.cache import cache_dir
+    from nanolm.eval.runner import run_eval
+    from nanolm.io import write_json_atomic
+
+    weights = (base / "model.safetensors").stat()
+    key = hashlib.sha256(json.dumps({
+        "tasks": tasks, "weights": [weights.st_size, weights.st_mtime_ns],
+        "files": [hashlib.sha256((base / f).read_bytes()).hexdigest() for f in ("config.json", "tokenizer.json")
+                  if (base / f).is_file()]}).encode()).hexdigest()[:20]
+    kept = cache_dir() / "scores" / f"{key}.json"
+    if kept.is_file():
+        try:
+            data = json.loads(kept.read_text(encoding="utf-8"))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(out, data["scores"])
+            return data["scores"], float(data["seconds"]), kept
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged: measured again below, and kept anew
+    t0 = time.perf_counter()
+    scores = run_eval(base, tasks, out=out)
+    seconds = time.perf_counter() - t0
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(kept, {"checkpoint": str(base), "tasks": tasks, "seconds": seconds, "scores": scores})
+    return scores, seconds, None
 
 
 def _base_checkpoint(model: str) -> Path:

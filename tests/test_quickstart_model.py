@@ -37,8 +37,9 @@ def tiny_smol(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_real_model_quickstart_end_to_end(tiny_smol, tmp_path, capsys):
+def test_real_model_quickstart_end_to_end(tiny_smol, tmp_path, capsys, monkeypatch):
     from nanolm.quickstart_model import quickstart_model
+    monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))  # the base's scores kept here, not in ~/.cache
 
     out = tmp_path / "qs"
     artefacts = quickstart_model(out, str(tiny_smol), minutes=1.0, bench_items=4, tool_conversations=40,
@@ -79,3 +80,34 @@ def test_an_unknown_model_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"--model no-such-model: not a built-in model and no such directory; "
                                         r"built-in models: smollm2-135m-instruct"):
         quickstart_model(tmp_path / "qs", "no-such-model", minutes=1.0)
+
+
+def test_the_base_models_scores_are_measured_once_and_kept(tiny_smol, tmp_path, monkeypatch):
+    """A second quickstart of the same model takes the base's scores kept by the first (the same weights, items
+    and greedy decoding give the same result) and spends that time fine-tuning; other tasks, or other weights,
+    are measured anew, and a damaged kept file is measured again."""
+    import nanolm.eval.runner as runner
+    from nanolm.quickstart_model import _base_scores
+
+    monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_run_eval(checkpoint, specs, out):
+        calls.append(list(specs))
+        result = {"checkpoint": str(checkpoint), "tasks": [{"task": s, "acc": 0.25} for s in specs]}
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result), encoding="utf-8")
+        return result
+
+    monkeypatch.setattr(runner, "run_eval", fake_run_eval)
+    first, seconds, kept = _base_scores(tiny_smol, ["calc:n=4"], tmp_path / "a" / "base.json")
+    assert kept is None and calls == [["calc:n=4"]] and seconds >= 0
+    again, seconds2, kept = _base_scores(tiny_smol, ["calc:n=4"], tmp_path / "b" / "base.json")
+    assert again == first and seconds2 == seconds and calls == [["calc:n=4"]]
+    assert kept.parent == tmp_path / "cache" / "scores"
+    assert json.loads((tmp_path / "b" / "base.json").read_text(encoding="utf-8")) == first  # the run has its copy
+    _base_scores(tiny_smol, ["calc:n=5"], tmp_path / "c" / "base.json")  # other items: measured
+    assert calls[-1] == ["calc:n=5"]
+    kept.write_text("{not json", encoding="utf-8")  # damaged: measured again
+    _base_scores(tiny_smol, ["calc:n=4"], tmp_path / "d" / "base.json")
+    assert calls[-1] == ["calc:n=4"] and len(calls) == 3
