@@ -621,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", nargs="+", default=None,
                     help="built-in corpora, .txt/.jsonl files or directories, or a prepared data directory")
     ev.add_argument("--task", action="append", default=[], metavar="TASK[:key=value,...]",
-                    help="a benchmark: a built-in one (idioms, cloze, calc, arith), toolcall:FILE (tool use), or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
+                    help="a benchmark: a built-in one (idioms, cloze, calc, calc2, everyday, arith), toolcall:FILE (tool use), or a task file (C-Eval/CMMLU/MMLU .csv; ARC, OpenBookQA, "
                          "PIQA, HellaSwag, SIQA, GSM8K or nanolm .jsonl); options n=, shots=, dev=, chat=, "
                          "style=cloze|letters, name=; repeatable")
     ev.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
