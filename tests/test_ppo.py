@@ -407,7 +407,7 @@ def test_ppo_with_tools_trains_on_trajectories_and_resumes(prompts_dir, base_run
     from nanolm.train.agent import AgentSampler
     tok = Tokenizer.load(ckpt.resolve_checkpoint(base_run, "last"))
     script = tok.encode(CALL) + [tok.im_end_id]
-    monkeypatch.setattr(AgentSampler, "_guides", lambda self, model, objects: [Forced(script, 400) for _ in objects])
+    monkeypatch.setattr(AgentSampler, "_guides", lambda self, objects: [Forced(script, 400) for _ in objects])
     over = {"ppo.tools": "builtin", "ppo.max_rounds": 2, "ppo.max_new_tokens": 256, "model.max_seq_len": 1024,
             "ppo.rewards": "tool_call:1.0,finished:0.5", "train.eval_interval": 0}
     full = train(ppo_cfg(prompts_dir, tmp_path / "full", base_run, **over), quiet=True)
