@@ -70,11 +70,12 @@ def test_with_items():
 def runs(tmp_path_factory, data_dir, tokenizer_dir) -> dict[str, Path]:
     from nanolm.data.prepare import prepare
     root = tmp_path_factory.mktemp("report")
-    with open(root / "chat.jsonl", "w", encoding="utf-8") as f:
-        for i in range(40):
-            f.write(json.dumps({"conversations": CONVS[i % 2]}, ensure_ascii=False) + "\n")
-    prepare([root / "chat.jsonl"], tokenizer_dir, root / "chat", format="chat", val_fraction=0.1, workers=0,
-            quiet=True)
+    sources = [root / "chat.jsonl", root / "more.jsonl"]  # two sources: the card splits the SFT row by them
+    for k, path in enumerate(sources):
+        with open(path, "w", encoding="utf-8") as f:
+            for i in range(20 * k, 20 * k + 20):
+                f.write(json.dumps({"conversations": CONVS[i % 2]}, ensure_ascii=False) + "\n")
+    prepare(sources, tokenizer_dir, root / "chat", format="chat", val_fraction=0.1, workers=0, quiet=True)
     train(tiny_cfg(data_dir, root / "base", **PRE), quiet=True)
     train(tiny_cfg(root / "chat", root / "sft", **{**PRE, "train.stage": "sft", "train.init_from": str(root / "base"),
                                                    "train.seq_len": 64, "train.batch_size": 2}), quiet=True)
@@ -234,19 +235,23 @@ def test_calc_misses_are_listed_under_the_benchmark_line(report):
 # ------------------------------------------------------------------------------------------ what fine-tuning cost
 
 def test_sft_replies_by_source_are_its_val_split_scored(runs, report):
-    """The SFT run's held-out replies by source: the val split's conversations read again from the sources,
-    the same reply tokens and bytes `nanolm eval` scores on the val split, the same bits per byte."""
+    """The SFT run's held-out replies by source (its data has two): the val split's conversations read again
+    from the sources; together, the same reply tokens and bytes `nanolm eval` scores on the val split, and the
+    same bits per byte."""
     from nanolm.eval.loss import evaluate
-    (group, got), = report["runs"][1]["by_source"].items()
-    assert group == "chat" and got["files"] == ["chat.jsonl"] and got["conversations"] == 4  # records 1, 11, 21, 31
+    got = report["runs"][1]["by_source"]
+    assert list(got) == ["chat", "more"] and [g["files"] for g in got.values()] == [["chat.jsonl"], ["more.jsonl"]]
+    assert [g["conversations"] for g in got.values()] == [2, 2]  # records 1, 11 of the first, 21, 31 of the second
     fresh = evaluate(runs["sft"], [runs["root"] / "chat"], batch_size=2, seq_len=64, quiet=True)
-    assert (got["tokens"], got["bytes"]) == (fresh["tokens"], fresh["bytes"])
-    assert got["bpb"] == pytest.approx(fresh["bpb"], rel=1e-5)
+    n_bytes = sum(g["bytes"] for g in got.values())
+    assert (sum(g["tokens"] for g in got.values()), n_bytes) == (fresh["tokens"], fresh["bytes"])
+    assert sum(g["bpb"] * g["bytes"] for g in got.values()) / n_bytes == pytest.approx(fresh["bpb"], rel=1e-5)
     init = evaluate(runs["base"], [runs["root"] / "chat"], batch_size=2, seq_len=64, quiet=True)
-    assert got["init_bpb"] == pytest.approx(init["bpb"], rel=1e-5)
+    assert sum(g["init_bpb"] * g["bytes"] for g in got.values()) / n_bytes == pytest.approx(init["bpb"], rel=1e-5)
     row = next(line for line in format_report(report).splitlines() if "by source" in line)
-    assert f"chat {got['bpb']:.4f}" in row and f"initial model chat {got['init_bpb']:.4f}" in row
-    assert "lower is better" in row
+    for name, g in got.items():
+        assert f"{name} {g['bpb']:.4f}" in row and f"{name} {g['init_bpb']:.4f}" in row
+    assert "initial model chat" in row and "lower is better" in row
 
 
 def test_val_conversations_by_source_follow_the_split_rule(tmp_path, tokenizer_dir):
