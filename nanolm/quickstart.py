@@ -88,11 +88,13 @@ def _truncated_copies(files: Sequence[Path], dest: Path, max_chars: int) -> list
     return out
 
 
-def _train_within(cfg_overrides: dict, preset_name: str, seconds: float, *, quiet: bool = False):
+def _train_within(cfg_overrides: dict, preset_name: str | None, seconds: float, *, quiet: bool = False,
+                  config_file: Path | None = None):
     """Train for `seconds`: the trainer fits max_steps to the time budget (train.max_steps 0) from the step rate
-    of its first steps, so the schedule's warmup and decay end with the budget."""
+    of its first steps, so the schedule's warmup and decay end with the budget. config_file: a config read
+    between the preset and the overrides (an imported model's own)."""
     from nanolm.train.trainer import train
-    cfg = load_config(preset_name, overrides={**cfg_overrides, "train.max_minutes": seconds / 60})
+    cfg = load_config(preset_name, config_file, overrides={**cfg_overrides, "train.max_minutes": seconds / 60})
     return train(cfg, quiet=quiet)
 
 

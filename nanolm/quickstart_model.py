@@ -56,13 +56,11 @@ def _banner(i: int, n: int, title: str) -> None:
 
 
 def _train(ckpt: Path, overrides: dict[str, Any], seconds: float, quiet: bool = False):
-    """Train from the imported model's own config (its architecture) for `seconds` (the trainer sizes its steps
-    to the time)."""
-    from nanolm.config.load import load_config
-    from nanolm.train.trainer import train
-    cfg = load_config(config_file=ckpt / "config.json",
-                      overrides={**overrides, "train.init_from": str(ckpt), "train.max_minutes": seconds / 60})
-    return train(cfg, quiet=quiet)
+    """Train from the imported model's own config (its architecture) for `seconds`, as the quickstart trains;
+    from the imported model unless the overrides name another start (GRPO starts from the LoRA run)."""
+    from nanolm.quickstart import _train_within
+    return _train_within({"train.init_from": str(ckpt), **overrides}, None, seconds, quiet=quiet,
+                         config_file=ckpt / "config.json")
 
 
 def llama_cpp_agreement(gguf: Path, ckpt: Path, prompts: tuple[str, ...] = LLAMA_PROMPTS,

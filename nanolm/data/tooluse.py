@@ -402,6 +402,19 @@ RL2_EN: list[tuple[str, str]] = [
 ]
 
 
+def _two_step_numbers(rng: random.Random, expr: str) -> dict[str, int] | None:
+    """The numbers of a two-operation phrasing's expression, drawn as `calc2_items` and `calculator_prompts2`
+    draw them: a and b from 21 to 99 (a > b in a difference), c from 2 to 9 where it multiplies or divides (10 to
+    99 where it is added or subtracted); None where a == b or a quotient would not be whole."""
+    a, b = rng.randint(21, 99), rng.randint(21, 99)
+    if "{a} - {b}" in expr:
+        a, b = max(a, b), min(a, b)
+    c = rng.randint(2, 9) if "* {c}" in expr or "/ {c}" in expr else rng.randint(10, 99)
+    if a == b or ("/ {c}" in expr and (a + b) % c):
+        return None
+    return {"a": a, "b": b, "c": c}
+
+
 def calculator_prompts2(out: Path, n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> Path:
     """Write n reinforcement-learning prompts that need two operations (`RL2_ZH` / `RL2_EN`, alternating) to
     `out`, as `calculator_prompts` writes its prompts: a and b from 21 to 99 and c as `calc2_items` draws them,
@@ -412,14 +425,10 @@ def calculator_prompts2(out: Path, n: int, seed: int = 0, *, calculator: Callabl
     lines: list[str] = []
     while len(lines) < n:
         question, expr = rng.choice(RL2_ZH if len(lines) % 2 == 0 else RL2_EN)
-        a, b = rng.randint(21, 99), rng.randint(21, 99)
-        if "{a} - {b}" in expr:
-            a, b = max(a, b), min(a, b)
-        c = rng.randint(2, 9) if "* {c}" in expr or "/ {c}" in expr else rng.randint(10, 99)
-        if a == b or ("/ {c}" in expr and (a + b) % c) or numbers_held_out("calc", a, b) \
-                or numbers_held_out("calc", a, b, c):
+        nums = _two_step_numbers(rng, expr)
+        if nums is None or numbers_held_out("calc", nums["a"], nums["b"]) \
+                or numbers_held_out("calc", nums["a"], nums["b"], nums["c"]):
             continue
-        nums = {"a": a, "b": b, "c": c}
         answer = _computed(calculator, expr.format(**nums))
         lines.append(json.dumps({"prompt": question.format(**nums), "answer": answer}, ensure_ascii=False) + "\n")
     return _write_lines(out, lines)
@@ -483,16 +492,10 @@ def calc2_items(n: int, seed: int = 0, *, calculator: Callable[[dict], str]) -> 
     while len(items) < n:
         zh = len(items) % 2 == 0
         question, expr = rng.choice(HELDOUT2_ZH if zh else HELDOUT2_EN)
-        a, b = rng.randint(21, 99), rng.randint(21, 99)
-        if "{a} - {b}" in expr:
-            a, b = max(a, b), min(a, b)
-        scales = "* {c}" in expr or "/ {c}" in expr
-        c = rng.randint(2, 9) if scales else rng.randint(10, 99)
-        if "/ {c}" in expr and (a + b) % c:
+        nums = _two_step_numbers(rng, expr)
+        if nums is None or not (numbers_held_out("calc", nums["a"], nums["b"])
+                                and numbers_held_out("calc", nums["a"], nums["b"], nums["c"])):
             continue
-        if a == b or not (numbers_held_out("calc", a, b) and numbers_held_out("calc", a, b, c)):
-            continue
-        nums = {"a": a, "b": b, "c": c}
         expression, text = expr.format(**nums), question.format(**nums)
         if text in seen:
             continue

@@ -567,12 +567,7 @@ def _score(r: dict[str, Any]) -> str:
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
-    head = ("stage", "measure", "value", "baseline")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    return _grid([("stage", "measure", "value", "baseline"), *rows])
 
 
 def _stage_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:

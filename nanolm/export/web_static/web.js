@@ -111,14 +111,12 @@ function sampling() {
   return out;
 }
 
-// A raw completion of `prompt`, streamed: onText(piece) for each piece; returns {text, tokens, first}.
-async function complete(prompt, options, onText, signal) {
+// A streamed completion's pieces, each given to onText as it comes (pieceOf(choice): its text); returns
+// {text, tokens, first}.
+async function drain(stream, pieceOf, onText) {
   const out = {text: "", tokens: 0, first: null};
-  const stream = await wllama.createCompletion({
-    prompt, stream: true, stop: config.stop, cache_prompt: true, abortSignal: signal, ...options,
-  });
   for await (const chunk of stream) {
-    const piece = chunk.choices && chunk.choices.length ? chunk.choices[0].text : "";
+    const piece = chunk.choices && chunk.choices.length ? pieceOf(chunk.choices[0]) : "";
     if (chunk.timings) out.tokens = chunk.timings.predicted_n;
     if (chunk.usage) out.tokens = chunk.usage.completion_tokens;
     if (!piece) continue;
@@ -129,20 +127,18 @@ async function complete(prompt, options, onText, signal) {
   return out;
 }
 
+// A raw completion of `prompt`, streamed: onText(piece) for each piece; returns {text, tokens, first}.
+async function complete(prompt, options, onText, signal) {
+  const stream = await wllama.createCompletion({
+    prompt, stream: true, stop: config.stop, cache_prompt: true, abortSignal: signal, ...options,
+  });
+  return drain(stream, (choice) => choice.text, onText);
+}
+
 // A chat completion rendered by llama.cpp's Jinja engine from the GGUF's own template, streamed.
 async function chatComplete(messages, options, onText, signal) {
-  const out = {text: "", tokens: 0, first: null};
   const stream = await wllama.createChatCompletion({messages, stream: true, abortSignal: signal, ...options});
-  for await (const chunk of stream) {
-    const piece = chunk.choices && chunk.choices.length ? chunk.choices[0].delta.content : "";
-    if (chunk.timings) out.tokens = chunk.timings.predicted_n;
-    if (chunk.usage) out.tokens = chunk.usage.completion_tokens;
-    if (!piece) continue;
-    if (out.first === null) out.first = performance.now();
-    out.text += piece;
-    onText(piece);
-  }
-  return out;
+  return drain(stream, (choice) => choice.delta.content, onText);
 }
 
 // Splits a reply written after an open think block into its reasoning and answer as they stream.
