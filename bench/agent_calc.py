@@ -1,7 +1,7 @@
 """Agentic GRPO from the quickstart's fine-tuned model: held-out `calc` before and after.
 
 Per seed: `nanolm quickstart --out DIR` (or an existing quickstart directory with `--from`, `{seed}` in it
-replaced), then the built-in calculator prompts (`nanolm data tools --prompts`, `nanolm.data.tooluse`: the
+replaced), then the built-in calculator prompts (`nanolm data tools --prompts`, `nanolm.data.builtin.tooluse`: the
 question, and the calculator's result as the reference answer, in phrasings that neither the fine-tuning set
 nor the `calc` benchmark uses; `--phrasings tooluse` takes questions of the fine-tuning set's own phrasings
 instead; the benchmark's number pairs are never among them), prepared as prompts, and GRPO from the
@@ -41,10 +41,10 @@ WRITTEN_OUT = re.compile(r"\d+ [-+*x/] \d+")  # a question that writes its opera
 
 def calc_prompts(out: Path, n: int, seed: int, phrasings: str = "rl", written_out: bool = False) -> Path:
     """n calculator prompts, {"prompt": question, "answer": result}: with phrasings "rl", the built-in RL prompts
-    (`nanolm.data.tooluse.calculator_prompts`: phrasings neither fine-tuning nor the benchmark uses); with
+    (`nanolm.data.builtin.tooluse.calculator_prompts`: phrasings neither fine-tuning nor the benchmark uses); with
     "tooluse", or with written_out, questions of the fine-tuning set's own phrasings, with written_out only those
     that write their operation out (WRITTEN_OUT), none that names it in words."""
-    from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts
+    from nanolm.data.builtin.tooluse import build_calculator_conversations, calculator_prompts
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
     if phrasings == "rl" and not written_out:
         return calculator_prompts(out, n, seed, calculator=calculator)
@@ -70,7 +70,7 @@ def fresh_items(prompts: Path, n: int, seed: int, a: argparse.Namespace) -> list
     """n questions in the GRPO prompts' own phrasings over other numbers (the same generator, another seed; a
     question that is also a GRPO prompt is left out), as `calc` items: what GRPO learnt on its own phrasings,
     apart from whether it carries to the benchmark's."""
-    from nanolm.data.tooluse import CalcItem
+    from nanolm.data.builtin.tooluse import CalcItem
     seen = {json.loads(line)["prompt"] for line in prompts.read_text(encoding="utf-8").splitlines()}
     extra = calc_prompts(prompts.with_name("fresh_prompts.jsonl"), 2 * n, seed, phrasings=a.phrasings,
                          written_out=a.written_out)
@@ -94,7 +94,7 @@ def pass_rates(run: Path, prompts: Path, k: int, items: int, temperature: float)
     always right; and per held-out phrasing, [items never right, items]. Only prompts answered sometimes give
     a group whose rewards differ, something to learn from."""
     from nanolm.checkpoint import load_model
-    from nanolm.data.tooluse import CalcItem
+    from nanolm.data.builtin.tooluse import CalcItem
     from nanolm.eval.calc import calc_task, score_calc
     from nanolm.infer.engine import Engine
     from nanolm.tokenizer import Tokenizer

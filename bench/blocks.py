@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
 
-    from nanolm.data.digit_tasks import write_digit_task
+    from nanolm.data.builtin.digit_tasks import write_digit_task
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer

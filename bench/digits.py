@@ -66,8 +66,8 @@ def setup(work: Path, max_chars: int, chat_max_chars: int, heldout_chars: int) -
                                                                                           dict[str, Path]]:
     """The quickstart's tokenizer text (text files, chat files) and the held-out texts, each a text JSONL."""
     from nanolm.corpora import resolve_sources
-    from nanolm.data.arith import write_arith
-    from nanolm.data.tooluse import build_calculator_conversations
+    from nanolm.data.builtin.arith import write_arith
+    from nanolm.data.builtin.tooluse import build_calculator_conversations
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
 
     src = {name: resolve_sources([name])[0] for name in (*TEXT_CORPORA, *CHAT_CORPORA)}

@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nanolm.config.load import load_config
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
@@ -117,8 +117,8 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def flip_advantage_sign() -> None:
     """The control: every advantage negated (GRPO then follows the wrong answers)."""
-    import nanolm.train.grpo as grpo_module
-    from nanolm.train.rl import group_advantages
+    import nanolm.train.rl.grpo as grpo_module
+    from nanolm.train.rl.formulas import group_advantages
     grpo_module.group_advantages = lambda *x, **k: -group_advantages(*x, **k)
 
 

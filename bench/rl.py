@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from nanolm.config.load import load_config
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer

@@ -20,13 +20,13 @@ def _cmd_data(args: argparse.Namespace) -> None:
         print(corpora.describe())
     elif args.data_cmd == "preferences":
         from nanolm.corpora.holdout import training_view
-        from nanolm.data.preferences import build_idiom_preferences
+        from nanolm.data.builtin.preferences import build_idiom_preferences
         # The training view: the idioms of the built-in benchmark stay out of the pairs.
         out = build_idiom_preferences(training_view("idioms", corpora.fetch("idioms")), Path(args.out), args.n,
                                       args.seed)
         print(f"{args.n} preference pairs from the idioms corpus -> {out}")
     elif args.data_cmd == "tools":
-        from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
+        from nanolm.data.builtin.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
         from nanolm.infer.tools import BUILTIN_TOOLS, calculator
         if args.prompts2:
             out = calculator_prompts2(Path(args.out), args.n, args.seed, calculator=calculator)
@@ -41,12 +41,12 @@ def _cmd_data(args: argparse.Namespace) -> None:
                                                  tools=BUILTIN_TOOLS)
             print(f"{args.n} tool-use conversations (the calculator's own results) -> {out}")
     elif args.data_cmd == "arith":
-        from nanolm.data.arith import write_arith
+        from nanolm.data.builtin.arith import write_arith
         for name, path in write_arith(Path(args.out), args.n_sft, args.n_prompts, args.n_heldout, args.seed,
                                       max_number=args.max_number, level=args.level).items():
             print(f"{name}: {path}")
     elif args.data_cmd == "blocks":
-        from nanolm.data.digit_tasks import write_digit_task
+        from nanolm.data.builtin.digit_tasks import write_digit_task
         out = write_digit_task(Path(args.out), args.task, args.n, args.min_len, args.max_len, args.seed)
         print(f"{args.n} {args.task} records (inputs of {args.min_len} to {args.max_len} digits, each once) -> {out}; "
               "the val split of `nanolm prepare --format blocks` is held out")
@@ -247,7 +247,7 @@ def _run_stage(src: Path) -> str | None:
 
 
 def _cmd_chat(args: argparse.Namespace) -> None:
-    from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.session import ChatSession, run_chat
     from nanolm.infer.tools import Toolbox
     if args.max_tool_rounds < 0:
         raise UserError(f"--max-tool-rounds {args.max_tool_rounds}: must be >= 0 (0: no continuation after tool "

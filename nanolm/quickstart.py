@@ -105,14 +105,14 @@ def quickstart(out: Path, *, minutes: float | None = None, corpora: Sequence[str
     """Run every stage into `out`; returns the artefact paths. rl: add a GRPO stage on the arithmetic task.
     minutes: the whole budget (None: MINUTES, or RL_MINUTES with rl)."""
     from nanolm.config import SamplingParams
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
-    from nanolm.data.tooluse import build_calculator_conversations, build_tool_drill
+    from nanolm.data.builtin.tooluse import build_calculator_conversations, build_tool_drill
     from nanolm.corpora import REGISTRY
     from nanolm.eval.everyday import DEFAULT_ITEMS as EVERYDAY_ITEMS
     from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, with_items, write_report
-    from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.session import ChatSession, run_chat
     from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
@@ -149,7 +149,7 @@ def quickstart(out: Path, *, minutes: float | None = None, corpora: Sequence[str
         arith = write_arith(out / "corpora" / "arith", ARITH_SFT, ARITH_PROMPTS if rl else 0, 0)
         chat_files.append(arith["sft"])
         # the same kind of conversation, without tool lists, as pretraining text: where the model learns to copy
-        # numbers from its context, which a few fine-tuning minutes do not teach (nanolm.data.tooluse)
+        # numbers from its context, which a few fine-tuning minutes do not teach (nanolm.data.builtin.tooluse)
         drill = build_tool_drill(out / "corpora" / "drill.jsonl", DRILL_CONVERSATIONS, seed=1,
                                  calculator=calculator, tools=BUILTIN_TOOLS)
     for f in [*text_files, *chat_files, *([drill] if drill else [])]:

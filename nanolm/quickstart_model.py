@@ -110,10 +110,10 @@ def quickstart_model(out: Path, model: str, *, minutes: float | None = None, rl:
     training window (a conversation longer than it is left out)."""
     from nanolm.config import SamplingParams
     from nanolm.data.prepare import prepare
-    from nanolm.data.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
+    from nanolm.data.builtin.tooluse import build_calculator_conversations, calculator_prompts, calculator_prompts2
     from nanolm.eval.report import build_report, format_report, with_items, write_report
     from nanolm.export.gguf import export_gguf
-    from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.session import ChatSession, run_chat
     from nanolm.infer.engine import Engine
     from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
     from nanolm.checkpoint import load_model

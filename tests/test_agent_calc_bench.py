@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from nanolm.data.tooluse import RL_EN, RL_ZH
+from nanolm.data.builtin.tooluse import RL_EN, RL_ZH
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

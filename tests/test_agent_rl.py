@@ -12,8 +12,8 @@ from engine_doubles import ScriptBatch, Signals
 from nanolm.chat import Message, ToolCall
 from nanolm.config.sampling import SamplingParams
 from nanolm.data.shards import IGNORE_INDEX
-from nanolm.train.agent import AgentSampler, AgentTools, ToolTurns, run_trajectories, trajectory_rows
-from nanolm.train.rewards import Completion, Rewards
+from nanolm.train.rl.agent import AgentSampler, AgentTools, ToolTurns, run_trajectories, trajectory_rows
+from nanolm.train.rl.rewards import Completion, Rewards
 from nanolm.train.trainer import train
 from test_grpo import arith_files, base_run, grpo_cfg, prompts_dir  # noqa: F401 (fixtures)
 from test_train import read_metrics, same_weights

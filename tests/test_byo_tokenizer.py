@@ -90,7 +90,7 @@ def test_prepare_train_and_chat_with_a_minimind_layout_tokenizer(mm_dir, tmp_pat
     from nanolm.checkpoint import load_model
     from nanolm.config import SamplingParams
     from nanolm.config.load import load_config
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.train.trainer import train
 

@@ -11,10 +11,10 @@ from test_calc_task import Replies, call
 from test_tooluse import _template_re
 
 from nanolm.corpora.holdout import numbers_held_out
-from nanolm.data import tooluse as t
-from nanolm.data.arith import problems, write_arith
+from nanolm.data.builtin import tooluse as t
+from nanolm.data.builtin.arith import problems, write_arith
 from nanolm.data.formats import iter_chat_records
-from nanolm.data.tooluse import (HELDOUT2_EN, HELDOUT2_ZH, CalcItem, build_calculator_conversations,
+from nanolm.data.builtin.tooluse import (HELDOUT2_EN, HELDOUT2_ZH, CalcItem, build_calculator_conversations,
                                  build_tool_drill, calc2_items, calculator_prompts, operands)
 from nanolm.eval.calc import calc2_task, score_calc
 from nanolm.infer.tools import BUILTIN_TOOLS, calculator

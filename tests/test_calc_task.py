@@ -10,7 +10,7 @@ import torch
 from engine_doubles import ScriptBatch, Watched
 
 from nanolm.config import ModelConfig
-from nanolm.data.tooluse import CalcItem
+from nanolm.data.builtin.tooluse import CalcItem
 from nanolm.eval.calc import calc_task, format_calc, miss, score_calc, states
 from nanolm.infer.engine import Engine
 from nanolm.infer.tools import calculator
@@ -97,7 +97,7 @@ def test_miss_reads_the_calls_arguments():
 
 def test_calc_items_carry_their_phrasing():
     import re
-    from nanolm.data.tooluse import HELDOUT_EN, HELDOUT_ZH
+    from nanolm.data.builtin.tooluse import HELDOUT_EN, HELDOUT_ZH
     phrasings = {q for q, _ in HELDOUT_ZH + HELDOUT_EN}
     items = calc_task(24).items
     for it in items:

@@ -17,7 +17,7 @@ import torch
 from nanolm.chat import CHATML, Message, ToolCall
 from nanolm.config import ModelConfig, SamplingParams
 from nanolm.errors import UserError
-from nanolm.infer.chat import ChatSession, run_chat
+from nanolm.infer.session import ChatSession, run_chat
 from nanolm.infer.engine import Engine
 from nanolm.infer.tools import Toolbox
 from nanolm.model.transformer import Transformer

@@ -270,7 +270,7 @@ def test_data_and_a_checkpoint_made_with_an_old_tokenizer_keep_its_template(toke
     from nanolm.checkpoint import load_model, save_checkpoint
     from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig
     from nanolm.data.prepare import prepare
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.model.transformer import Transformer
 

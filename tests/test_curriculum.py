@@ -1,4 +1,4 @@
-"""Curricula and mixtures of prepared data sets (nanolm/data/sources.py): where each batch comes from, on one
+"""Curricula and mixtures of prepared data sets (nanolm/data/stream.py): where each batch comes from, on one
 rank and on two, exact resume, the end of a curriculum, refusals, and what the training log shows."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from nanolm.config import DataConfig, DataSetConfig
 from nanolm.data.loader import Loader
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import PackedData
-from nanolm.data.sources import DataStream
+from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
 from nanolm.train.trainer import train
 

@@ -19,7 +19,7 @@ from nanolm.config import ModelConfig
 from nanolm.corpora import fetch
 from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
 from nanolm.data.loader import Loader, iter_eval_batches, unit_kind
-from nanolm.data.preferences import build_idiom_preferences
+from nanolm.data.builtin.preferences import build_idiom_preferences
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import Manifest, PackedData
 from nanolm.errors import UserError

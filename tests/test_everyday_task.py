@@ -84,7 +84,7 @@ def test_items_are_disjoint_from_every_training_path(chat_corpora, tmp_path, tok
     from nanolm.data.formats import iter_preferences
     from nanolm.data.prepare import prepare
     from nanolm.data.shards import PackedData
-    from nanolm.data.tooluse import _DIRECT
+    from nanolm.data.builtin.tooluse import _DIRECT
     from nanolm.tokenizer import Tokenizer
 
     items = everyday_task(400).items

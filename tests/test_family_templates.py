@@ -407,7 +407,7 @@ def test_the_chat_guides_a_templates_tool_call_blocks_as_the_server_does(dirs, f
     from test_chat import BUILTIN, Replies
 
     from nanolm.config import SamplingParams
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     tok = Tokenizer.load(dirs[family])
     assert tok.chat_format.guided_calls == guided
     session = ChatSession(Replies(tok, []), tok, SamplingParams(), tools=BUILTIN)

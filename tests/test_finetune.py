@@ -144,7 +144,7 @@ def test_sft_stage_trains_on_chat_data(chat_dir, tmp_path, base_run):
     assert losses[-1] < 0.5 < 5 < losses[0]  # three repeated conversations are learnt by heart
     # greedy chat with the fine-tuned model gives the trained reply, and stops at <|im_end|>
     from nanolm.config import SamplingParams
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.tokenizer import Tokenizer
     model, src = ckpt.load_model(tmp_path / "sft", "last")

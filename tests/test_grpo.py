@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanolm.errors import UserError
-from nanolm.train.rl import STD_EPS, cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, \
+from nanolm.train.rl.formulas import STD_EPS, cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, \
     zero_variance_groups
 
 
@@ -93,7 +93,7 @@ from test_train import read_metrics, same_weights, tiny_cfg  # noqa: E402
 
 @pytest.fixture(scope="module")
 def arith_files(tmp_path_factory):
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     return write_arith(tmp_path_factory.mktemp("arith"), 50, 40, 10, seed=1, max_number=9)
 
 
@@ -281,7 +281,7 @@ def test_two_processes_sample_their_own_prompts_and_train_as_one(prompts_dir, ba
 def test_arith_task_sets_are_disjoint_and_answers_computed(tmp_path):
     import re
     from nanolm.cli import main
-    from nanolm.train.rewards import answer_reward
+    from nanolm.train.rl.rewards import answer_reward
     assert main(["data", "arith", "--out", str(tmp_path), "--n-sft", "60", "--n-prompts", "40", "--n-heldout",
                  "20", "--seed", "3"]) in (0, None)
     rows = {n: [json.loads(x) for x in (tmp_path / f"{n}.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -315,8 +315,8 @@ def test_arith_task_sets_are_disjoint_and_answers_computed(tmp_path):
 def test_arith_easy_level_single_digit_sums_and_differences(tmp_path):
     import re
     from nanolm.cli import main
-    from nanolm.data.arith import problems
-    from nanolm.train.rewards import answer_reward
+    from nanolm.data.builtin.arith import problems
+    from nanolm.train.rl.rewards import answer_reward
     assert main(["data", "arith", "--out", str(tmp_path), "--level", "easy", "--n-sft", "150", "--n-prompts", "100",
                  "--n-heldout", "40", "--seed", "2"]) in (0, None)
     rows = {n: [json.loads(x) for x in (tmp_path / f"{n}.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -354,7 +354,7 @@ def test_arith_easy_level_single_digit_sums_and_differences(tmp_path):
 def test_arith_held_out_problems_are_never_written_for_training(tmp_path):
     """The held-out split is fixed by the numbers of a problem's steps: no seed or count of training problems
     (SFT or RL prompts) ever draws one, and heldout.jsonl and the built-in `arith` task hold only those."""
-    from nanolm.data.arith import held_out, problems, write_arith
+    from nanolm.data.builtin.arith import held_out, problems, write_arith
     from nanolm.eval.builtin import arith_task
     train = {p["question"] for seed in range(3) for p in problems(1000, seed)}
     held = problems(300, 0, split="heldout")
@@ -387,7 +387,7 @@ def sft_on_arith(tmp_path, sft_steps: int = 100, n_sft: int = 140, n_prompts: in
     (tmp_path / "sftrun"), and the prompts prepared (tmp_path / "prompts": the val split, every 4th prompt, is
     held out from the 90 trained on)."""
     from nanolm.config.load import load_config
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer

@@ -181,7 +181,7 @@ def test_the_chat_session_guides_the_calls_of_a_model_that_opens_one(tok, tmp_pa
     each reply's call is run as a real call; with --free-calls it is text the chat cannot read."""
     from server_helpers import tiny_model
 
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     from nanolm.infer.tools import Toolbox
 
     model = tiny_model(max_seq_len=1024)

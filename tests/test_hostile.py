@@ -800,7 +800,7 @@ def big_tokenizer(tmp_path_factory, corpus) -> Path:
 def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, run, corpus, big_tokenizer):
     from nanolm.config import SamplingParams
     from nanolm.eval.loss import evaluate
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
     ckpt = tmp_path / "ckpt"
@@ -822,7 +822,7 @@ def test_ids_past_the_tokenizer_in_a_larger_model_vocabulary_are_no_text(tokeniz
     """A model whose vocab_size exceeds the tokenizer's (padded vocabularies, or a tokenizer that came out
     smaller than asked) can sample ids the tokenizer has no text for; generation goes on without them."""
     from nanolm.config import ModelConfig, SamplingParams
-    from nanolm.infer.chat import ChatSession
+    from nanolm.infer.session import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
     from nanolm.model.transformer import Transformer
@@ -841,7 +841,7 @@ def test_prompts_and_chat_input_that_are_not_utf8(tokenizer_dir):
     locale), which the tokenizer cannot take: the prompt, the system prompt and a scripted chat's lines are
     refused with one line; at a terminal the chat says so and goes on."""
     from nanolm.config import ModelConfig, SamplingParams
-    from nanolm.infer.chat import ChatSession, run_chat
+    from nanolm.infer.session import ChatSession, run_chat
     from nanolm.infer.engine import Engine
     from nanolm.infer.generate import complete
     from nanolm.model.transformer import Transformer

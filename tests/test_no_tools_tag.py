@@ -13,7 +13,7 @@ import torch
 from nanolm.chat import Content, Message, ReplyParser
 from nanolm.config import SamplingParams, ServeConfig
 from nanolm.infer.bans import AllGuides, BanVocab, ReplyGuides, TagBan
-from nanolm.infer.chat import ChatSession
+from nanolm.infer.session import ChatSession
 from nanolm.infer.engine import Engine
 from nanolm.infer.guide import ToolCallGuide
 from nanolm.infer.tools import Toolbox
@@ -246,7 +246,7 @@ def test_eval_chat_generations_offer_no_tools_and_write_no_tag(tok):
 @pytest.mark.parametrize("which", ["one token", "spelt"])
 def test_rollouts_of_prompts_offering_no_tools_write_no_tag(which, tok, spelt):
     from nanolm.data.kinds.prompts import PromptBatch
-    from nanolm.train.rollout import Sampler
+    from nanolm.train.rl.rollout import Sampler
     tk = tok if which == "one token" else spelt
     model = Favours(tiny_model(vocab_size=max(400, tk.vocab_size), max_seq_len=1024), tk.encode(TAG))
     fmt = tk.chat_format
@@ -264,7 +264,7 @@ def test_rollouts_of_prompts_offering_no_tools_write_no_tag(which, tok, spelt):
 
 
 def test_agent_rollouts_offer_each_prompt_its_tools_and_ban_the_tag_where_none(tok):
-    from nanolm.train.agent import AgentSampler, AgentTools
+    from nanolm.train.rl.agent import AgentSampler, AgentTools
     sampler = AgentSampler(tok, None, torch.device("cpu"), tools=AgentTools.from_spec("builtin"), max_rounds=1)
     sampler._engine(tiny_model(max_seq_len=1024))
     none, some = sampler._guides([[], builtin().tools])

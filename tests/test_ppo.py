@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanolm.errors import UserError
-from nanolm.train.rl import clipped_value_loss, explained_variance, gae, masked_moments, token_rewards, whiten
+from nanolm.train.rl.formulas import clipped_value_loss, explained_variance, gae, masked_moments, token_rewards, whiten
 
 
 # ----------------------------------------------------------------------------- the math, exact values
@@ -124,7 +124,7 @@ from test_train import read_metrics, same_weights, tiny_cfg  # noqa: E402
 
 @pytest.fixture(scope="module")
 def prompts_dir(tmp_path_factory, tokenizer_dir):
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     from nanolm.data.prepare import prepare
     files = write_arith(tmp_path_factory.mktemp("arith"), 50, 40, 10, seed=1, max_number=9)
     out = tmp_path_factory.mktemp("prompts") / "p"
@@ -330,7 +330,7 @@ E2E_STEPS = 10
 def arith_sft(tmp_path_factory):
     """A short SFT on the arithmetic task's worked answers, and its prompts (the val split held out)."""
     from nanolm.config.load import load_config
-    from nanolm.data.arith import write_arith
+    from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
@@ -387,7 +387,7 @@ def test_with_the_advantage_sign_flipped_the_reward_does_not_rise(arith_sft, tmp
     """The same run with GAE's advantages negated (the critic's targets left as they are): the update then
     pushes away from what the reward favours, and the held-out reward does not rise by the margin, so the test
     above fails with the sign flipped."""
-    from nanolm.train import ppo
+    from nanolm.train.rl import ppo
     real = ppo.gae
 
     def flipped(*args, **kwargs):
@@ -404,7 +404,7 @@ def test_ppo_with_tools_trains_on_trajectories_and_resumes(prompts_dir, base_run
     from test_agent_rl import CALL, Forced
 
     from nanolm.tokenizer import Tokenizer
-    from nanolm.train.agent import AgentSampler
+    from nanolm.train.rl.agent import AgentSampler
     tok = Tokenizer.load(ckpt.resolve_checkpoint(base_run, "last"))
     script = tok.encode(CALL) + [tok.im_end_id]
     monkeypatch.setattr(AgentSampler, "_guides", lambda self, objects: [Forced(script, 400) for _ in objects])

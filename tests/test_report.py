@@ -164,7 +164,7 @@ def test_a_mixture_is_measured_on_its_first_set(runs, report, data_dir, tokenize
     """A pretraining run on text mixed with a drill (as the quickstart's): the card reads the text set's own
     validation (val_bpb/text) and computes the baselines on that set alone, equal to the one-set run's."""
     from nanolm.data.prepare import prepare
-    from nanolm.data.tooluse import build_tool_drill
+    from nanolm.data.builtin.tooluse import build_tool_drill
     from nanolm.infer.tools import BUILTIN_TOOLS, calculator
     root = runs["root"]
     drill = build_tool_drill(root / "drill.jsonl", 60, calculator=calculator, tools=BUILTIN_TOOLS)

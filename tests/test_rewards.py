@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nanolm.errors import UserError
-from nanolm.train.rewards import (Rewards, answer_reward, answers_match, final_answer, format_reward,
+from nanolm.train.rl.rewards import (Rewards, answer_reward, answers_match, final_answer, format_reward,
                                   length_reward, normalise_answer, parse_spec, reference_of, repetition_reward,
                                   tool_call_reward)
 

@@ -17,8 +17,8 @@ from nanolm import chat
 from nanolm.chat import Message, TemplateFormat, ToolCall, encode_chat, message_from_dict, tools_from_value
 from nanolm.cli import main
 from nanolm.config import SamplingParams
-from nanolm.data.tooluse import build_calculator_conversations
-from nanolm.infer.chat import ChatSession, run_chat
+from nanolm.data.builtin.tooluse import build_calculator_conversations
+from nanolm.infer.session import ChatSession, run_chat
 from nanolm.infer.guide import GuideVocab, ToolCallGuide
 from nanolm.infer.tools import BUILTIN_TOOLS, Toolbox, calculator
 from nanolm.tokenizer import Tokenizer

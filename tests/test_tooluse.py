@@ -15,7 +15,7 @@ from nanolm import chat
 from nanolm.data.formats import iter_chat_records
 from nanolm.data.prepare import prepare
 from nanolm.corpora.holdout import numbers_held_out
-from nanolm.data.tooluse import (HELDOUT_EN, HELDOUT_ZH, OTHER_TOOLS, _QUESTIONS_EN, _QUESTIONS_ZH,
+from nanolm.data.builtin.tooluse import (HELDOUT_EN, HELDOUT_ZH, OTHER_TOOLS, _QUESTIONS_EN, _QUESTIONS_ZH,
                                  build_calculator_conversations, calc_items, operands)
 from nanolm.infer.tools import BUILTIN_TOOLS, calculator
 from nanolm.tokenizer import Tokenizer
@@ -81,7 +81,7 @@ def test_calc_items_are_disjoint_from_the_tool_use_set(tmp_path):
 def test_every_frame_asks_every_operator_in_words_the_benchmark_never_uses():
     """The composed phrasings: each frame with each operator (so a sentence's shape tells no operator), and no
     operator phrase inside a calc benchmark phrasing."""
-    from nanolm.data import tooluse as t
+    from nanolm.data.builtin import tooluse as t
     held = [q.lower() for q, _ in HELDOUT_ZH + HELDOUT_EN]
     for frames, phrases, key, questions in ((t._FRAMES_EN, t._PHRASES_EN, "x", _QUESTIONS_EN),
                                             (t._COMMANDS_EN, t._VERBS_EN, "v", _QUESTIONS_EN),
@@ -123,7 +123,7 @@ def test_the_set_prepares_with_the_mask_on_calls_and_replies(tmp_path, tokenizer
 def test_the_drill_is_the_set_rendered_without_tool_lists(tmp_path):
     """The pretraining drill holds the tool-use set's conversations of the same seed as chat-layout text, with no
     system turn or tool list, and keeps the calc benchmark's numbers and phrasings out."""
-    from nanolm.data.tooluse import build_tool_drill
+    from nanolm.data.builtin.tooluse import build_tool_drill
     drill = build_tool_drill(tmp_path / "drill.jsonl", 300, seed=5, calculator=calculator, tools=BUILTIN_TOOLS)
     assert drill.read_bytes() == build_tool_drill(tmp_path / "again.jsonl", 300, seed=5, calculator=calculator,
                                                   tools=BUILTIN_TOOLS).read_bytes()
@@ -150,8 +150,8 @@ def test_rl_prompts_use_phrasings_of_their_own_and_the_calculators_answers(tmp_p
     operator in both languages; the same n and seed give the same file; the CLI writes them."""
     import subprocess
     import sys
-    from nanolm.data import tooluse as t
-    from nanolm.data.tooluse import RL_EN, RL_ZH, calculator_prompts
+    from nanolm.data.builtin import tooluse as t
+    from nanolm.data.builtin.tooluse import RL_EN, RL_ZH, calculator_prompts
     rl = [q for q, _ in RL_ZH + RL_EN]
     others = {q for q, _ in _QUESTIONS_ZH + _QUESTIONS_EN + HELDOUT_ZH + HELDOUT_EN}
     assert len(set(rl)) == len(rl) and not set(rl) & others

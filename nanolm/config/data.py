@@ -57,7 +57,7 @@ class DataConfig:
 
     One data set is `path`. Several are `sets`: used in turn, each for its
     epochs or tokens (`mode = "curriculum"`), or sampled by weight (`mode =
-    "mixture"`); see nanolm/data/sources.py.
+    "mixture"`); see nanolm/data/stream.py.
     """
 
     path: str = ""

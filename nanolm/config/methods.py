@@ -74,7 +74,7 @@ class GRPOConfig:
     average: str = "token"  # token: every completion token of the step weighs alike (DAPO); sequence: each one
     beta: float = 0.04  # weight of the k3 KL to the reference; 0 drops the reference (no copy is kept)
     inner_epochs: int = 1  # optimizer updates per rollout batch (the behaviour log-probs are kept)
-    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rewards.py), e.g. answer:1,format:0.2
+    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rl/rewards.py), e.g. answer:1,format:0.2
     reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
     length_min: int = 1  # the `length` reward's window, in characters of the reply
     length_max: int = 512
@@ -131,7 +131,7 @@ class PPOConfig:
     inner_epochs: int = 4  # optimizer updates per rollout (the behaviour log-probs and values are kept)
     target_kl: float = 0.0  # stop a step's updates once the approximate KL to the behaviour policy passes this
     critic_from: str = ""  # the checkpoint the critic starts from; "" = the initial weights (train.init_from)
-    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rewards.py), e.g. answer:1,format:0.2
+    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rl/rewards.py), e.g. answer:1,format:0.2
     reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
     length_min: int = 1  # the `length` reward's window, in characters of the reply
     length_max: int = 512

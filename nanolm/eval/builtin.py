@@ -5,7 +5,7 @@
   corpora against three others from the same work (`cloze.py`);
 - `calc`: arithmetic questions answered through the calculator, in phrasings
   and over numbers the built-in tool-use set never writes (`calc.py`);
-- `arith`: the arithmetic task's held-out problems (`nanolm.data.arith`,
+- `arith`: the arithmetic task's held-out problems (`nanolm.data.builtin.arith`,
   numbers no SFT set or RL prompt file has), answered directly and matched
   on the final answer (`####`, else the last number).
 - `calc2`: questions that need two operations, answered through the
@@ -101,7 +101,7 @@ def idiom_task(idioms_jsonl: Path, n: int | None = None, seed: int = SEED) -> Ta
 
 def arith_task(n: int | None = None, seed: int = SEED) -> Task:
     """The built-in `arith` task: held-out problems of the arithmetic task's standard level, answered directly."""
-    from nanolm.data.arith import problems
+    from nanolm.data.builtin.arith import problems
     from nanolm.eval.tasks import GenItem
     items = []
     for i, p in enumerate(problems(n or ARITH_ITEMS, seed, split="heldout")):

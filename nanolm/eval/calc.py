@@ -2,7 +2,7 @@
 
 `nanolm eval RUN --task calc`: each item is a question in a phrasing the
 built-in tool-use set never uses, over a number pair it never writes
-(`nanolm.data.tooluse.calc_items`). The model is offered the built-in tools
+(`nanolm.data.builtin.tooluse.calc_items`). The model is offered the built-in tools
 (as `nanolm chat --tools builtin` offers them), replies greedily with its tool
 call guided as in the chat, its calls are run, the results fed back as tool
 turns, and it writes its answer. An item counts when a call's result is the
@@ -16,7 +16,7 @@ tends to get all right or all wrong.
 
 `nanolm eval RUN --task calc2` is the harder one: questions that need two
 operations ("Add 23 and 45, then multiply the result by 3."), in phrasings and
-over number triples no training path writes (`nanolm.data.tooluse.calc2_items`),
+over number triples no training path writes (`nanolm.data.builtin.tooluse.calc2_items`),
 scored the same way with up to two rounds of calls (one compound expression, or
 one call and then another on its result).
 
@@ -31,7 +31,7 @@ import json
 from typing import Any, Sequence
 
 from nanolm.chat import Message, read_reply
-from nanolm.data.tooluse import CalcItem, calc2_items, calc_items, operands
+from nanolm.data.builtin.tooluse import CalcItem, calc2_items, calc_items, operands
 from nanolm.errors import UserError
 from nanolm.eval.scoring import _NUMBER, answers_match, generate_texts, summary
 from nanolm.eval.tasks import Task

@@ -103,7 +103,7 @@ def estimate(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1)
         section = cfg.grpo if tc.stage == "grpo" else cfg.ppo
         if (section.beta if tc.stage == "grpo" else section.kl_coef) > 0 and not cfg.uses_lora:
             copies += loaded  # the frozen reference
-        engine = decode_dtype("auto", device, cfg.model.d_model, total, timer=None)[0]  # the rollouts' (train/rollout.py)
+        engine = decode_dtype("auto", device, cfg.model.d_model, total, timer=None)[0]  # the rollouts' (train/rl/rollout.py)
         copies += total * torch.finfo(engine).bits // 8  # the engine
     if tc.stage == "ppo":
         copies += 16 * total  # the critic: a copy of the policy, trained (weights, gradients, two moments)

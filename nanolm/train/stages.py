@@ -25,14 +25,14 @@ import torch
 
 from nanolm import checkpoint as ckpt
 from nanolm.config import Config, GRPOConfig, PPOConfig
-from nanolm.data.sources import DataStream
+from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
 from nanolm.model import lora
 from nanolm.train.distributed import DistInfo
-from nanolm.train.grpo import GRPOObjective
+from nanolm.train.rl.grpo import GRPOObjective
 from nanolm.train.objectives import BlocksObjective, DistillObjective, DPOObjective, LMObjective, Objective
-from nanolm.train.ppo import PPOObjective, value_model
-from nanolm.train.rewards import Rewards
+from nanolm.train.rl.ppo import PPOObjective, value_model
+from nanolm.train.rl.rewards import Rewards
 
 
 class Trainer(Protocol):
@@ -301,7 +301,7 @@ class PPO(RLStage):
     def objective(self, trainer: Trainer) -> Objective:
         """The data's tokenizer, the rewards, the reference (as GRPO's; none when ppo.kl_coef is 0) and the
         critic: ppo.critic_from, else the initial weights, its output projection a scalar head
-        (nanolm/train/ppo.py's `value_model`)."""
+        (nanolm/train/rl/ppo.py's `value_model`)."""
         from nanolm.tokenizer import Tokenizer
         cfg, p = trainer.cfg, trainer.cfg.ppo
         _rl_setup(trainer, self.name)

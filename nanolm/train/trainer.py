@@ -46,7 +46,7 @@ import torch
 from nanolm import checkpoint as ckpt
 from nanolm.config import Config
 from nanolm.data.shards import Batch
-from nanolm.data.sources import DataStream
+from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
 from nanolm.io import first_line, write_json_atomic
 from nanolm.model import lora
@@ -199,7 +199,7 @@ class Trainer:
         # A run that cannot fit in memory stops now, with the figures and the fix (nanolm/train/memory.py).
         self.memory_line = memory.check_fit(cfg, self.device, self.dtype, info.world_size)
 
-        # One data set (data.path) or a curriculum/mixture of several (data.sets); see nanolm/data/sources.py.
+        # One data set (data.path) or a curriculum/mixture of several (data.sets); see nanolm/data/stream.py.
         self.data = DataStream.from_config(cfg, rank=info.rank, world_size=info.world_size)
         if self.data.vocab_size > cfg.model.vocab_size:
             raise UserError(f"{self.data.sets[0].path}: the data's tokenizer has {self.data.vocab_size} tokens but "

@@ -21,7 +21,7 @@ import torch
 
 from nanolm.config import Config, SamplingParams
 from nanolm.data.loader import iter_eval_batches
-from nanolm.data.sources import DataStream
+from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
 from nanolm.train.objectives import Objective
 

@@ -1,7 +1,7 @@
 """Completions of RL prompts for the RL stages (GRPO, PPO): sampled, scored, laid out as training rows.
 
-`Sampler` is what `--stage grpo` (nanolm/train/grpo.py) and `--stage ppo`
-(nanolm/train/ppo.py) share. It samples `n` completions of each prompt of a
+`Sampler` is what `--stage grpo` (nanolm/train/rl/grpo.py) and `--stage ppo`
+(nanolm/train/rl/ppo.py) share. It samples `n` completions of each prompt of a
 micro-batch with the one generation engine (nanolm/infer/engine.py: a prompt
 is prefilled once for its `n` rows) from a copy of the current weights, in the
 dtype decoding is fastest in on the device (`runtime.decode_dtype`). Each
@@ -14,7 +14,7 @@ same completions however its prompts are cut into micro-batches, and 2
 processes sample what 1 process with twice the accumulation samples.
 
 A completion is scored by the `Rewards` of the stage's spec
-(nanolm/train/rewards.py), and laid out as a training row (`rows`): prompt,
+(nanolm/train/rl/rewards.py), and laid out as a training row (`rows`): prompt,
 generation prompt, completion and, when it stopped, its `<|im_end|>`, the
 targets on the completion's tokens only (a completion cut at max_new_tokens
 has no `<|im_end|>` to learn). `RolloutSums` adds up a step's rollout metrics
@@ -44,7 +44,7 @@ from nanolm.model.transformer import count_params
 from nanolm.runtime import decode_dtype
 from nanolm.train import distributed
 from nanolm.train.objectives import token_logps
-from nanolm.train.rewards import Completion, Rewards
+from nanolm.train.rl.rewards import Completion, Rewards
 
 
 @torch.no_grad()

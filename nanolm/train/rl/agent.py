@@ -1,6 +1,6 @@
 """RL over tool calls: `--stage grpo` with `grpo.tools`, each sampled trajectory a multi-turn exchange with tools.
 
-A trajectory starts as a plain GRPO completion (nanolm/train/rollout.py), its
+A trajectory starts as a plain GRPO completion (nanolm/train/rl/rollout.py), its
 calls guided by the offered tools' schemas (the ToolCallGuide, as chat and
 serve guide them). When a reply stops with calls, they are run (`AgentTools`:
 built-in tools for real, a user's function with the parsed arguments, an error
@@ -35,8 +35,8 @@ from nanolm.data.kinds.prompts import PromptBatch, last_user_text
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.errors import UserError
 from nanolm.infer.tools import Toolbox, tool_name
-from nanolm.train.rewards import Completion, load_user_function
-from nanolm.train.rollout import Sampled, Sampler
+from nanolm.train.rl.rewards import Completion, load_user_function
+from nanolm.train.rl.rollout import Sampled, Sampler
 
 ROUND_SEED = 1_000_003  # a continuation of round k draws from its trajectory's seed + k x this
 

@@ -32,7 +32,7 @@ Built-ins:
 - `finished`: 1.0 when the last reply made no call and ended by itself (not
   cut at max_new_tokens, not out of grpo.max_rounds), else 0.0.
 
-With grpo.tools (nanolm/train/agent.py) the completion is the trajectory's
+With grpo.tools (nanolm/train/rl/agent.py) the completion is the trajectory's
 final reply, a `Completion` that also carries the text of every reply and
 whether the trajectory finished; a plain completion is a Completion too.
 - `model`: the score of a local `transformers` sequence-classification

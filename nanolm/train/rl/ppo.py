@@ -3,7 +3,7 @@
 A step of `--stage ppo` (Trainer.train_step) takes this rank's micro-batches of
 prompts (`PromptBatch`, batch_size prompts each), and `before_step` turns
 them into `PPORollouts` micro-batches, as GRPO does with the RL stages'
-`Sampler` (nanolm/train/rollout.py: the engine, each row's seed from the
+`Sampler` (nanolm/train/rl/rollout.py: the engine, each row's seed from the
 run's RNG and its place in the step's stream of prompts):
 ppo.samples_per_prompt completions per prompt, each scored by the rewards of
 ppo.rewards. Then, once and without gradient:
@@ -55,11 +55,11 @@ from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
 from nanolm.train.objectives import Companion, Loss, Metrics, Objective, target_tokens, token_logps
-from nanolm.train.rewards import Rewards
-from nanolm.train.rl import (clipped_surrogate, clipped_value_loss, explained_variance, gae, k3_kl, masked_moments,
+from nanolm.train.rl.rewards import Rewards
+from nanolm.train.rl.formulas import (clipped_surrogate, clipped_value_loss, explained_variance, gae, k3_kl, masked_moments,
                              token_rewards, token_sums, whiten)
-from nanolm.train.agent import sampler_for
-from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
+from nanolm.train.rl.agent import sampler_for
+from nanolm.train.rl.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
 
 
 @dataclass

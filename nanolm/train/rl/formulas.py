@@ -24,7 +24,7 @@ loop's token-sum normalisation needs: summed over tokens (DAPO's token
 average over the step) or each sequence's mean, summed over sequences (the
 original GRPO's per-sequence average).
 
-PPO with a learned critic (`--stage ppo`, nanolm/train/ppo.py) adds per-token
+PPO with a learned critic (`--stage ppo`, nanolm/train/rl/ppo.py) adds per-token
 advantages and a value loss:
 
 - `token_rewards`: each completion token's reward, -kl_coef x its KL to the

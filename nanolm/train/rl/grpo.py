@@ -4,10 +4,10 @@ A step of `--stage grpo` (Trainer.train_step) takes this rank's micro-batches
 of prompts (`PromptBatch`, batch_size prompts each), and `rollout` turns each
 into a `Rollouts` micro-batch: grpo.group_size completions per prompt,
 sampled, scored and laid out by the RL stages' `Sampler`
-(nanolm/train/rollout.py: the engine, each row's seed from the run's RNG and
+(nanolm/train/rl/rollout.py: the engine, each row's seed from the run's RNG and
 its place in the step's stream of prompts, so a resume, micro-batches and
 ranks sample what one uninterrupted process would). Advantages are
-group-relative (nanolm/train/rl.py), and, where they are needed, the
+group-relative (nanolm/train/rl/formulas.py), and, where they are needed, the
 behaviour policy's log-probabilities (grpo.inner_epochs > 1) and the
 reference's (grpo.beta > 0) are computed once, without gradient.
 
@@ -21,7 +21,7 @@ policy wrote and, when it stopped, its `<|im_end|>`; a completion cut at
 max_new_tokens has no `<|im_end|>` to learn.
 
 With grpo.tools, each completion is a trajectory of replies and tool turns
-(nanolm/train/agent.py): the row holds them all, the targets and the loss's
+(nanolm/train/rl/agent.py): the row holds them all, the targets and the loss's
 units only the model's own tokens.
 
 `evaluate` decodes the held-out prompts greedily and reports their mean
@@ -44,10 +44,10 @@ from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
 from nanolm.train.objectives import Loss, Objective, target_tokens, token_logps
-from nanolm.train.rewards import Rewards
-from nanolm.train.rl import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
-from nanolm.train.agent import sampler_for
-from nanolm.train.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
+from nanolm.train.rl.rewards import Rewards
+from nanolm.train.rl.formulas import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
+from nanolm.train.rl.agent import sampler_for
+from nanolm.train.rl.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
 
 
 @dataclass
