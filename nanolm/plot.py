@@ -62,7 +62,7 @@ def smooth(values: list[float], window: int) -> list[float]:
         return (sums / counts).tolist()
 
 
-def _series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:
+def metric_series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:
     """(xs, ys) of the records holding `key`, sorted by x; a null (non-finite when logged) becomes NaN."""
     points = sorted((float(r[x]), float("nan") if r[key] is None else float(r[key]))
                     for r in records if key in r and x in r and not isinstance(r[key], (list, dict, str)))
@@ -101,17 +101,17 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     ax_loss, ax_lr, ax_tps, ax_grad = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
     for i, (label, records) in enumerate(data):
         color = f"C{i % 10}"
-        xs, ys = _series(records, "loss", x)
+        xs, ys = metric_series(records, "loss", x)
         if xs:
             if len(xs) >= SMOOTH_FROM:
                 ax_loss.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
                 ys = smooth(ys, 2 * (len(ys) // SMOOTH_FROM) + 1)
             ax_loss.plot(xs, ys, color=color, linewidth=1.5)
-        xs, ys = _series(records, "val_loss", x)
+        xs, ys = metric_series(records, "val_loss", x)
         if xs:
             ax_loss.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=4, linewidth=1.2)
         for ax, key in ((ax_lr, "lr"), (ax_tps, "tokens_per_s"), (ax_grad, "grad_norm")):
-            xs, ys = _series(records, key, x)
+            xs, ys = metric_series(records, key, x)
             if xs:
                 ax.plot(xs, ys, color=color, linewidth=1.2)
 
@@ -122,7 +122,7 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
             keys = [k for k in bench if k.startswith(prefix)]
             for i, (label, records) in enumerate(data):
                 for j, key in enumerate(keys):
-                    xs, ys = _series(records, key, x)
+                    xs, ys = metric_series(records, key, x)
                     if xs:
                         ax.plot(xs, ys, color=f"C{i % 10}", linestyle=styles[j % len(styles)], marker="o",
                                 markersize=3, linewidth=1.2)
@@ -138,7 +138,7 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     ax_tps.set_ylim(bottom=0)
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax_tps.yaxis.set_major_formatter(EngFormatter())
-    norms = [y for _, recs in data for y in _series(recs, "grad_norm", x)[1] if y > 0]
+    norms = [y for _, recs in data for y in metric_series(recs, "grad_norm", x)[1] if y > 0]
     if norms and max(norms) > 20 * min(norms):
         ax_grad.set_yscale("log")  # early spikes would flatten the rest on a linear scale
     for ax in axes[-1]:

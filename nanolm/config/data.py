@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanolm.config.fields import _shown, check as _check
+from nanolm.config.fields import shown, check as _check
 from nanolm.errors import UserError
 
 
@@ -116,7 +116,7 @@ def parse_data_set(spec: str) -> dict[str, Any]:
     path, sep, options = spec.rpartition(":")
     if not sep or not _SET_OPTIONS.match(options):
         return {"path": spec}
-    where = f"--data {_shown(spec, 200)}"
+    where = f"--data {shown(spec, 200)}"
     out: dict[str, Any] = {"path": path}
     for item in options.split(","):
         key, value = item.split("=", 1)

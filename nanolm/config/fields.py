@@ -26,7 +26,7 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # slow (it evaluates the annotations), and the same every time
 
 
-def _field_type(cls: type, f: dataclasses.Field) -> Any:
+def field_type(cls: type, f: dataclasses.Field) -> Any:
     return _type_hints(cls)[f.name]
 
 
@@ -91,31 +91,31 @@ def _dataclass_items(typ: Any) -> type | None:
     return None
 
 
-def _shown(key: str, limit: int = 40) -> str:
+def shown(key: str, limit: int = 40) -> str:
     """A user's key for a one-line message: as is when short and printable, else quoted with escapes and cut."""
     if len(key) <= limit and key.isprintable():
         return key
     return json.dumps(key[:limit]) + ("..." if len(key) > limit else "")
 
 
-def _build(cls: type, d: Any, source: str, prefix: str) -> Any:
+def build_config(cls: type, d: Any, source: str, prefix: str) -> Any:
     if not isinstance(d, dict):
         raise UserError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a table/object, got {type(d).__name__}")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise UserError(f"{source}: unknown field {prefix}{_shown(unknown[0])}; known fields: "
+        raise UserError(f"{source}: unknown field {prefix}{shown(unknown[0])}; known fields: "
                         f"{', '.join(prefix + k for k in known)}")
     kwargs = {}
     for name, value in d.items():
-        typ = _field_type(cls, known[name])
+        typ = field_type(cls, known[name])
         if dataclasses.is_dataclass(typ):
-            kwargs[name] = _build(typ, value, source, prefix + name + ".")
+            kwargs[name] = build_config(typ, value, source, prefix + name + ".")
         elif (item := _dataclass_items(typ)) is not None:  # tuple[DataSetConfig, ...]: a list of tables
             if not isinstance(value, (list, tuple)):
                 raise UserError(f"{source}: {prefix}{name} must be a list of tables/objects ([[{prefix}{name}]] in "
                                 f"TOML), got {type(value).__name__}")
-            kwargs[name] = tuple(_build(item, v, source, f"{prefix}{name}[{i}].") for i, v in enumerate(value))
+            kwargs[name] = tuple(build_config(item, v, source, f"{prefix}{name}[{i}].") for i, v in enumerate(value))
         else:
             kwargs[name] = _coerce(value, typ, f"{source}: {prefix}{name}")
     try:
@@ -124,9 +124,9 @@ def _build(cls: type, d: Any, source: str, prefix: str) -> Any:
         raise UserError(f"{source}: {e}") from None
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 

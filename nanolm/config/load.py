@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from nanolm.config.fields import _deep_merge, _field_type, _shown
+from nanolm.config.fields import deep_merge, field_type, shown
 from nanolm.config.presets import preset
 from nanolm.config.train import Config
 from nanolm.errors import UserError
@@ -51,7 +51,7 @@ def override_fields(cls: type = Config, prefix: str = "") -> dict[str, Any]:
     """All dotted override names (`model.n_layer`, ...) with their field types, from the dataclasses."""
     out: dict[str, Any] = {}
     for f in fields(cls):
-        typ = _field_type(cls, f)
+        typ = field_type(cls, f)
         if dataclasses.is_dataclass(typ):
             out.update(override_fields(typ, prefix + f.name + "."))
         else:
@@ -65,7 +65,7 @@ def overrides_to_dict(overrides: dict[str, Any]) -> dict[str, Any]:
     known = override_fields()
     for key, value in overrides.items():
         if key not in known:
-            raise UserError(f"unknown option --{_shown(key)}; see `nanolm train --help` for the list")
+            raise UserError(f"unknown option --{shown(key)}; see `nanolm train --help` for the list")
         node = nested
         *parents, leaf = key.split(".")
         for p in parents:
@@ -121,12 +121,12 @@ def load_config(preset_name: str | None = None, config_file: str | Path | None =
     # (A "train" that is no table is reported when the Config is built.)
     stage = next((t.get("stage") for t in (over_d.get("train"), file_d.get("train")) if isinstance(t, dict)
                   and t.get("stage")), base.train.stage)
-    d = _deep_merge(d, stages.get(stage).defaults(base) if stage in stages.names() else {})
+    d = deep_merge(d, stages.get(stage).defaults(base) if stage in stages.names() else {})
     if config_file:
-        d = _deep_merge(d, file_d)
+        d = deep_merge(d, file_d)
         source = str(config_file)
     if overrides:
-        d = _deep_merge(d, over_d)
+        d = deep_merge(d, over_d)
         source = "command line" if not config_file else f"{config_file} + command line"
     # A budget the user gives without max_steps shapes the schedule (max_steps 0: fitted at the start of the run).
     given = [t for t in (file_d.get("train"), over_d.get("train")) if isinstance(t, dict)]

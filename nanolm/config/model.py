@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nanolm.config.fields import _build, check as _check
+from nanolm.config.fields import build_config, check as _check
 
 
 @dataclass
@@ -148,7 +148,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ModelConfig":
         """A model config alone (a checkpoint's "model" section), validated as in a whole Config."""
-        return _build(cls, d, source, prefix="model.")
+        return build_config(cls, d, source, prefix="model.")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as saved in config.json: head_dim as 0 where it is d_model / n_head, n_hidden as 0 where it

@@ -14,11 +14,11 @@ from nanolm.config.fields import check as _check
 SEED_RANGE = (-2**63, 2**64)
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -45,17 +45,17 @@ class SamplingParams:
         "help": "subtracted, times its count in the reply so far, from each token's logit (-2 to 2); 0 = off"})
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+        _check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
                f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
+        _check(is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+        _check(is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
+        _check(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(self.seed is None or (is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+        _check(is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
                f"repetition_penalty must be in (0, 10] (1 = off, 1.1-1.3 is usual), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+            _check(is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value!r}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanolm.config.fields import check as _check
-from nanolm.config.sampling import _is_int, _is_number
+from nanolm.config.sampling import is_int, is_number
 
 
 @dataclass
@@ -66,25 +66,25 @@ class ServeConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host.strip()),
                f"host={self.host!r}: must be a host name or address, such as 127.0.0.1 (loopback only)")
-        _check(_is_int(self.port) and 0 <= self.port <= 65535,
+        _check(is_int(self.port) and 0 <= self.port <= 65535,
                f"--port {self.port!r}: must be an integer from 0 to 65535 (0 picks a free port)")
         _check(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
                "api_key: must be a non-empty string, or None for a server without a key")
         _check(isinstance(self.model_name, str), f"model_name={self.model_name!r}: must be a string")
-        _check(_is_int(self.max_queue) and self.max_queue >= 1,
+        _check(is_int(self.max_queue) and self.max_queue >= 1,
                f"max_queue={self.max_queue!r}: must be an integer >= 1 (requests admitted at once)")
-        _check(self.max_batch is None or (_is_int(self.max_batch) and self.max_batch >= 1),
+        _check(self.max_batch is None or (is_int(self.max_batch) and self.max_batch >= 1),
                f"max_batch={self.max_batch!r}: must be an integer >= 1 (rows decoded together), or unset")
-        _check(_is_int(self.threads) and self.threads >= 0,
+        _check(is_int(self.threads) and self.threads >= 0,
                f"threads={self.threads!r}: must be an integer >= 0 (0 = one fewer than the CPU's cores)")
-        _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
+        _check(is_int(self.max_body_bytes) and self.max_body_bytes >= 1,
                f"max_body_bytes={self.max_body_bytes!r}: must be an integer >= 1 (the largest request body)")
         _check(isinstance(self.guide_calls, bool), f"guide_calls={self.guide_calls!r}: must be true or false")
         _check(isinstance(self.compile, bool), f"compile={self.compile!r}: must be true or false")
-        _check(_is_number(self.body_timeout_s) and self.body_timeout_s > 0,
+        _check(is_number(self.body_timeout_s) and self.body_timeout_s > 0,
                f"body_timeout_s={self.body_timeout_s!r}: must be a number of seconds > 0")
-        _check(_is_number(self.header_timeout_s) and self.header_timeout_s > 0,
+        _check(is_number(self.header_timeout_s) and self.header_timeout_s > 0,
                f"header_timeout_s={self.header_timeout_s!r}: must be a number of seconds > 0")
-        _check(_is_int(self.max_connections) and self.max_connections >= 1,
+        _check(is_int(self.max_connections) and self.max_connections >= 1,
                f"max_connections={self.max_connections!r}: must be an integer >= 1 (open connections at once)")
 

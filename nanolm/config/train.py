@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nanolm.config.data import DataConfig, format_data_set
-from nanolm.config.fields import _build, check as _check
+from nanolm.config.fields import build_config, check as _check
 from nanolm.config.methods import DistillConfig, DPOConfig, GRPOConfig, LoRAConfig, PPOConfig
 from nanolm.config.model import ModelConfig
 from nanolm.config.optim import OptimConfig
@@ -164,5 +164,5 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Config":
-        return _build(cls, d, source, prefix="")
+        return build_config(cls, d, source, prefix="")
 

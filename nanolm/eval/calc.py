@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from nanolm.chat import Message, read_reply
 from nanolm.data.builtin.tooluse import CalcItem, calc2_items, calc_items, operands
 from nanolm.errors import UserError
-from nanolm.eval.scoring import _NUMBER, answers_match, generate_texts, summary
+from nanolm.eval.scoring import NUMBER, answers_match, generate_texts, summary
 from nanolm.eval.tasks import Task
 
 SEED = 0
@@ -62,7 +62,7 @@ def calc2_task(n: int | None = None, seed: int = SEED) -> Task:
 
 def states(reply: str, answer: str) -> bool:
     """Whether a reply states the answer as one of its numbers ("The answer is 1,088." states 1088)."""
-    return any(answers_match(x.replace("$", ""), answer) for x in _NUMBER.findall(reply))
+    return any(answers_match(x.replace("$", ""), answer) for x in NUMBER.findall(reply))
 
 
 def miss(question: str, calls: Sequence[str], computed: bool, correct: bool) -> str | None:

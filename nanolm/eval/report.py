@@ -671,7 +671,7 @@ def plot_curves(report: dict[str, Any], out: Path) -> Path:
     from matplotlib.ticker import EngFormatter
 
     from nanolm.io import write_bytes_atomic
-    from nanolm.plot import SMOOTH_FROM, _series, smooth
+    from nanolm.plot import SMOOTH_FROM, metric_series, smooth
     from nanolm.train.metrics import read_metrics
 
     fig = Figure(figsize=(12, 5), layout="constrained")
@@ -681,10 +681,10 @@ def plot_curves(report: dict[str, Any], out: Path) -> Path:
         if e["stage"] == "base":
             continue  # an imported model: no curves of ours
         records = read_metrics(Path(e["path"]) / "metrics.jsonl")
-        xs, ys = _series(records, "val_bpb", "tokens")
+        xs, ys = metric_series(records, "val_bpb", "tokens")
         if xs:
             ax_val.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=4, label=e["label"])
-        xs, ys = _series(records, "loss", "tokens")
+        xs, ys = metric_series(records, "loss", "tokens")
         if xs:
             if len(xs) >= SMOOTH_FROM:
                 ax_loss.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)

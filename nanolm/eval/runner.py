@@ -248,9 +248,9 @@ def degeneration_prompts(tok: Any, sources: Sequence[str] | None, n: int, prompt
                 if len(prompts) == n:
                     return prompts
         return prompts
-    from nanolm.eval.scoring import _chat_prompt
+    from nanolm.eval.scoring import chat_prompt
     task = builtin_task("idioms", n)
-    return [tok.encode(_chat_prompt(tok, [], it.question) if chat else it.prompt) for it in task.items]
+    return [tok.encode(chat_prompt(tok, [], it.question) if chat else it.prompt) for it in task.items]
 
 
 def run_eval(checkpoint: str | Path, specs: Sequence[str], *, which: str = "best", batch_size: int = 16,

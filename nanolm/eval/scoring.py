@@ -194,7 +194,7 @@ def rolling_requests(tokens: Sequence[int], max_len: int, eot_id: int) -> list[t
 
 # ----------------------------------------------------------------------------- prompts
 
-def _chat_prompt(tok: TokenizerLike, turns: Sequence[tuple[str, str]], question: str) -> str:
+def chat_prompt(tok: TokenizerLike, turns: Sequence[tuple[str, str]], question: str) -> str:
     messages = []
     for q, a in turns:
         messages += [Message("user", q), Message("assistant", a)]
@@ -208,7 +208,7 @@ def mc_strings(item: MCItem, shots: Sequence[MCItem] = (), chat: bool = False,
     then the prompt; each choice after the delimiter) or, with `chat`, the chat template (shots as earlier
     turns, the question as the user's turn; each choice as the assistant's reply)."""
     if chat:
-        context = _chat_prompt(tok, [(s.question, s.choices[s.answer]) for s in shots], item.question)
+        context = chat_prompt(tok, [(s.question, s.choices[s.answer]) for s in shots], item.question)
         return context, list(item.choices)
     solved = "".join(f"{s.prompt}{s.delimiter}{s.choices[s.answer]}\n\n" for s in shots)
     return solved + item.prompt, [item.delimiter + c for c in item.choices]
@@ -217,7 +217,7 @@ def mc_strings(item: MCItem, shots: Sequence[MCItem] = (), chat: bool = False,
 def gen_prompt(item: GenItem, shots: Sequence[GenItem] = (), chat: bool = False,
                tok: TokenizerLike | None = None) -> str:
     if chat:
-        return _chat_prompt(tok, [(s.question, s.solution) for s in shots], item.question)
+        return chat_prompt(tok, [(s.question, s.solution) for s in shots], item.question)
     solved = "".join(f"{s.prompt} {s.solution}\n\n" for s in shots)
     return solved + item.prompt
 
@@ -310,7 +310,7 @@ def generate_texts(engine: Any, tok: TokenizerLike, prompts: Sequence[Sequence[i
     return [texts[i] for i in range(len(prompts))]
 
 
-_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 def _boxed(text: str) -> str | None:
@@ -335,7 +335,7 @@ def extract_answer(text: str) -> str:
     boxed = _boxed(text)
     if boxed is not None:
         return boxed
-    numbers = _NUMBER.findall(text)
+    numbers = NUMBER.findall(text)
     if numbers:
         return numbers[-1]
     return text.strip().split("\n")[0].strip()

@@ -42,7 +42,7 @@ from typing import Any, Protocol, Sequence
 
 from nanolm.chat import ToolCall, message_from_dict, read_reply, tools_from_value
 from nanolm.errors import UserError
-from nanolm.eval.scoring import _NUMBER, answers_match, summary
+from nanolm.eval.scoring import NUMBER, answers_match, summary
 
 PREFIX = "toolcall:"
 MAX_ROUNDS = 3
@@ -225,8 +225,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def states(reply: str, answer: str) -> bool:
     """Whether a reply states the answer: as one of its numbers when the answer is a number, else as text."""
-    if _NUMBER.fullmatch(answer.strip()):
-        return any(answers_match(x.replace("$", ""), answer) for x in _NUMBER.findall(reply))
+    if NUMBER.fullmatch(answer.strip()):
+        return any(answers_match(x.replace("$", ""), answer) for x in NUMBER.findall(reply))
     return answer.strip().lower() in reply.lower()
 
 

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nanolm.chat import ChatError
-from nanolm.infer.guide import GuideVocab, ToolCallGuide, _after
+from nanolm.infer.guide import GuideVocab, ToolCallGuide, past_prefix
 from nanolm.special_tokens import THINK, TOOL_CALL
 
 
@@ -80,7 +80,7 @@ class BanVocab:
         for tag in self.tags:
             per_j: list[list[int]] = [[]]
             for j in range(1, len(tag)):
-                rest, end = tag[j:], _after(tag[j:])
+                rest, end = tag[j:], past_prefix(tag[j:])
                 lo = bisect.bisect_left(keys, rest)
                 hi = len(keys) if end is None else bisect.bisect_left(keys, end, lo)
                 per_j.append(ids[lo:hi])

@@ -398,7 +398,7 @@ def _trigger_written(tail: bytes) -> int:
     return next(k for k in range(min(len(tail), len(TRIGGER) - 1), -1, -1) if tail.endswith(TRIGGER[:k]))
 
 
-def _after(prefix: bytes) -> bytes | None:
+def past_prefix(prefix: bytes) -> bytes | None:
     """The least byte string greater than every string that starts with `prefix` (None: there is none)."""
     p = prefix.rstrip(b"\xff")
     return p[:-1] + bytes([p[-1] + 1]) if p else None
@@ -464,7 +464,7 @@ class GuideVocab:
                 allowed.append(ids[i])
                 i += 1
             else:  # no token that starts with `dead` can come next
-                end = _after(dead)
+                end = past_prefix(dead)
                 i = n if end is None else bisect.bisect_left(keys, end, i + 1)
         return allowed
 
