@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nanolm.data.formats import ReadStats, expand_sources, iter_documents, iter_pieces
+from nanolm.corpora import expand_sources
+from nanolm.data.formats import ReadStats, iter_documents, iter_pieces
 from nanolm.errors import UserError
 
 HINT = "; fix the line or pass --skip-bad to skip such lines"

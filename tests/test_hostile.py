@@ -39,9 +39,9 @@ from nanolm.chat import render_chat
 from nanolm.config import DataSetConfig
 
 from nanolm.config.load import load_config, override_fields
+from nanolm.corpora import expand_sources
 from nanolm.data.formats import (
     ReadStats,
-    expand_sources,
     iter_conversations,
     iter_documents,
     iter_pieces,

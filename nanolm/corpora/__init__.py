@@ -40,15 +40,17 @@ from nanolm.corpora.archive import check_archive, read_members
 from nanolm.corpora.holdout import training_view
 from nanolm.corpora.cache import by_hand_path, cache_dir, is_cached, is_complete, jsonl_path, save
 from nanolm.corpora.registry import REGISTRY, Corpus, lookup
-from nanolm.data.formats import expand_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_bytes, fmt_count, fmt_duration
 
-__all__ = ["REGISTRY", "TEXT_CORPORA", "Corpus", "cache_dir", "describe", "fetch", "resolve_sources"]
+__all__ = ["REGISTRY", "SUFFIXES", "TEXT_CORPORA", "Corpus", "cache_dir", "describe", "expand_sources", "fetch",
+           "resolve_sources"]
 
 # The built-in text corpora the quickstart pretrains on, in its order; the cloze benchmark holds out their parts
 # that no training path reads (nanolm/eval/cloze.py).
 TEXT_CORPORA = ("sanguo", "shakespeare", "sotu")
+# The suffixes of the data files a path may name (a directory: the files with them inside it).
+SUFFIXES = (".txt", ".jsonl")
 
 
 def fetch(name: str, *, quiet: bool = False) -> Path:
@@ -117,6 +119,28 @@ def resolve_sources(specs: Sequence[str | Path]) -> list[Path]:
                             f"{', '.join(REGISTRY)} (`nanolm data list`)")
         else:
             files.extend(expand_sources([path]))
+    return files
+
+
+def expand_sources(paths: Sequence[Path]) -> list[Path]:
+    """The input files: files as given, directories replaced by their .txt/.jsonl files (recursive, sorted)."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in SUFFIXES
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
+            if not found:
+                raise UserError(f"{p}: directory holds no .txt or .jsonl files; point to the data files")
+            files.extend(found)
+        elif p.is_file():
+            if p.suffix.lower() not in SUFFIXES:
+                raise UserError(f"{p}: unsupported file type {p.suffix or '(no suffix)'!r}; use .txt (one document "
+                                'per file) or .jsonl (one {"text": "..."} object per line)')
+            files.append(p)
+        else:
+            raise UserError(f"{p}: no such file or directory; check the path")
+    if not files:
+        raise UserError("no input files given; pass .txt or .jsonl files (or directories holding them)")
     return files
 
 

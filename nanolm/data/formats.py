@@ -90,8 +90,6 @@ from nanolm.chat import (ChatError, ChatFormat, Conversation, Message, check_con
                          message_from_dict, tools_from_value)
 from nanolm.errors import UserError
 
-SUFFIXES = (".txt", ".jsonl")
-
 # A .txt document longer than this (in characters) is yielded as several pieces.
 # Past 4x this without a safe cut (a letter or digit, then a newline), a piece
 # is cut at the next line end, or inside a line that long.
@@ -572,28 +570,6 @@ def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = 
         else:
             for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
                 yield piece.text
-
-
-def expand_sources(paths: Sequence[Path]) -> list[Path]:
-    """The input files: files as given, directories replaced by their .txt/.jsonl files (recursive, sorted)."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in SUFFIXES
-                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
-            if not found:
-                raise UserError(f"{p}: directory holds no .txt or .jsonl files; point to the data files")
-            files.extend(found)
-        elif p.is_file():
-            if p.suffix.lower() not in SUFFIXES:
-                raise UserError(f"{p}: unsupported file type {p.suffix or '(no suffix)'!r}; use .txt (one document "
-                                'per file) or .jsonl (one {"text": "..."} object per line)')
-            files.append(p)
-        else:
-            raise UserError(f"{p}: no such file or directory; check the path")
-    if not files:
-        raise UserError("no input files given; pass .txt or .jsonl files (or directories holding them)")
-    return files
 
 
 _PROMPT_SHAPE = '{"prompt": "..."}, {"prompt": [messages]} or {"messages": [...]}'

@@ -61,8 +61,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from nanolm.corpora import expand_sources
 from nanolm.data import kinds
-from nanolm.data.formats import expand_sources
 from nanolm.data.kinds.base import Chunk, DataKind, PrepareConfig, Record, load_state
 from nanolm.data.provenance import check_replaceable, sha256_of, source_stat, val_every
 from nanolm.data.shards import MANIFEST, SPLITS, Manifest, SplitWriter, TokenizerRef, shards_intact
