@@ -22,21 +22,22 @@ the same text.
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from nanolm.data.kinds import ChatKind, PairsKind
 from nanolm.data.loader import iter_eval_batches
-from nanolm.data.shards import MANIFEST, Batch, Manifest, PackedData
+from nanolm.data.shards import IGNORE_INDEX, MANIFEST, Batch, Manifest, PackedData
 from nanolm.errors import UserError
 from nanolm.infer.generate import check_vocab
 from nanolm.progress import Progress, fmt_count
 from nanolm.runtime import autocast, resolve_device, resolve_dtype
 from nanolm.tokenizer import Tokenizer
-from nanolm.train.objectives import lm_scores
 
 ENCODE_CHARS = 1 << 20  # characters of documents tokenized per encode_batch call
 
@@ -116,6 +117,30 @@ def _open_prepared(path: Path, tok: Tokenizer, ckpt_dir: Path) -> PackedData:
         raise UserError(f"{path}: preference pairs (--format pairs) have no single text to score; "
                         f"evaluate on text or chat data")
     return data
+
+
+@torch.no_grad()
+def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
+              token_bytes: torch.Tensor | None, on_batch: Callable[[int], None] | None = None
+              ) -> tuple[float, int, float]:
+    """(summed cross-entropy in nats, target tokens, UTF-8 bytes those targets stand for) over the batches: what
+    `nanolm eval` reports and what a run's validation measures (`train/objectives.py`), one computation.
+
+    Only targets != IGNORE_INDEX count (chat data: the assistant replies). token_bytes maps a token id to its
+    byte length (None: bytes are not counted). on_batch(n_targets) is called after each batch.
+    """
+    loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
+    for batch in batches:
+        with autocast():
+            # The model's fused output projection and loss, summed over the targets (no logits written).
+            loss_sum += model(batch.x, pos=batch.pos, seg=batch.seg, targets=batch.y).item()
+        targets = batch.y[batch.y != IGNORE_INDEX].cpu()
+        n_tokens += targets.numel()
+        if token_bytes is not None:
+            n_bytes += token_bytes[targets].sum().item()
+        if on_batch is not None:
+            on_batch(targets.numel())
+    return loss_sum, n_tokens, n_bytes
 
 
 def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: str = "best", batch_size: int = 8,
@@ -212,7 +237,6 @@ def reply_batches(tok: Tokenizer, conversations: Sequence[Any], max_len: int, ba
     truncation policy (left out when no reply token would be left). A row's x is ids[:-1], y is ids[1:] with
     IGNORE_INDEX where the target is not a reply token; rows are padded at the end (x 0, y IGNORE_INDEX)."""
     from nanolm.chat import TARGET, encode_chat, fit_conversation
-    from nanolm.data.shards import IGNORE_INDEX
 
     fmt, lengths = tok.chat_format, tok.spelled_lengths()
     rows: list[tuple[np.ndarray, np.ndarray]] = []

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from nanolm.data.kinds.blocks import block_views
 from nanolm.data.shards import IGNORE_INDEX, Batch
+from nanolm.eval.loss import lm_scores
 from nanolm.model.moe import collect_aux_loss, moe_layers
 from nanolm.train.losses import distill_loss, dpo_loss, step_share
 
@@ -85,28 +86,6 @@ def token_logps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, pos: torch.T
     nll = F.cross_entropy(model(x, pos=pos, seg=seg, at=at).float(), targets.index_select(0, at), reduction="none")
     logp = torch.zeros(targets.shape, dtype=torch.float32, device=y.device).index_put((at,), -nll)
     return logp.view(y.shape)
-
-
-@torch.no_grad()
-def lm_scores(model: nn.Module, batches: Iterable[Batch], autocast: Callable[[], AbstractContextManager],
-              token_bytes: torch.Tensor | None, on_batch: Callable[[int], None] | None = None
-              ) -> tuple[float, int, float]:
-    """(summed cross-entropy in nats, target tokens, UTF-8 bytes those targets stand for) over the batches.
-
-    Only targets != IGNORE_INDEX count (chat data: the assistant replies). token_bytes maps a token id to its
-    byte length (None: bytes are not counted). on_batch(n_targets) is called after each batch.
-    """
-    loss_sum, n_tokens, n_bytes = 0.0, 0, 0.0
-    for batch in batches:
-        with autocast():
-            loss_sum += _summed_ce(model, batch).item()
-        targets = batch.y[batch.y != IGNORE_INDEX].cpu()
-        n_tokens += targets.numel()
-        if token_bytes is not None:
-            n_bytes += token_bytes[targets].sum().item()
-        if on_batch is not None:
-            on_batch(targets.numel())
-    return loss_sum, n_tokens, n_bytes
 
 
 @dataclass
