@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
-from nanolm.train.metrics import read_metrics
+from nanolm.metrics_log import read_metrics
 
 X_AXES = ("step", "tokens")
 FORMATS = ("png", "svg", "pdf")

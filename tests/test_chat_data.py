@@ -555,7 +555,8 @@ def test_mfu_counts_the_output_projection_at_the_replies_alone(tmp_path, tokeniz
     position has a target, at all of them."""
     from nanolm.config.load import load_config
     from nanolm.model.transformer import flops_per_token
-    from nanolm.train.metrics import measured_matmul_flops, read_metrics
+    from nanolm.metrics_log import read_metrics
+    from nanolm.train.metrics import measured_matmul_flops
     from nanolm.train.trainer import train
 
     src = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": c} for c in CONVS[:4] * 5])

@@ -15,7 +15,8 @@ from nanolm.config import Config
 from nanolm.config.load import load_config
 from nanolm.errors import UserError
 from nanolm.train.trainer import train
-from nanolm.train.metrics import MetricsWriter, TensorBoardTracker, make_trackers, read_metrics, scalars
+from nanolm.metrics_log import read_metrics
+from nanolm.train.metrics import MetricsWriter, TensorBoardTracker, make_trackers, scalars
 from test_train import tiny_cfg
 
 

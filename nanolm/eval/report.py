@@ -180,7 +180,7 @@ def stage_summary(run: Path, data_set: str | None = None) -> dict[str, Any]:
     """What a run's metrics.jsonl says: steps, tokens, wall time, and its validation metric's first, best and
     last values ({"step", "tokens", "value"} each). data_set: read that data set's own validation metric
     (`val_bpb/NAME`, which a run on several sets logs beside their weighted mean)."""
-    from nanolm.train.metrics import read_metrics
+    from nanolm.metrics_log import read_metrics
 
     records = read_metrics(run / "metrics.jsonl")
     with_tokens = [r for r in records if isinstance(r.get("tokens"), int)]
@@ -672,7 +672,7 @@ def plot_curves(report: dict[str, Any], out: Path) -> Path:
 
     from nanolm.io import write_bytes_atomic
     from nanolm.plot import SMOOTH_FROM, metric_series, smooth
-    from nanolm.train.metrics import read_metrics
+    from nanolm.metrics_log import read_metrics
 
     fig = Figure(figsize=(12, 5), layout="constrained")
     ax_val, ax_loss = fig.subplots(1, 2)

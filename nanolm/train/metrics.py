@@ -1,6 +1,6 @@
 """Training telemetry: console lines, metrics.jsonl, TensorBoard, W&B and SwanLab, throughput and MFU.
 
-Every run writes metrics.jsonl; `train.track` adds trackers that receive
+Every run writes metrics.jsonl (read back through `nanolm.metrics_log`); `train.track` adds trackers that receive
 the same records: TensorBoard (event files in <run>/tensorboard, one scalar
 per key at global_step = step), Weights & Biases (a run whose files go to
 <run>/wandb, offline by default; its id is kept in <run>/wandb_run.json so
@@ -68,19 +68,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             if key in name:
                 return peak, f"{name} datasheet"
     return measured_matmul_flops(device.type, dtype), f"measured {device.type} {str(dtype).removeprefix('torch.')} matmul"
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl, in file order; a line cut short by a crash is skipped."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 # What each nesting level of a list-valued metric counts, for the scalar names it becomes.
