@@ -160,7 +160,10 @@ def test_the_default_path_widens_its_model_where_the_budget_would_see_the_data_m
     assert cfg.note.endswith(f"; width 128: at {rate['value']:,.0f} tokens/s (timed here) the 128-wide model would "
                              f"see the {n:,} training tokens about {sizing.WIDE_PASSES:.1f} times in 3 minutes, at "
                              f"most {sizing.WIDE_PASSES:g}; weight decay {sizing.MANY_PASSES_WEIGHT_DECAY:g} (not "
-                             f"0.1): more than {sizing.DECAY_PASSES:g} passes")
+                             f"0.1): more than {sizing.DECAY_PASSES:g} passes; schedule cut to {6 * n:,} tokens "
+                             f"(6 passes; the time budget stays the ceiling): at {rate['value']:,.0f} tokens/s the "
+                             f"128-wide model would see the data 7.0 times, and past 6 it memorises, so the learning "
+                             f"rate decays over the passes it can use and the run ends early")
     assert cfg.optim.weight_decay == sizing.MANY_PASSES_WEIGHT_DECAY
     # A weight decay the user gives is kept; at most DECAY_PASSES passes keep the preset's.
     assert load_config(overrides={**over, "optim.weight_decay": "0.05"}).optim.weight_decay == 0.05
@@ -179,11 +182,12 @@ def test_the_default_path_widens_its_model_where_the_budget_would_see_the_data_m
     rate["value"] = 1.0
     cfg = load_config(overrides=over)
     assert (cfg.model.d_model, cfg.optim.weight_decay) == (sizing.WIDE_D_MODEL, sizing.MANY_PASSES_WEIGHT_DECAY)
-    assert cfg.note.endswith(f"; width {sizing.WIDE_D_MODEL}, weight decay {sizing.MANY_PASSES_WEIGHT_DECAY:g}: the "
-                             f"run in {tmp_path / 'run'} was started with them")
+    assert cfg.note.endswith(f"; width {sizing.WIDE_D_MODEL}, weight decay {sizing.MANY_PASSES_WEIGHT_DECAY:g}, "
+                             f"schedule cut to {6 * n:,} tokens: the run in {tmp_path / 'run'} was started with them")
     given = load_config(overrides={**over, "optim.weight_decay": "0.05"})
     assert (given.model.d_model, given.optim.weight_decay) == (sizing.WIDE_D_MODEL, 0.05)
-    assert given.note.endswith(f"; width {sizing.WIDE_D_MODEL}: the run in {tmp_path / 'run'} was started with it")
+    assert given.note.endswith(f"; width {sizing.WIDE_D_MODEL}, schedule cut to {6 * n:,} tokens: the run in "
+                               f"{tmp_path / 'run'} was started with them")
     # Data that cannot be read, and several processes, leave the preset's width.
     assert load_config(overrides={**over, "data.path": str(tmp_path / "nothing"),
                                   "train.out_dir": str(tmp_path / "new")}).model == small

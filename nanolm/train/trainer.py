@@ -60,6 +60,7 @@ from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_
 from nanolm.train.optim import build_optimizer
 from nanolm.train.budget import Budget
 from nanolm.train.schedule import lr_at, probe_steps
+from nanolm.train.sizing import USEFUL_PASSES
 from nanolm.train.validation import Best, Validation
 from nanolm.train import stages
 from nanolm.train.objectives import Companion, Objective
@@ -102,8 +103,9 @@ class StepResult:
         return out
 
 
-# A planned run that sees its training tokens more often than this is warned about at the start.
-SEEN_TIMES_WARNING = 4
+# A planned run that sees its training tokens more often than this is warned about at the start: the passes past
+# which the default path cuts its schedule (measured, nanolm/train/sizing.py), so the default path never warns.
+SEEN_TIMES_WARNING = USEFUL_PASSES
 
 
 class _StopFlag:
@@ -617,9 +619,10 @@ class Trainer:
         if max_steps is None or len(self.data.sets) > 1 or not self.stage.pretrains:
             return
         epochs = (max_steps - self.step) * self.tokens_per_step / max(1, self.data.n_tokens)
-        if epochs > SEEN_TIMES_WARNING and len(self.data.sets) == 1:
+        # Compared as printed: a token cap rounded up to whole steps may pass the limit by a fraction of a step.
+        if round(epochs, 1) > SEEN_TIMES_WARNING and len(self.data.sets) == 1:
             self.say(f"warning: the planned {max_steps} steps see the {fmt_count(self.data.n_tokens)} training "
-                     f"tokens {epochs:.1f} times; past ~{SEEN_TIMES_WARNING} a model this size starts to memorise "
+                     f"tokens {epochs:.1f} times; past ~{SEEN_TIMES_WARNING:g} a model this size starts to memorise "
                      "them: use more data, or a smaller model or budget")
 
     # ------------------------------------------------------------------------------------------ the loop
