@@ -86,12 +86,15 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def documented_floors(text: str) -> dict[str, int]:
-    """Package -> floor, from the `floor N  name/  name.py ...` lines of the picture under "## Layering"."""
+    """Package -> floor, from the `floor N  name/  name.py  what they hold` lines of the picture under
+    "## Layering" (the names are the words ending in / or .py before the first that does not)."""
     section = text.split("## Layering", 1)[1].split("\n## ", 1)[0]
     floors: dict[str, int] = {}
-    for n, names in re.findall(r"^\s*floor\s+(\d+)\s+(.+)$", section, flags=re.M):
-        for name in names.split():
-            floors[name.removesuffix("/").removesuffix(".py")] = int(n)
+    for n, words in re.findall(r"^floor\s+(\d+)\s+(.+)$", section, flags=re.M):
+        for word in words.split():
+            if not word.endswith(("/", ".py")):
+                break
+            floors[word.removesuffix("/").removesuffix(".py")] = int(n)
     return floors
 
 
@@ -145,8 +148,8 @@ def test_package_arrows_up_a_floor_and_package_circles_are_found():
     packages = package_graph(graph)
     assert packages == {"eval": {"train"}, "train": {"data", "eval"}, "data": {"nanolm"}, "nanolm": set()}
     assert cycles(packages) == [["eval", "train"]]
-    floors = documented_floors("# A\n## Layering\n```\nfloor 3  train/\nfloor  2  eval/  plot.py\n"
-                               "floor 1  data/\n```\n## Next\nfloor 9  stale/\n")
+    floors = documented_floors("# A\n## Layering\n```\nfloor 3  train/  the loop\nfloor  2  eval/  plot.py\n"
+                               "floor 1  data/  the shards, shards.py/\n```\n## Next\nfloor 9  stale/\n")
     assert floors == {"train": 3, "eval": 2, "plot": 2, "data": 1}
     assert imports_not_down(packages, floors) == [("eval", "train")]
     assert module_arrows(graph, "eval", "train") == ["nanolm.eval.loss -> nanolm.train.objectives"]
