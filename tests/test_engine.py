@@ -16,6 +16,7 @@ from nanolm.infer.sampling import (Penalties, apply_penalties, greedy, nucleus,
                                    presence_frequency_penalty, repetition_penalty, sample_next, sample_rows)
 from nanolm.infer import engine as engine_module, fuse
 from nanolm.infer.fuse import SMALL_ROWS, DecodeLinear, FusedAttention, FusedMLP, decode_linear, fuse_projections
+from nanolm.infer.rows import rows_model
 from nanolm.model.transformer import Attention, KVCache, Transformer
 
 
@@ -918,7 +919,7 @@ def test_a_prompt_joining_running_rows_is_prefilled_in_their_decode_pass(dtype):
 def test_decode_and_prefill_computes_what_the_two_forwards_compute():
     """Rows of different lengths decoding one token and right-padded prompts prefilled in one pass: the same
     logits and caches as the decode step and the prefill run apart."""
-    model = _varied_model()
+    model = rows_model(_varied_model())
     cfg = model.config
     rows = [list(range(3, 12)), [5, 6], list(range(20, 40))]
     with torch.inference_mode():
@@ -946,3 +947,19 @@ def test_decode_and_prefill_computes_what_the_two_forwards_compute():
     for a, b in zip(together.k + together.v + prompt_cache.k + prompt_cache.v,
                     apart.k + apart.v + prompt_ref_cache.k + prompt_ref_cache.v):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_different_lengths_are_the_engine_models_path_not_the_architectures():
+    """The architecture's forward refuses a cache of rows of different lengths (it would read `pos` and write every
+    row at one position); rows_model makes the Transformer a wrapper holds decode them, sharing its tensors."""
+    model = _varied_model()
+    cache = KVCache.empty(model.config, 2, 16, "cpu", torch.float32)
+    cache.lengths = torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="rows of different lengths"):
+        model(torch.tensor([[1], [2]]), cache)
+    wrapper = torch.nn.Sequential(model)
+    assert rows_model(wrapper) is wrapper and type(wrapper[0]).__name__ == "RowsTransformer"
+    assert wrapper[0].lm_head.weight is model.lm_head.weight
+    with torch.no_grad():
+        assert wrapper[0](torch.tensor([[1], [2]]), cache).shape == (2, 1, 61)
+    assert cache.lengths.tolist() == [4, 6]

@@ -23,6 +23,7 @@ from nanolm.config import PRESETS, Config, ModelConfig, SamplingParams, TrainCon
 from nanolm.errors import UserError
 from nanolm.infer.engine import Engine
 from nanolm.infer.fuse import FusedAttention, fuse_projections
+from nanolm.infer.rows import rows_model
 from nanolm.model.lora import apply_lora, merge_lora
 from nanolm.model.transformer import KVCache, Transformer, Yarn, apply_rope, count_params, rope_tables
 
@@ -96,9 +97,9 @@ def test_kv_cache_prefill_and_decode_equal_the_full_forward(over):
 
 
 def test_rows_of_different_lengths_decode_as_each_alone():
-    """`_decode_rows` (cache.lengths): each row rotated, normalised and masked by its own position."""
+    """`RowsTransformer.decode_rows` (cache.lengths): each row rotated, normalised and masked by its own position."""
     cfg = tiny()
-    model = random_model(cfg)
+    model = rows_model(random_model(cfg))
     rows = [torch.randint(0, 61, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 12, 9)]
     with torch.no_grad():
         alone = [model(r)[0, -1] for r in rows]  # (V,) the logits of each row's last token

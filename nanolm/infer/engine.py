@@ -23,7 +23,6 @@ before each draw which ids may come next.
 from __future__ import annotations
 
 import copy
-import logging
 import statistics
 import sys
 import time
@@ -36,24 +35,9 @@ import torch.nn as nn
 from nanolm.checkpoint import require_causal
 from nanolm.config.sampling import SEED_RANGE, SamplingParams
 from nanolm.infer.fuse import choose_product_form, fuse_projections
+from nanolm.infer.rows import quiet_known_break, rows_model
 from nanolm.infer.sampling import Penalties, apply_penalties, sample_rows
 from nanolm.model.transformer import KVCache
-
-
-class _KnownBreak(logging.Filter):
-    """Drops torch.compile's one-time advice on a graph break at `Tensor.item()`: the decode step of rows of
-    different lengths reads the longest of them as a Python int, to attend to no more cache than that, and breaks
-    its graph there by design; the advice (15 lines on stderr) is for PyTorch's developers, not for a user."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Graph break from `Tensor.item()`" not in record.getMessage()
-
-
-def quiet_known_break() -> None:
-    """Filter `_KnownBreak`'s advice from dynamo's log (once per process)."""
-    logger = logging.getLogger("torch._dynamo.variables.tensor")
-    if not any(isinstance(f, _KnownBreak) for f in logger.filters):
-        logger.addFilter(_KnownBreak())
 
 
 def inference_copy(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -88,11 +72,12 @@ class Engine:
                  dtype: torch.dtype = torch.float32) -> None:
         """Prepare the copy: weights in `dtype` on `device` (decoding reads every weight once per token, so
         bf16 weights halve the bytes, and nothing is re-cast under autocast), eval mode, and the q/k/v and
-        gate/up products fused (`infer/fuse.py`): the same weights, fewer products."""
+        gate/up products fused (`infer/fuse.py`): the same weights, fewer products; its Transformer a
+        `RowsTransformer` (`infer/rows.py`), which decodes rows of different lengths."""
         require_causal(model.config, "decoding with the engine (generate, chat, serve, sampled rollouts)")
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model = inference_copy(model, self.device, dtype)
+        self.model = rows_model(inference_copy(model, self.device, dtype))  # decodes rows of different lengths
         fuse_projections(self.model)  # fewer, larger products per token
         # PyTorch's CPU kernels attend one query in bf16/fp16 several times slower than in float32 (138 vs
         # 36 us for 300 cached tokens on 2 cores), and less exactly. A float32 cache is attended as it is,
@@ -453,7 +438,7 @@ class DecodeBatch:
         cache positions its own tokens overwrite); sets each row's first logits and its slot in the returned
         cache, whose rows are the prompts in order. x (B, 1): the running rows' latest tokens, or None; where
         the prompts take one forward and the decode step is not compiled, the running rows decode in the same
-        pass (`Transformer.decode_and_prefill`) and their logits (B, V) are returned too (else None)."""
+        pass (`RowsTransformer.decode_and_prefill`) and their logits (B, V) are returned too (else None)."""
         if not rows:
             return None, None
         engine = self.engine

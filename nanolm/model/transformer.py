@@ -239,7 +239,8 @@ class KVCache:
     Rows of different lengths (batched decoding: prompts of different lengths, rows that joined at
     different steps) set `lengths` (B,), each row's filled positions; `pos` is then unused, one token
     per row is decoded at a time, written at its row's own position and rotated by it, and each row
-    attends to its own filled positions only (never to another row's padding).
+    attends to its own filled positions only (never to another row's padding). The engine's model
+    decodes such a cache (infer/rows.py); the architecture's forward takes `pos` alone.
 
     Its dtype may differ from the weights': attention then runs in the cache's dtype and its output
     is cast back (the Engine keeps a float32 cache for bf16/fp16 weights on a CPU).
@@ -266,8 +267,9 @@ class Attention(nn.Module):
     """Grouped-query self-attention with RoPE: project (q/k/v heads, QK-normed, rotated) -> attention -> o_proj.
 
     `project` is a method of its own so that a module applied from outside (the fused products of
-    infer/fuse.py) overrides only the projections. Every path (training, prefill, decoding, rows of
-    different lengths) goes through it, so QK-norm and RoPE are applied the same way in all of them.
+    infer/fuse.py) overrides only the projections. Every path (training, prefill, decoding, and the
+    engine's rows of different lengths in infer/rows.py) goes through it, so QK-norm and RoPE are
+    applied the same way in all of them.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -296,20 +298,12 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None,
-                prompts: KVCache | None = None) -> torch.Tensor:
-        """mask: optional (B, 1, T, S) boolean, True where a query may attend a key (packed sequences; rows of
-        different lengths in the cache). prompts: the cache of prompts prefilled in the same pass as rows decode
-        (Transformer.decode_and_prefill)."""
+                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: optional (B, 1, T, S) boolean, True where a query may attend a key (packed sequences)."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-
-        if prompts is not None:
-            return self._rows_and_prompts(x, q, k, v, cache, prompts, layer, mask)
         start = 0
-        if cache is not None and cache.lengths is not None:
-            return self.o_proj(self._rows(q, k, v, cache, layer, mask).to(x.dtype).reshape(B, T, -1))
-        elif cache is not None:
+        if cache is not None:
             start = cache.pos
             cache.k[layer][:, :, start:start + T] = k
             cache.v[layer][:, :, start:start + T] = v
@@ -346,45 +340,6 @@ class Attention(nn.Module):
             y = sdpa(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)
-
-    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
-              mask: torch.Tensor) -> torch.Tensor:
-        """One new token per row (q, k, v: (B, n, 1, hs)), written at the row's own position (cache.lengths) and
-        attending to the row's filled positions; `mask` (B, 1, 1, S) covers the longest row -> (B, nh, 1, hs)."""
-        B = q.shape[0]
-        rows = torch.arange(B, device=q.device)
-        cache.k[layer][rows, :, cache.lengths] = k[:, :, 0].to(cache.k[layer].dtype)
-        cache.v[layer][rows, :, cache.lengths] = v[:, :, 0].to(cache.v[layer].dtype)
-        k = cache.k[layer][:, :, :mask.shape[-1]]  # (B, nkv, S, hs)
-        v = cache.v[layer][:, :, :mask.shape[-1]]
-        # One query per row: a key/value head's query heads attend as rows of one group, which PyTorch's
-        # CPU kernels do in half the time of enable_gqa with a mask (16 rows: 0.26 vs 0.50 ms a layer).
-        g = self.n_head // self.n_kv_head
-        return F.scaled_dot_product_attention(q.to(k.dtype).reshape(B, self.n_kv_head, g, self.head_dim), k, v,
-                                              attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
-
-    def _rows_and_prompts(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          cache: KVCache, prompts: KVCache, layer: int, mask: torch.Tensor) -> torch.Tensor:
-        """Transformer.decode_and_prefill's attention: x (1, B + P*T, C) holds B rows' new tokens, then P prompts
-        of T tokens (q, k, v projected from it: (1, n, B + P*T, hs)); the rows attend as `_rows` does, each prompt
-        causally to itself, written at positions 0..T-1 of `prompts` (P rows)."""
-        B, P = cache.lengths.shape[0], prompts.k[layer].shape[0]
-        T = (x.shape[1] - B) // P
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # (1, n, B + P*T, hs) -> (B, n, 1, hs)
-            return t[0, :, :B].transpose(0, 1).unsqueeze(2)
-
-        def prompt(t: torch.Tensor) -> torch.Tensor:  # (1, n, B + P*T, hs) -> (P, n, T, hs)
-            return t[0, :, B:].unflatten(1, (P, T)).transpose(0, 1)
-
-        y_rows = self._rows(rows(q), rows(k), rows(v), cache, layer, mask)  # (B, nh, 1, hs)
-        prompts.k[layer][:, :, :T] = prompt(k)
-        prompts.v[layer][:, :, :T] = prompt(v)
-        pk, pv = prompts.k[layer][:, :, :T], prompts.v[layer][:, :, :T]
-        y_prompts = F.scaled_dot_product_attention(prompt(q).to(pk.dtype), pk, pv, is_causal=T > 1,
-                                                   enable_gqa=self.n_kv_head != self.n_head)  # (P, nh, T, hs)
-        y = torch.cat([y_rows.squeeze(2), y_prompts.transpose(1, 2).reshape(P * T, self.n_head, self.head_dim)])
-        return self.o_proj(y.to(x.dtype).reshape(1, B + P * T, self.n_head * self.head_dim))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -427,9 +382,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None,
-                prompts: KVCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, prompts))
+                cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask))
         x = x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
         return x
 
@@ -493,7 +447,8 @@ class Transformer(nn.Module):
             raise ValueError("model.causal is false: a non-causal model writes its output block in one pass and "
                              "decodes nothing token by token, so it takes no KV cache")
         if cache is not None and cache.lengths is not None:
-            return self._decode_rows(idx, cache)
+            raise ValueError("rows of different lengths (cache.lengths) are decoded by the engine's model "
+                             "(nanolm.infer.rows.rows_model), not by the architecture's forward")
         start = cache.pos if cache is not None else 0
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
@@ -542,57 +497,6 @@ class Transformer(nn.Module):
         """Logits of the normed stream h (..., C), in h's dtype; a head kept in another dtype (lora.cast_base)
         multiplies a cast of h where autocast does not cast for it."""
         return frozen_linear(self.lm_head, h) if type(self.lm_head) is nn.Linear else self.lm_head(h)
-
-    def _decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per row after rows of different lengths (cache.lengths): idx (B, 1) -> logits (B, 1, V)."""
-        B, lengths = idx.shape[0], cache.lengths
-        mask = self._rows_mask(idx, cache)
-        cos = self.rope_cos[lengths].view(B, 1, 1, -1)  # (B, 1, 1, hs): each row rotated by its own position
-        sin = self.rope_sin[lengths].view(B, 1, 1, -1)
-        x = self.dropout(self._embed(idx))  # (B, 1, C)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-        cache.lengths += 1
-        return self._head(self.norm(x))  # (B, 1, V)
-
-    def _rows_mask(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The attention mask (B, 1, 1, S) of one new token per row after rows of different lengths (cache.lengths),
-        S the longest row with its new token: each row sees its own filled positions and the new one. Checks
-        that idx is (B, 1) and that the longest row fits the model and the cache."""
-        B, T = idx.shape
-        lengths = cache.lengths
-        if T != 1 or lengths.shape != (B,):
-            raise ValueError(f"rows of different lengths decode one token each: idx is {tuple(idx.shape)}, "
-                             f"the cache holds {tuple(lengths.shape)} rows")
-        span = int(lengths.max()) + 1  # the longest row, with its new token
-        if span > min(self.config.max_seq_len, cache.max_len):
-            raise ValueError(f"sequence of {span} tokens exceeds model.max_seq_len={self.config.max_seq_len} "
-                             f"or the cache's {cache.max_len} positions")
-        return (torch.arange(span, device=idx.device) <= lengths[:, None]).view(B, 1, 1, span)
-
-    def decode_and_prefill(self, idx: torch.Tensor, cache: KVCache, prompts: torch.Tensor, prompt_cache: KVCache,
-                           last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `self(idx, cache)` (one token per row of `cache`, rows of different lengths) and
-        `self(prompts, prompt_cache, last=last)` (an empty cache) compute, in one pass through the layers: the
-        products, norms and MLP of both as one call each, the attention of each its own, so a prompt joining rows
-        being decoded costs its tokens' arithmetic, not a second forward's operations. idx (B, 1), prompts (P, T)
-        right-padded -> (the rows' logits (B, V), the prompts' at their position last[p] (P, V))."""
-        B, P, T = idx.shape[0], prompts.shape[0], prompts.shape[1]
-        mask = self._rows_mask(idx, cache)
-        if prompt_cache.pos != 0 or T > min(self.config.max_seq_len, prompt_cache.max_len):
-            raise ValueError(f"prompts {tuple(prompts.shape)} are prefilled into an empty cache of at least their "
-                             f"length: this one has {prompt_cache.pos} of {prompt_cache.max_len} positions filled "
-                             f"(model.max_seq_len {self.config.max_seq_len})")
-        at = torch.cat([cache.lengths, torch.arange(T, device=idx.device).repeat(P)])  # each token's position
-        cos, sin = self.rope_cos[at], self.rope_sin[at]  # (B + P*T, hs)
-        x = self.dropout(self._embed(torch.cat([idx.reshape(B), prompts.reshape(P * T)]))).unsqueeze(0)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask, prompt_cache)
-        cache.lengths += 1
-        prompt_cache.pos = T
-        ends = torch.cat([torch.arange(B, device=idx.device), B + T * torch.arange(P, device=idx.device) + last])
-        logits = self._head(self.norm(x[0].index_select(0, ends)))  # (B + P, V)
-        return logits[:B], logits[B:]
 
 
 # ----------------------------------------------------------------------------- reports
