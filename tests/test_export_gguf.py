@@ -342,7 +342,7 @@ def test_untied_model_writes_output_and_larger_vocab_is_padded(tmp_path, tokeniz
 
 
 def test_lora_adapter_is_merged(tmp_path, tokenizer_dir, dense_run):
-    from nanolm.checkpoint import save_adapter
+    from nanolm.checkpoint.adapter import save_adapter
     from nanolm.model.lora import apply_lora, base_fingerprint
 
     model, _ = load_model(dense_run)

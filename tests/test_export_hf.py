@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from nanolm import checkpoint as ckpt
 from nanolm.chat import render_chat
-from nanolm.checkpoint import save_adapter
+from nanolm.checkpoint.adapter import save_adapter
 from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig
 from nanolm.config.load import load_config
 from nanolm.errors import UserError

@@ -12,7 +12,7 @@ from safetensors.torch import save as save_safetensors
 
 from nanolm.config import ModelConfig
 from nanolm.errors import UserError
-from nanolm.checkpoint import load_adapter, read_adapter_config, save_adapter
+from nanolm.checkpoint.adapter import load_adapter, read_adapter_config, save_adapter
 from nanolm.model.lora import (
     DEFAULT_TARGETS,
     LoRALinear,

@@ -95,8 +95,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanolm.checkpoint import expected_shapes, load_model, model_state, require_causal, resolve_checkpoint, \
-    write_model_dir
+from nanolm.checkpoint import load_model, model_state, require_causal, resolve_checkpoint, write_model_dir
+from nanolm.checkpoint.weights import expected_shapes
 from nanolm.config.model import ModelConfig
 from nanolm.errors import UserError
 from nanolm.io import atomic_directory, check_new_directory, read_json_object, write_json_atomic

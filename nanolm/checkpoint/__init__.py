@@ -36,48 +36,36 @@ state.json also records the best step (`best_step`), so a best.json left
 stale by a kill is rewritten at the next save. What killed saves leave behind
 is removed at the next save.
 
-LoRA adapter files: `adapter.safetensors` (only the A and B tensors, keyed by
-the model's module names) beside `adapter_config.json` (rank, alpha, dropout,
-targets, the module list, a sha256 fingerprint of the base weights, the base
-checkpoint and the sha256 of the weights file), so loading an adapter onto a
-base it was not trained on, or a pair left inconsistent by an interrupted
-save, is refused instead of silently producing nonsense.
+The LoRA adapter files are `checkpoint/adapter.py`'s, and the check of a weights file against its
+config (from the safetensors header alone) is `checkpoint/weights.py`'s.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_safetensors
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from safetensors.torch import save as save_safetensors
 
+from nanolm.checkpoint.adapter import ADAPTER_WEIGHTS, load_adapter, read_adapter_config, save_adapter
+from nanolm.checkpoint.weights import check_weights
 from nanolm.config import Config, ModelConfig
 from nanolm.errors import UserError
-from nanolm.io import (atomic_directory, check_crc32, crc32_of, first_line, fsync_dir, read_json_object,
-                       remove_directory, remove_leftovers, space_note, write_bytes_atomic, write_failure,
-                       write_json_atomic)
+from nanolm.io import (atomic_directory, check_crc32, crc32_of, first_line, read_json_object, remove_directory,
+                       remove_leftovers, space_note, write_failure, write_json_atomic)
 from nanolm.model import lora
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ADAPTER_WEIGHTS = "adapter.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_FORMAT = "nanolm-lora"
-ADAPTER_VERSION = 1
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DAMAGED = "the checkpoint is incomplete or damaged: use another one"
 STATE = "state.json"  # a training checkpoint's step, data position, RNG, and its files' CRC-32s
 OPTIMIZER = "optimizer.pt"
@@ -169,92 +157,6 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         seen[t.data_ptr()] = name
         out[name] = t.detach().contiguous().cpu()
     return out
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a model of `cfg` stores, with its shape (a tied head is not stored), computed on the meta
-    device: no memory, no initialisation. Call `check_weights` first for a config read from a file: a model
-    of a huge config takes long to build even there."""
-    from nanolm.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
-def read_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a safetensors file, from its header: no tensor is read."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing weights; the checkpoint is incomplete, use another one") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{path}: corrupt or truncated weights ({first_line(e)}); use another checkpoint") from None
-
-
-def _count(names: Sequence[str], pattern: str) -> int:
-    """How many distinct indices `pattern` (a regex with one group) finds in the tensor names."""
-    rx = re.compile(pattern)
-    return len({m.group(1) for n in names if (m := rx.match(n))})
-
-
-# Which config fields set each dimension of a tensor, by the end of its name, to name them in a mismatch.
-_DIMS = {"embed_tokens.weight": ("vocab_size", "d_model"), "lm_head.weight": ("vocab_size", "d_model"),
-         "q_proj.weight": ("n_head x head_dim", "d_model"), "k_proj.weight": ("n_kv_head x head_dim", "d_model"),
-         "v_proj.weight": ("n_kv_head x head_dim", "d_model"), "o_proj.weight": ("d_model", "n_head x head_dim"),
-         "q_proj.bias": ("n_head x head_dim",), "k_proj.bias": ("n_kv_head x head_dim",),
-         "v_proj.bias": ("n_kv_head x head_dim",),
-         "mlp.gate_proj.weight": ("n_hidden", "d_model"), "mlp.up_proj.weight": ("n_hidden", "d_model"),
-         "mlp.down_proj.weight": ("d_model", "n_hidden"), "mlp.gate.weight": ("n_experts", "d_model"),
-         "experts.0.gate_proj.weight": ("moe_n_hidden", "d_model"),
-         "shared_expert.gate_proj.weight": ("n_shared_experts x moe_n_hidden", "d_model"),
-         "q_norm.weight": ("head_dim",), "k_norm.weight": ("head_dim",),
-         "norm.weight": ("d_model",), "layernorm.weight": ("d_model",)}
-
-
-def _fields_of(name: str, have: tuple[int, ...], want: tuple[int, ...]) -> str:
-    dims = next((d for end, d in _DIMS.items() if name.endswith(end)), None)
-    if dims is None or len(dims) != len(want) or len(have) != len(want):
-        return ""
-    differ = [dims[i] for i in range(len(want)) if have[i] != want[i]]
-    return f" (model.{', model.'.join(differ)})" if differ else ""
-
-
-def check_weights(path: Path, cfg: ModelConfig, config_file: Path | str = CONFIG) -> None:
-    """UserError unless the weights file at `path` holds exactly the tensors `cfg` describes, read from its
-    header before anything is allocated; the message names the config field that disagrees.
-
-    The counts of repeated parts (layers, experts) are compared first, from the tensor names alone, so a
-    config claiming millions of layers is refused without building its model even on the meta device.
-    """
-    header = read_header(path)
-
-    def mismatch(what: str) -> UserError:
-        return UserError(f"{path}: checkpoint does not match the model config ({what}); use the {config_file} the "
-                         f"weights were saved with")
-    layers = _count(list(header), r"^layers\.(\d+)\.")
-    if layers != cfg.n_layer:
-        raise mismatch(f"model.n_layer is {cfg.n_layer}, the file holds {layers} layers")
-    experts = _count(list(header), r"^layers\.\d+\.mlp\.experts\.(\d+)\.")
-    if experts != (cfg.n_experts if cfg.use_moe else 0):
-        field = f"model.n_experts is {cfg.n_experts}" if cfg.use_moe else "model.use_moe is false"
-        raise mismatch(f"{field}, the file holds {experts} routed experts per MoE layer")
-    want = expected_shapes(cfg)
-    # A tied head is stored once; a file that also holds it (an untied save of a tied model) still loads.
-    have = {k: v for k, v in header.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    wrong = [k for k in want if k in have and have[k] != want[k]]
-    if wrong:
-        k = wrong[0]
-        raise mismatch(f"{len(wrong)} shape mismatch(es), first: {k} {have[k]} vs model {want[k]}"
-                       f"{_fields_of(k, have[k], want[k])}")
-    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    if missing or unexpected:
-        raise mismatch("; ".join(([f"{len(missing)} missing, first: {missing[0]}"] if missing else []) +
-                                 ([f"{len(unexpected)} unexpected, first: {unexpected[0]}"] if unexpected else [])))
 
 
 def load_weights(model: nn.Module, ckpt: Path) -> None:
@@ -575,126 +477,3 @@ def read_optimizer(ckpt: Path, file: str = OPTIMIZER) -> dict[str, Any]:
         raise UserError(f"{path}: not an optimizer state keyed by parameter name (written by an older nanolm?); "
                         f"resume from another checkpoint, or start from its weights with --init-from")
     return sd
-
-
-# ----------------------------------------------------------------------------- LoRA adapter files
-
-def save_adapter(directory: str | Path, model: nn.Module, *, rank: int, alpha: float, dropout: float,
-                 targets: Sequence[str] | str, base_fingerprint: str, base_checkpoint: str | None = None) -> Path:
-    """Write adapter.safetensors and adapter_config.json into `directory` (created if needed), each atomically.
-
-    The settings must be those the model's LoRA layers were built with. The
-    config records a sha256 of the weights file, so a pair left inconsistent
-    by an interrupted re-save is detected on load. Returns the directory.
-    """
-    targets = lora.normalize_targets(targets)
-    lora.check_settings(rank, alpha, dropout, targets)
-    modules = lora.lora_modules(model)
-    if not modules:
-        raise ValueError("the model has no LoRA layers; call apply_lora before save_adapter")
-    for name, m in modules.items():
-        if (m.rank, m.alpha, m.dropout) != (rank, float(alpha), float(dropout)) or \
-                name.rpartition(".")[2] not in targets:
-            raise ValueError(f"{name} was built with rank={m.rank}, alpha={m.alpha:g}, dropout={m.dropout:g}, "
-                             f"which does not match save_adapter's rank={rank}, alpha={alpha:g}, "
-                             f"dropout={dropout:g}, targets={list(targets)}")
-    if not _HEX64.match(base_fingerprint):
-        raise ValueError(f"base_fingerprint must be base_fingerprint(model)'s sha256 hex, got {base_fingerprint!r}")
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous().cpu() for k, v in lora.lora_state_dict(model).items()}
-    data = save_safetensors(tensors, metadata={"format": "pt", "nanolm": ADAPTER_FORMAT})
-    config = {
-        "format": ADAPTER_FORMAT,
-        "version": ADAPTER_VERSION,
-        "rank": rank,
-        "alpha": float(alpha),
-        "dropout": float(dropout),
-        "targets": list(targets),
-        "modules": list(modules),
-        "base_fingerprint": base_fingerprint,
-        "base_checkpoint": None if base_checkpoint is None else str(base_checkpoint),
-        "weights_sha256": hashlib.sha256(data).hexdigest(),
-    }
-    write_bytes_atomic(d / ADAPTER_WEIGHTS, data)
-    write_json_atomic(d / ADAPTER_CONFIG, config)
-    fsync_dir(d)
-    return d
-
-
-def read_adapter_config(directory: str | Path) -> dict[str, Any]:
-    """The validated adapter_config.json of an adapter directory."""
-    d = Path(directory)
-    path = d / ADAPTER_CONFIG
-    if not d.is_dir():
-        raise UserError(f"{d}: no such adapter directory; pass a directory holding {ADAPTER_CONFIG} and "
-                        f"{ADAPTER_WEIGHTS}")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing adapter config; pass a directory written by a LoRA run") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: corrupt adapter config ({e}); save the adapter again") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != ADAPTER_FORMAT:
-        raise UserError(f"{path}: not a nanolm LoRA adapter config (no \"format\": \"{ADAPTER_FORMAT}\"); "
-                        f"pass a directory written by a LoRA run")
-    if cfg.get("version") != ADAPTER_VERSION:
-        raise UserError(f"{path}: adapter format version {cfg.get('version')!r} is not supported (this nanolm "
-                        f"reads version {ADAPTER_VERSION}); use the nanolm version that wrote it")
-    lora.check_settings(cfg.get("rank"), cfg.get("alpha"), cfg.get("dropout"), cfg.get("targets"), f"{path}: ")
-    modules = cfg.get("modules")
-    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
-        raise UserError(f"{path}: \"modules\" must be a non-empty list of module names; save the adapter again")
-    for key in ("base_fingerprint", "weights_sha256"):
-        if not isinstance(cfg.get(key), str) or not _HEX64.match(cfg[key]):
-            raise UserError(f"{path}: \"{key}\" must be a sha256 hex string, got {cfg.get(key)!r}; "
-                            f"save the adapter again")
-    if cfg.get("base_checkpoint") is not None and not isinstance(cfg["base_checkpoint"], str):
-        raise UserError(f"{path}: \"base_checkpoint\" must be a string or null, got {cfg['base_checkpoint']!r}")
-    return cfg
-
-
-def load_adapter(directory: str | Path, model: nn.Module) -> dict[str, Any]:
-    """Apply the saved LoRA settings to `model` and load the adapter's tensors; returns its config.
-
-    Everything is checked before the model is touched (config, base
-    fingerprint, weights file); if loading still fails the model is restored.
-    """
-    d = Path(directory)
-    cfg = read_adapter_config(d)
-    cfg_path, weights_path = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
-    if lora.lora_modules(model):
-        raise ValueError("the model already has LoRA layers; load_adapter applies them itself")
-    fp = lora.base_fingerprint(model)
-    if fp != cfg["base_fingerprint"]:
-        origin = cfg["base_checkpoint"] or "not recorded in the adapter"
-        raise UserError(f"{cfg_path}: this adapter was trained on base {cfg['base_fingerprint'][:12]} but the "
-                        f"model is {fp[:12]}; load it onto the checkpoint it was trained from ({origin})")
-    try:
-        data = weights_path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"{weights_path}: missing adapter weights; save the adapter again") from None
-    if hashlib.sha256(data).hexdigest() != cfg["weights_sha256"]:
-        raise UserError(f"{weights_path}: does not match {ADAPTER_CONFIG} (truncated, damaged or from an "
-                        f"interrupted save); save the adapter again")
-    try:
-        tensors = load_safetensors(data)
-    except (SafetensorError, ValueError) as e:
-        raise UserError(f"{weights_path}: corrupt adapter weights ({e}); save the adapter again") from None
-
-    try:
-        names = lora.apply_lora(model, cfg["rank"], cfg["alpha"], cfg["dropout"], cfg["targets"])
-    except UserError as e:
-        raise UserError(f"{cfg_path}: {e}") from None
-    try:
-        if names != cfg["modules"]:
-            odd = next((n for n in names + cfg["modules"] if (n in names) != (n in cfg["modules"])),
-                       "the module order")
-            raise UserError(f"{cfg_path}: \"modules\" does not match the layers its targets wrap in this model "
-                            f"(first difference: {odd}); save the adapter again")
-        lora.load_lora_state_dict(model, tensors, source=str(weights_path))
-    except BaseException:
-        lora.remove_lora(model)
-        raise
-    return cfg
