@@ -33,7 +33,7 @@ import os
 import time
 from pathlib import Path
 
-from nanolm.quickstart import CHAT_CORPORA, TEXT_CORPORA, TOOL_CONVERSATIONS, _truncated_copies
+from nanolm.quickstart import CHAT_CORPORA, TEXT_CORPORA, TOOL_CONVERSATIONS, truncated_copies
 
 VARIANTS = {"split": True, "nosplit": False}  # name -> split_digits
 
@@ -46,7 +46,7 @@ def _write_docs(texts: list[str], out: Path) -> Path:
 
 
 def _tail(src: Path, skip_chars: int, max_chars: int, chat: bool) -> list[str]:
-    """The texts of the records `_truncated_copies(..., skip_chars)` leaves out, up to `max_chars` characters."""
+    """The texts of the records `truncated_copies(..., skip_chars)` leaves out, up to `max_chars` characters."""
     texts, n, seen = [], 0, 0
     with open(src, encoding="utf-8") as f:
         for line in f:
@@ -72,8 +72,8 @@ def setup(work: Path, max_chars: int, chat_max_chars: int, heldout_chars: int) -
 
     src = {name: resolve_sources([name])[0] for name in (*TEXT_CORPORA, *CHAT_CORPORA)}
     text_src, chat_src = [src[n] for n in TEXT_CORPORA], [src[n] for n in CHAT_CORPORA]
-    text_files = _truncated_copies(text_src, work / "corpora" / "text", max_chars)
-    chat_files = _truncated_copies(chat_src, work / "corpora" / "chat", chat_max_chars)
+    text_files = truncated_copies(text_src, work / "corpora" / "text", max_chars)
+    chat_files = truncated_copies(chat_src, work / "corpora" / "chat", chat_max_chars)
     chat_files.append(build_calculator_conversations(work / "corpora" / "tools.jsonl", TOOL_CONVERSATIONS,
                                                      calculator=calculator, tools=BUILTIN_TOOLS))
     held = work / "heldout"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 def main() -> None:
     from nanolm.export.gguf import export_gguf
-    from nanolm.quickstart_model import _base_checkpoint, llama_cpp_agreement
+    from nanolm.quickstart_model import base_checkpoint, llama_cpp_agreement
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", nargs="?", default="smollm2-135m-instruct",
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--outtypes", nargs="+", default=["f32", "f16"])
     p.add_argument("--tokens", type=int, default=32)
     a = p.parse_args()
-    ckpt = _base_checkpoint(a.checkpoint)
+    ckpt = base_checkpoint(a.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         for outtype in a.outtypes:
             t0 = time.perf_counter()

@@ -42,7 +42,7 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nanolm.data.prepare import prepare
     from nanolm.data.builtin.tooluse import calculator_prompts, calculator_prompts2
     from nanolm.infer.tools import calculator
-    from nanolm.quickstart_model import LORA, SEQ_LEN, _base_checkpoint
+    from nanolm.quickstart_model import LORA, SEQ_LEN, base_checkpoint
     from nanolm.train.trainer import train
 
     t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     if not a.from_dir:
         subprocess.run([sys.executable, "-m", "nanolm", "quickstart", "--model", a.model, "--out", str(qs)],
                        check=True, stdout=subprocess.DEVNULL)
-    base = _base_checkpoint(a.model)
+    base = base_checkpoint(a.model)
     work.mkdir(parents=True, exist_ok=True)
     one = calculator_prompts(work / "rl1.jsonl", a.prompts // 2, 1000 + seed, calculator=calculator)
     two = calculator_prompts2(work / "rl2.jsonl", a.prompts // 2, 1000 + seed, calculator=calculator)

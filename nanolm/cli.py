@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from nanolm.config.options import add_fields, from_fields
 from nanolm.errors import UserError
 
 
@@ -73,7 +74,7 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
     from nanolm.data.prepare import PrepareConfig, run
 
     args.sources = resolve_sources(args.sources)  # built-in corpus names become their files
-    run(_from_fields(args, PrepareConfig))
+    run(from_fields(args, PrepareConfig))
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -113,50 +114,6 @@ def _cmd_train(args: argparse.Namespace) -> None:
     train(cfg, resume=args.resume)
 
 
-def _add_fields(p: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One option per field of the dataclass `cls`, generated from it: field `top_k` is `--top-k` (or the field's
-    metadata "flag"), typed as the field (a list's items), with the field's default and its metadata "help"; a
-    field without a default is a required option, or a positional argument with metadata "positional" (and
-    "nargs"); metadata "choices" lists the values allowed, "type" the command line's type if not the field's.
-    "help" and "choices" may be functions, called here."""
-    import dataclasses
-    import typing
-
-    from nanolm.config.load import override_fields
-    types = override_fields(cls)
-    g = p.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        kind = next(t for t in (*typing.get_args(types[f.name]), types[f.name]) if t is not type(None))
-        meta = {k: v() if callable(v) else v for k, v in f.metadata.items() if k in ("help", "choices")}
-        helps = meta.get("help", f.name)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # given every time
-            if f.metadata.get("positional"):
-                g.add_argument(f.name, type=f.metadata.get("type", kind), nargs=f.metadata.get("nargs"), help=helps)
-            else:
-                g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
-                               required=True, help=helps)
-            continue
-        value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        default = "none" if value is None else '""' if value == "" else value
-        if kind is bool:  # --name / --no-name
-            g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, default=value,
-                           action=argparse.BooleanOptionalAction, help=f"{helps}")
-            continue
-        g.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), dest=f.name, type=kind,
-                       default=value, choices=meta.get("choices"),
-                       metavar=None if "choices" in meta else kind.__name__.upper(),
-                       help=f"{helps} (default {default})")
-
-
-def _from_fields(args: argparse.Namespace, cls: type):
-    """The dataclass `cls` from the options `_add_fields` made for it; it validates itself."""
-    import dataclasses
-    try:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-    except UserError as e:
-        raise UserError(f"{args.command}: {e}") from None
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model to load, for generate, chat and serve."""
     p.add_argument("checkpoint", help="a run directory or a checkpoint directory")
@@ -176,7 +133,7 @@ def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) ->
     from nanolm.config import SamplingParams
     p = sub.add_parser(name, **kw)
     _add_model_args(p)
-    _add_fields(p, SamplingParams, "sampling")
+    add_fields(p, SamplingParams, "sampling")
     p.set_defaults(func=func)
     return p
 
@@ -194,7 +151,7 @@ def _model_from_args(args: argparse.Namespace):
     from nanolm.runtime import resolve_device
     from nanolm.checkpoint import load_model
 
-    params = _from_fields(args, SamplingParams)  # checked before the model loads
+    params = from_fields(args, SamplingParams)  # checked before the model loads
     device = resolve_device(args.device)
     model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter,
                             yarn=args.yarn)
@@ -276,7 +233,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
         from nanolm.config import SamplingParams
         from nanolm.export.web import export_web, serve
         out = export_web(args.checkpoint, Path(args.out), which=which, adapter=args.adapter, outtype=args.outtype,
-                         sampling=_from_fields(args, SamplingParams), system=args.system or "")
+                         sampling=from_fields(args, SamplingParams), system=args.system or "")
         if args.serve:
             serve(out, port=args.port)
         else:
@@ -287,7 +244,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
         from nanolm.config import SamplingParams
         from nanolm.export.ollama import MODELFILE, export_ollama
         out = export_ollama(args.checkpoint, Path(args.out), which=which, adapter=args.adapter,
-                            outtype=args.outtype, sampling=_from_fields(args, SamplingParams), system=args.system)
+                            outtype=args.outtype, sampling=from_fields(args, SamplingParams), system=args.system)
         print(f"exported to {out}; load it into ollama with `ollama create <name> -f {out / MODELFILE}`")
         return
     print(f"exported to {out}")
@@ -330,7 +287,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from nanolm.config import SamplingParams, ServeConfig
     from nanolm.infer.server import serve
     args.api_key = args.api_key or os.environ.get("NANOLM_API_KEY") or None  # "" is no key, as unset
-    serve(args.checkpoint, _from_fields(args, ServeConfig), sampling=_from_fields(args, SamplingParams),
+    serve(args.checkpoint, from_fields(args, ServeConfig), sampling=from_fields(args, SamplingParams),
           adapter=args.adapter, which="last" if args.last else "best", device=args.device, yarn=args.yarn,
           dtype=args.dtype)
 
@@ -391,56 +348,37 @@ def _cmd_report(args: argparse.Namespace) -> None:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> None:
-    if args.model:
-        from nanolm.quickstart_model import quickstart_model
-        out = args.out or f"runs/quickstart-{Path(args.model).name}"
-        quickstart_model(Path(out), args.model, minutes=args.minutes, rl=args.rl,
-                         **({"bench_items": args.bench_items} if args.bench_items is not None else {}))
-        return
-    from nanolm.quickstart import quickstart
-    quickstart(Path(args.out or "runs/quickstart"), minutes=args.minutes, corpora=args.corpora, chat_corpora=args.chat_corpora,
-               vocab_size=args.vocab_size, preset_name=args.preset, max_chars=args.max_chars,
-               chat_max_chars=args.chat_max_chars, rl=args.rl,
-               **({"bench_items": args.bench_items} if args.bench_items is not None else {}))
+    from nanolm.quickstart import QuickstartConfig, run
+    cfg = from_fields(args, QuickstartConfig)
+    if cfg.model is not None:
+        from nanolm.quickstart_model import run as run_model
+        run_model(cfg)
+    else:
+        run(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanolm.config import PRESETS, SamplingParams, ServeConfig
-    from nanolm.data.prepare import PrepareConfig
-    from nanolm.export.ollama import DEFAULT_OUTTYPE
-    from nanolm.infer.tools import MAX_TOOL_ROUNDS
     p = argparse.ArgumentParser(prog="nanolm", description="Train a small language model yourself, "
                                 "from raw text to chat.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_commands in (_add_quickstart, _add_builtin_commands, _add_training_commands, _add_chat_commands,
+                         _add_conversion_commands, _add_serve_and_eval_commands):
+        add_commands(sub)
+    return p
 
+
+# The _add_*_commands below each add their commands to `sub`, in the order `nanolm --help` lists them.
+
+
+def _add_quickstart(sub: argparse._SubParsersAction) -> None:
+    from nanolm.quickstart import QuickstartConfig
     q = sub.add_parser("quickstart", help="every stage at tiny scale on the built-in corpora, in minutes")
-    q.add_argument("--model", default=None,
-                   help="start from a real model instead: a built-in one (`nanolm models list`, e.g. "
-                        "smollm2-135m-instruct) or an imported checkpoint; LoRA on tool use, its card, its GGUF")
-    q.add_argument("--minutes", type=float, default=None,
-                   help="total time budget (default 6; 7.5 with --rl, so that the stages before RL train as long; "
-                        "with --model 15, or 25 with --rl)")
-    q.add_argument("--out", default=None, help="where every artefact goes (default runs/quickstart, with --model "
-                                               "runs/quickstart-MODEL)")
-    q.add_argument("--corpora", nargs="+", default=["sanguo", "shakespeare", "sotu"],
-                   help="pretraining text: built-in corpora or your own files/directories")
-    q.add_argument("--chat-corpora", nargs="*", default=["idioms", "chatterbot"],
-                   help="conversations for the fine-tuning stage (none = stop after pretraining)")
-    q.add_argument("--chat-max-chars", type=int, default=500_000,
-                   help="the same cap for the chat corpora (0 = all)")
-    q.add_argument("--vocab-size", type=int, default=6400)
-    q.add_argument("--preset", default="cpu-small")
-    q.add_argument("--max-chars", type=int, default=2_000_000,
-                   help="use at most this many characters of each corpus, so the small Chinese novel is not "
-                        "drowned by the English corpora (0 = all)")
-    q.add_argument("--rl", action="store_true",
-                   help="add a GRPO stage (answer reward) on the arithmetic task after fine-tuning, with its row on "
-                        "the report card")
-    q.add_argument("--bench-items", type=int, default=None,
-                   help="items of each benchmark on the report card (default 200, cloze: all of its items; with "
-                        "--model 50)")
+    add_fields(q, QuickstartConfig, "what to run")
     q.set_defaults(func=_cmd_quickstart)
 
+
+def _add_builtin_commands(sub: argparse._SubParsersAction) -> None:
+    """data, models: the built-in corpora, data sets and real models."""
     d = sub.add_parser("data", help="built-in corpora: list, fetch")
     dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
     dsub.add_parser("list", help="show the registry of built-in corpora")
@@ -490,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--file-only", action="store_true", help="only the model file (GGUF), not imported")
     mo.set_defaults(func=_cmd_models)
 
+
+
+def _add_training_commands(sub: argparse._SubParsersAction) -> None:
+    """tokenizer, prepare, train."""
+    from nanolm.config import PRESETS
+    from nanolm.data.prepare import PrepareConfig
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tsub = t.add_subparsers(dest="tok_cmd", required=True, metavar="ACTION")
     tt = tsub.add_parser("train", help="train on built-in corpora and/or .txt/.jsonl files or directories")
@@ -506,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     tt.set_defaults(func=_cmd_tokenizer_train)
 
     pr = sub.add_parser("prepare", help="tokenize text into memory-mapped training shards")
-    _add_fields(pr, PrepareConfig, "what to prepare, from what")
+    add_fields(pr, PrepareConfig, "what to prepare, from what")
     pr.set_defaults(func=_cmd_prepare)
 
     tr = sub.add_parser("train", help="train a model (one loop for every stage)",
@@ -525,6 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(tr)
     tr.set_defaults(func=_cmd_train)
 
+
+
+def _add_chat_commands(sub: argparse._SubParsersAction) -> None:
+    """generate, chat."""
+    from nanolm.infer.tools import MAX_TOOL_ROUNDS
     g = _inference_parser(sub, "generate", _cmd_generate, help="continue a prompt with a trained model, streaming")
     g.add_argument("--prompt", default="", help="text to continue")
     _add_compile_arg(g)
@@ -544,6 +493,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read the model's tool calls as it writes them; by default, once it opens a call, what it "
                         "writes is held to the offered tools' schemas")
 
+
+
+def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
+    """lora merge, export, import: a checkpoint written in another form, or another form read in."""
+    from nanolm.config import SamplingParams
+    from nanolm.export.gguf_import import ARCHITECTURES as GGUF_ARCHITECTURES
+    from nanolm.export.hf import FAMILIES
+    from nanolm.export.ollama import DEFAULT_OUTTYPE
     lo = sub.add_parser("lora", help="LoRA adapters: merge into a full model")
     losub = lo.add_subparsers(dest="lora_cmd", required=True, metavar="ACTION")
     lm = losub.add_parser("merge", help="write base + adapter as one full checkpoint")
@@ -575,19 +532,20 @@ def build_parser() -> argparse.ArgumentParser:
                            help="f32, f16, q8_0 or q4_0 (default: %(default)s)")
         if fmt == "ollama":
             e.add_argument("--system", default=None, help="a system prompt for the Modelfile (default: none)")
-            _add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
+            add_fields(e, SamplingParams, "sampling (the Modelfile's PARAMETERs)")
         if fmt == "web":
             e.add_argument("--system", default=None, help="the page's default system prompt (default: none)")
             e.add_argument("--serve", action="store_true", help="then serve the folder on localhost (Ctrl-C stops)")
             e.add_argument("--port", type=int, default=8000, help="the port --serve listens on (default 8000)")
-            _add_fields(e, SamplingParams, "sampling (the page's default settings)")
+            add_fields(e, SamplingParams, "sampling (the page's default settings)")
     ex.set_defaults(func=_cmd_export)
 
-    im_help = ("bring a transformers checkpoint (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE) or a GGUF file (llama, "
-               "qwen2, qwen3) into nanolm")
+    im_help = (f"bring a transformers checkpoint ({', '.join(FAMILIES.values())}) or a GGUF file of a dense model "
+               f"({', '.join(FAMILIES[a] for a in GGUF_ARCHITECTURES)}) into nanolm")
     im = sub.add_parser("import", help=im_help, description=im_help[0].upper() + im_help[1:] + ".")
     imsub = im.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    ih = imsub.add_parser("hf", help="a local transformers directory (config.json + safetensors)")
+    ih = imsub.add_parser("hf", help=f"a local transformers directory (config.json + safetensors; model_type "
+                                     f"{', '.join(FAMILIES)})")
     ih.add_argument("hf_dir")
     ih.add_argument("out", help="the nanolm checkpoint directory to write")
     ig = imsub.add_parser("gguf", help="a GGUF model file (llama.cpp's converter or `nanolm export gguf`; any tensor "
@@ -596,11 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("out", help="the nanolm checkpoint directory to write")
     im.set_defaults(func=_cmd_import)
 
+
+
+def _add_serve_and_eval_commands(sub: argparse._SubParsersAction) -> None:
+    """serve, plot, eval, report."""
+    from nanolm.config import ServeConfig
     sv = _inference_parser(sub, "serve", _cmd_serve, help="an OpenAI-compatible HTTP API (needs the serve extra)",
                            description="Serve a checkpoint over an OpenAI-compatible HTTP API. The sampling options "
                                        "are the defaults for the fields a request leaves out; a completion without "
                                        "max_tokens gets 16 tokens, as OpenAI's does.")
-    _add_fields(sv, ServeConfig, "server")
+    add_fields(sv, ServeConfig, "server")
 
     pl = sub.add_parser("plot", help="loss, lr, tokens/s and grad-norm of one or more runs, as a PNG")
     pl.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl)")
@@ -657,7 +620,6 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     rp.add_argument("--device", default="auto")
     rp.set_defaults(func=_cmd_report)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -154,23 +154,23 @@ def test_sampling_options_are_generated_from_one_dataclass(tmp_path, capsys):
     """generate, chat and serve take --max-new-tokens/--temperature/--top-k/--top-p/--seed and the penalties from
     SamplingParams, with its defaults; a bad value is one line naming the option's field, before any model is
     loaded."""
-    from nanolm.cli import _from_fields, build_parser, main
+    from nanolm.cli import from_fields, build_parser, main
     from nanolm.config import SamplingParams
 
     for command in ("generate", "chat", "serve"):
         args = build_parser().parse_args([command, "run"])
-        assert _from_fields(args, SamplingParams) == SamplingParams()
+        assert from_fields(args, SamplingParams) == SamplingParams()
         args = build_parser().parse_args([command, "run", "--temperature", "0", "--top-k", "3", "--top-p", "0.5",
                                           "--seed", "7", "--max-new-tokens", "9", "--repetition-penalty", "1.2",
                                           "--presence-penalty", "0.5", "--frequency-penalty", "-0.25"])
-        assert _from_fields(args, SamplingParams) == SamplingParams(max_new_tokens=9, temperature=0, top_k=3,
+        assert from_fields(args, SamplingParams) == SamplingParams(max_new_tokens=9, temperature=0, top_k=3,
                                                                     top_p=0.5, seed=7, repetition_penalty=1.2,
                                                                     presence_penalty=0.5, frequency_penalty=-0.25)
     # export ollama writes them into the Modelfile
-    assert _from_fields(build_parser().parse_args(["export", "ollama", "run", "out"]), SamplingParams) == \
+    assert from_fields(build_parser().parse_args(["export", "ollama", "run", "out"]), SamplingParams) == \
         SamplingParams()
     args = build_parser().parse_args(["export", "ollama", "run", "out", "--top-k", "3", "--seed", "7"])
-    assert _from_fields(args, SamplingParams) == SamplingParams(top_k=3, seed=7)
+    assert from_fields(args, SamplingParams) == SamplingParams(top_k=3, seed=7)
     assert main(["generate", str(tmp_path / "nowhere"), "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == "error: generate: temperature must be >= 0, got -1.0\n"
     assert main(["chat", str(tmp_path / "nowhere"), "--top-p", "1.5"]) == 2

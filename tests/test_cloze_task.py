@@ -9,7 +9,6 @@ corpora.
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import re
@@ -156,13 +155,13 @@ def test_held_out_rule(corpora):
 def test_the_rule_reads_the_defaults_of_prepare_and_the_quickstart():
     from nanolm.cli import build_parser
     from nanolm.data.prepare import PrepareConfig
-    from nanolm.quickstart import TEXT_CORPORA, quickstart
+    from nanolm.quickstart import TEXT_CORPORA, QuickstartConfig
 
     args = build_parser().parse_args(["prepare", "x.jsonl", "--tokenizer", "t", "--out", "o"])
-    # prepare()'s defaults are PrepareConfig's
+    # prepare()'s defaults are PrepareConfig's, the quickstart's QuickstartConfig's
     assert args.val_fraction == PrepareConfig.__dataclass_fields__["val_fraction"].default == DEFAULT_VAL_FRACTION
     q = build_parser().parse_args(["quickstart"])
-    assert q.max_chars == inspect.signature(quickstart).parameters["max_chars"].default == QUICKSTART_MAX_CHARS
+    assert q.max_chars == QuickstartConfig().max_chars == QUICKSTART_MAX_CHARS
     assert tuple(q.corpora) == TEXT_CORPORA == ("sanguo", "shakespeare", "sotu")
 
 
@@ -241,7 +240,7 @@ def test_real_corpora(tmp_path, monkeypatch):
     from nanolm.data.formats import ReadStats
     from nanolm.data.kinds.text import text_records
     from nanolm.data.prepare import _batches, val_every
-    from nanolm.quickstart import TEXT_CORPORA, _truncated_copies
+    from nanolm.quickstart import TEXT_CORPORA, truncated_copies
 
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
     files = [fetch(name, quiet=True) for name in TEXT_CORPORA]
@@ -263,7 +262,7 @@ def test_real_corpora(tmp_path, monkeypatch):
                     out.setdefault(path.name, []).append(text)
         return {k: "\x00".join(v) for k, v in out.items()}
 
-    copies = _truncated_copies(files, tmp_path / "copies", QUICKSTART_MAX_CHARS)
+    copies = truncated_copies(files, tmp_path / "copies", QUICKSTART_MAX_CHARS)
     layouts = [train_text(copies, QUICKSTART_VAL_FRACTION), train_text(files, DEFAULT_VAL_FRACTION),
                *(train_text([f], DEFAULT_VAL_FRACTION) for f in files)]
     for f, items in zip(files, per_file.values()):

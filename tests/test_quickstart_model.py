@@ -87,7 +87,7 @@ def test_the_base_models_scores_are_measured_once_and_kept(tiny_smol, tmp_path, 
     and greedy decoding give the same result) and spends that time fine-tuning; other tasks, or other weights,
     are measured anew, and a damaged kept file is measured again."""
     import nanolm.eval.runner as runner
-    from nanolm.quickstart_model import _base_scores
+    from nanolm.quickstart_model import base_scores
 
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
     calls = []
@@ -100,14 +100,14 @@ def test_the_base_models_scores_are_measured_once_and_kept(tiny_smol, tmp_path, 
         return result
 
     monkeypatch.setattr(runner, "run_eval", fake_run_eval)
-    first, seconds, kept = _base_scores(tiny_smol, ["calc:n=4"], tmp_path / "a" / "base.json")
+    first, seconds, kept = base_scores(tiny_smol, ["calc:n=4"], tmp_path / "a" / "base.json")
     assert kept is None and calls == [["calc:n=4"]] and seconds >= 0
-    again, seconds2, kept = _base_scores(tiny_smol, ["calc:n=4"], tmp_path / "b" / "base.json")
+    again, seconds2, kept = base_scores(tiny_smol, ["calc:n=4"], tmp_path / "b" / "base.json")
     assert again == first and seconds2 == seconds and calls == [["calc:n=4"]]
     assert kept.parent == tmp_path / "cache" / "scores"
     assert json.loads((tmp_path / "b" / "base.json").read_text(encoding="utf-8")) == first  # the run has its copy
-    _base_scores(tiny_smol, ["calc:n=5"], tmp_path / "c" / "base.json")  # other items: measured
+    base_scores(tiny_smol, ["calc:n=5"], tmp_path / "c" / "base.json")  # other items: measured
     assert calls[-1] == ["calc:n=5"]
     kept.write_text("{not json", encoding="utf-8")  # damaged: measured again
-    _base_scores(tiny_smol, ["calc:n=4"], tmp_path / "d" / "base.json")
+    base_scores(tiny_smol, ["calc:n=4"], tmp_path / "d" / "base.json")
     assert calls[-1] == ["calc:n=4"] and len(calls) == 3

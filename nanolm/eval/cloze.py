@@ -41,7 +41,7 @@ corpora, and a passage is used only when it is validation (or absent) in all:
 2. `nanolm prepare sanguo shakespeare sotu` (the multi-GPU recipe's default),
    the same split with the documents numbered across the three files;
 3. the quickstart: copies of each corpus holding the JSONL lines that start
-   within its first 2,000,000 characters (`_truncated_copies`), prepared
+   within its first 2,000,000 characters (`truncated_copies`), prepared
    together at 0.02 (k = 50); a document past its copy is not trained on.
 
 So, per document of a corpus file:

@@ -109,6 +109,9 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# The model families people know each model_type by (`nanolm import --help` names them).
+FAMILIES = {"llama": "Llama, SmolLM2", "qwen2": "Qwen2, Qwen2.5", "qwen3": "Qwen3", "qwen2_moe": "Qwen2-MoE",
+            "qwen3_moe": "Qwen3-MoE"}
 # The settings nanolm reads from rope_scaling / rope_parameters for each rope_type, besides rope_type and
 # rope_theta (YaRN's truncate only as true, mscale and mscale_all_dim only as null: transformers' default YaRN).
 ROPE_KEYS = {"default": set(),
