@@ -13,6 +13,7 @@ from typing import Sequence
 
 from nanolm.config.options import add_fields, from_fields
 from nanolm.errors import UserError
+from nanolm.infer.options import add_compile_arg, engine_from_args, inference_parser, model_from_args
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
@@ -114,72 +115,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
     train(cfg, resume=args.resume)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model to load, for generate, chat and serve."""
-    p.add_argument("checkpoint", help="a run directory or a checkpoint directory")
-    p.add_argument("--adapter", default=None, help="a LoRA run or checkpoint to apply to the model, unmerged")
-    p.add_argument("--last", action="store_true", help="use the newest checkpoint instead of the best one")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the weights' dtype while decoding (auto: bfloat16 on a GPU with it, or on a CPU, for a model "
-                        "at least 256 wide, where one row through its weights times faster in bf16; else float32)")
-    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
-                   help="stretch the context of a model trained without YaRN FACTOR times with YaRN RoPE scaling "
-                        "(from the window it was trained on, e.g. 4: 512 -> 2048 tokens)")
-
-
-def _inference_parser(sub: argparse._SubParsersAction, name: str, func, **kw) -> argparse.ArgumentParser:
-    """The parser of a command that loads a model and samples from it: generate, chat, serve."""
-    from nanolm.config import SamplingParams
-    p = sub.add_parser(name, **kw)
-    _add_model_args(p)
-    add_fields(p, SamplingParams, "sampling")
-    p.set_defaults(func=func)
-    return p
-
-
-def _add_compile_arg(p: argparse.ArgumentParser) -> None:
-    """--compile for generate and chat (serve's is a ServeConfig field)."""
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the one-row decode step before the first token, kept only where it times "
-                        "faster (tens of seconds of compile for a faster token: for a long chat)")
-
-
-def _model_from_args(args: argparse.Namespace):
-    """(model, sampling params, device, checkpoint dir) from the shared inference arguments."""
-    from nanolm.config import SamplingParams
-    from nanolm.runtime import resolve_device
-    from nanolm.checkpoint import load_model
-
-    params = from_fields(args, SamplingParams)  # checked before the model loads
-    device = resolve_device(args.device)
-    model, src = load_model(args.checkpoint, "last" if args.last else "best", device, adapter=args.adapter,
-                            yarn=args.yarn)
-    return model, params, device, src
-
-
-def _engine_from_args(args: argparse.Namespace, loaded: tuple | None = None):
-    """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments (or the model
-    `_model_from_args` loaded)."""
-    from nanolm.infer.engine import Engine
-    from nanolm.model.transformer import count_params
-    from nanolm.runtime import decode_dtype
-    from nanolm.tokenizer import Tokenizer
-
-    model, params, device, src = loaded or _model_from_args(args)
-    dtype, why = decode_dtype(args.dtype, device, model.config.d_model, count_params(model)["total"])
-    engine = Engine(model, device, dtype)
-    if args.compile:
-        why += f"; {engine.compile_decode(rows=1)}"
-    print(f"[{src}{' + adapter ' + str(args.adapter) if args.adapter else ''}; decoding in "
-          f"{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
-    return engine, Tokenizer.load(src), params, src
-
-
 def _cmd_generate(args: argparse.Namespace) -> None:
     from nanolm.infer.generate import check_text, complete
     check_text(args.prompt, "--prompt")  # bytes that are not UTF-8 cannot be echoed, nor tokenized
-    loaded = _model_from_args(args)
+    loaded = model_from_args(args)
     model, src = loaded[0], loaded[3]
     if not model.config.causal or _run_stage(src) == "blocks":  # a block in, the output block out
         from nanolm.checkpoint import trained_seq_len
@@ -189,7 +128,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
               "output block, greedy]", file=sys.stderr)
         print(write_block(model, Tokenizer.load(src), args.prompt, trained_seq_len(src)))
         return
-    engine, tok, params, _ = _engine_from_args(args, loaded)
+    engine, tok, params, _ = engine_from_args(args, loaded)
     sys.stdout.write(args.prompt)
     complete(engine, tok, args.prompt, params)
     sys.stdout.write("\n")
@@ -210,7 +149,7 @@ def _cmd_chat(args: argparse.Namespace) -> None:
         raise UserError(f"--max-tool-rounds {args.max_tool_rounds}: must be >= 0 (0: no continuation after tool "
                         "results)")
     tools = Toolbox.from_specs(args.tools)  # a bad tools.json fails before the model loads
-    engine, tok, params, _ = _engine_from_args(args)
+    engine, tok, params, _ = engine_from_args(args)
     run_chat(ChatSession(engine, tok, params, system=args.system, tools=tools, thinking=args.think,
                          max_tool_rounds=args.max_tool_rounds, guide_calls=not args.free_calls))
 
@@ -474,13 +413,13 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
 def _add_chat_commands(sub: argparse._SubParsersAction) -> None:
     """generate, chat."""
     from nanolm.infer.tools import MAX_TOOL_ROUNDS
-    g = _inference_parser(sub, "generate", _cmd_generate, help="continue a prompt with a trained model, streaming")
+    g = inference_parser(sub, "generate", _cmd_generate, help="continue a prompt with a trained model, streaming")
     g.add_argument("--prompt", default="", help="text to continue")
-    _add_compile_arg(g)
+    add_compile_arg(g)
 
-    c = _inference_parser(sub, "chat", _cmd_chat,
+    c = inference_parser(sub, "chat", _cmd_chat,
                           help="multi-turn chat in the terminal (or scripted: one user turn per stdin line)")
-    _add_compile_arg(c)
+    add_compile_arg(c)
     c.add_argument("--system", default="", help="system prompt")
     c.add_argument("--tools", action="append", default=[], metavar="builtin|FILE",
                    help="offer the model tools: `builtin` (calculator, current_time, which the chat runs) or a "
@@ -559,7 +498,7 @@ def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
 def _add_serve_and_eval_commands(sub: argparse._SubParsersAction) -> None:
     """serve, plot, eval, report."""
     from nanolm.config import ServeConfig
-    sv = _inference_parser(sub, "serve", _cmd_serve, help="an OpenAI-compatible HTTP API (needs the serve extra)",
+    sv = inference_parser(sub, "serve", _cmd_serve, help="an OpenAI-compatible HTTP API (needs the serve extra)",
                            description="Serve a checkpoint over an OpenAI-compatible HTTP API. The sampling options "
                                        "are the defaults for the fields a request leaves out; a completion without "
                                        "max_tokens gets 16 tokens, as OpenAI's does.")
