@@ -8,7 +8,7 @@ starts from. Every renaming and reshaping of weights lives in `to_hf` / `from_hf
 pure functions on state dicts and config dicts; the rest of this file moves
 files. `transformers` itself is not needed by either direction.
 
-Which architecture (`hf_model_type`)
+Which architecture (`hf_config.hf_model_type`)
 - A dense model becomes `LlamaForCausalLM`. nanolm's decoder is Llama's:
   the same module names (under `model.`), RMSNorm, SwiGLU, grouped-query
   attention, rotate-half RoPE, no biases. The conversion prefixes the keys and
@@ -55,14 +55,8 @@ Which architecture (`hf_model_type`)
   Qwen2-MoE. With a shared expert no transformers model computes it (Qwen2-MoE
   has no QK-norm), and the export is refused.
 
-RoPE: `rope_theta` and `rope_parameters` are written for every architecture
-(transformers < 5 reads the first, >= 5 the second); a scaled model also gets
-`rope_scaling`, which both read: rope_type "yarn" with factor,
-original_max_position_embeddings, beta_fast, beta_slow and attention_factor
-when it is not the default, or rope_type "llama3" (Llama 3.1 / 3.2) with
-factor, low_freq_factor, high_freq_factor and original_max_position_embeddings.
-transformers computes the same frequencies from them (nanolm's are its, bit
-for bit).
+The config.json half of the adapter (`to_hf_config`, `from_hf_config`, RoPE
+included) is nanolm/export/hf_config.py.
 
 Import reads `llama`, `qwen2`, `qwen3` and `qwen3_moe` checkpoints nanolm can
 express (SiLU, plain RoPE, transformers' YaRN or Llama 3's scaling, q/k/v
@@ -85,7 +79,6 @@ and a different tokenizer means the embeddings start over.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import warnings
 from pathlib import Path
@@ -99,25 +92,19 @@ from nanolm.checkpoint import load_model, model_state, require_causal, resolve_c
 from nanolm.checkpoint.weights import expected_shapes
 from nanolm.config.model import ModelConfig
 from nanolm.errors import UserError
+from nanolm.export.hf_config import from_hf_config, moe_layers, to_hf_config
 from nanolm.io import atomic_directory, check_new_directory, read_json_object, write_json_atomic
 from nanolm.model.lora import merge_lora
-from nanolm.tokenizer import CONFIG_FILE, EOT_ID, IM_END_ID, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
+from nanolm.tokenizer import CONFIG_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # The model families people know each model_type by (`nanolm import --help` names them).
 FAMILIES = {"llama": "Llama, SmolLM2", "qwen2": "Qwen2, Qwen2.5", "qwen3": "Qwen3", "qwen2_moe": "Qwen2-MoE",
             "qwen3_moe": "Qwen3-MoE"}
-# The settings nanolm reads from rope_scaling / rope_parameters for each rope_type, besides rope_type and
-# rope_theta (YaRN's truncate only as true, mscale and mscale_all_dim only as null: transformers' default YaRN).
-ROPE_KEYS = {"default": set(),
-             "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                      "truncate", "mscale", "mscale_all_dim"},
-             "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -132,102 +119,6 @@ def _nanolm_name(hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return hf_name
     return hf_name.removeprefix("model.") if hf_name.startswith("model.") else None
-
-
-def _moe_layers(cfg: ModelConfig) -> list[int]:
-    return [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)]
-
-
-# model_type -> architecture, for each (use_moe, qk_norm, qkv_bias) a nanolm model can have.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-
-
-def hf_model_type(cfg: ModelConfig) -> str:
-    """The transformers model_type a nanolm model is exported as; UserError for a model none of them computes."""
-    if cfg.qkv_bias and cfg.qk_norm:
-        raise UserError("model.qkv_bias with model.qk_norm: no transformers family has both (Qwen2 has the q/k/v "
-                        "biases, Qwen3 the QK-norm); export a model with one of them, or use `nanolm export gguf`")
-    if not cfg.use_moe:
-        return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
-    if not cfg.qk_norm:
-        return "qwen2_moe"
-    if cfg.n_shared_experts:
-        raise UserError(f"model.n_shared_experts={cfg.n_shared_experts} with model.qk_norm: Qwen3-MoE, the one "
-                        "transformers MoE with QK-norm and nanolm's routing, has no shared expert (Qwen2-MoE has one "
-                        "but no QK-norm); export a model with n_shared_experts 0, or use `nanolm export gguf`")
-    return "qwen3_moe"
-
-
-def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The RoPE fields of config.json: transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters
-    (or rope_scaling first when it is set); all are written, with the same values."""
-    if cfg.rope_scaling == "none":
-        return {"rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
-    scaling: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor,
-                               "original_max_position_embeddings": cfg.rope_original_max_len}
-    if cfg.rope_scaling == "llama3":
-        scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
-    else:
-        scaling.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
-        if cfg.rope_attention_factor:  # else transformers computes the same default, 0.1 ln(factor) + 1
-            scaling["attention_factor"] = cfg.rope_attention_factor
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-            "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
-
-
-def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    dtype_name = str(dtype).removeprefix("torch.")
-    model_type = hf_model_type(cfg)
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.n_hidden,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        **_rope_config(cfg),
-        "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        # No bos: nanolm prepends nothing. eos is <|im_end|>, as in tokenizer_config.json (Qwen2-Instruct's roles).
-        "bos_token_id": None,
-        "eos_token_id": IM_END_ID,
-        "pad_token_id": EOT_ID,
-        "use_cache": True,
-        "torch_dtype": dtype_name,  # transformers < 5
-        "dtype": dtype_name,
-    }
-    if model_type == "llama":
-        out.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
-        return out
-    out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer})
-    if model_type == "qwen2_moe":
-        out["qkv_bias"] = True  # the model's biases, or zeros: see the module docstring
-    elif model_type != "qwen2":  # Qwen2's attention always has its q/k/v biases
-        out["attention_bias"] = False
-    if model_type in ("qwen2", "qwen3"):
-        return out
-    n_moe = len(_moe_layers(cfg))
-    out.update({
-        "decoder_sparse_step": cfg.moe_every,
-        "mlp_only_layers": [],
-        "num_experts": cfg.n_experts,
-        "num_experts_per_tok": cfg.top_k,
-        "moe_intermediate_size": cfg.moe_n_hidden,
-        "norm_topk_prob": cfg.norm_topk,
-        "router_aux_loss_coef": cfg.aux_loss_coef * n_moe / cfg.top_k,
-        "output_router_logits": False,
-    })
-    if model_type == "qwen2_moe":
-        out["shared_expert_intermediate_size"] = cfg.n_shared_experts * cfg.moe_n_hidden or 1
-    return out
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -248,7 +139,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
         raise ValueError(f"to_hf: the state dict does not match the model config (missing: {missing[:3]}, "
                          f"unexpected: {unexpected[:3]}, shapes: {wrong[:3]}); merge LoRA adapters first")
     dtype = sd["embed_tokens.weight"].dtype
-    hf_config = _hf_config(cfg, dtype)  # refuses what no transformers model computes, before any work
+    hf_config = to_hf_config(cfg, dtype)  # refuses what no transformers model computes, before any work
     out = {_hf_name(k): t for k, t in sd.items()}
     if hf_config["model_type"] == "qwen2_moe":
         C, hs = cfg.d_model, cfg.head_dim
@@ -258,7 +149,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
             out[attn + "q_proj.bias"] = zeros(cfg.n_head * hs)
             out[attn + "k_proj.bias"] = zeros(cfg.n_kv_head * hs)
             out[attn + "v_proj.bias"] = zeros(cfg.n_kv_head * hs)
-        for i in _moe_layers(cfg):
+        for i in moe_layers(cfg):
             mlp = f"model.layers.{i}.mlp."
             if cfg.n_shared_experts:
                 down = mlp + "shared_expert.down_proj.weight"
@@ -271,11 +162,6 @@ def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
     return out, hf_config
 
 
-def _round(x: float) -> float:
-    """Drop the last bits of float noise that a scale-and-unscale leaves (x * a / a)."""
-    return float(f"{x:.12g}")
-
-
 def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *,
             source: str | Path = "") -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """HF state dict and config.json dict -> (nanolm state dict, ModelConfig); the inverse of to_hf.
@@ -286,147 +172,30 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
     """
     prefix = f"{source}/" if str(source) else ""
     where_cfg, where_w = f"{prefix}{HF_CONFIG}", f"{prefix}weights"
-
-    def unsupported(name: str, value: Any, supported: str) -> UserError:
-        return UserError(f"{where_cfg}: {name} = {json.dumps(value)} is not supported; {supported}")
-
-    def get_int(name: str, default: int | None = None, value: Any = None) -> int:
-        v = hf_config.get(name, default) if value is None else value
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise UserError(f"{where_cfg}: {name} must be an integer, got {json.dumps(v)}; "
-                            f"is this a transformers config.json?")
-        return v
-
-    def get_float(name: str, default: float, value: Any = None) -> float:
-        v = hf_config.get(name, default) if value is None else value
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise UserError(f"{where_cfg}: {name} must be a number, got {json.dumps(v)}; "
-                            f"is this a transformers config.json?")
-        return float(v)
-
-    model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_TYPES:
-        raise unsupported("model_type", model_type, "nanolm imports llama (LlamaForCausalLM), qwen2 "
-                          "(Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM) and "
-                          "qwen2_moe (Qwen2MoeForCausalLM, as nanolm exports it)")
-    act = hf_config.get("hidden_act", "silu")
-    if act != "silu":
-        raise unsupported("hidden_act", act, "nanolm's MLP is SwiGLU (hidden_act \"silu\")")
-    theta = hf_config.get("rope_theta", 10000.0)  # transformers' default base
-    # transformers >= 5 takes rope_scaling when it is set, else rope_parameters; < 5 reads rope_scaling only.
-    rope_key = "rope_scaling" if hf_config.get("rope_scaling") else "rope_parameters"
-    rope = hf_config.get(rope_key)
-    rope_fields: dict[str, Any] = {}
-    if rope is not None:
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-        kind = kind if isinstance(kind, str) and kind in ROPE_KEYS else None
-        extra = set(rope) - {"rope_type", "type", "rope_theta"} - ROPE_KEYS.get(kind, set()) \
-            if isinstance(rope, dict) else set()
-        # truncate false (gpt-oss) and mscale (DeepSeek) change YaRN's formula; nanolm computes transformers'
-        # default one.
-        if kind is None or extra or rope.get("truncate", True) is not True or \
-                rope.get("mscale") or rope.get("mscale_all_dim"):
-            raise unsupported(rope_key, rope, "nanolm uses plain RoPE ({\"rope_type\": \"default\"}), YaRN "
-                              "({\"rope_type\": \"yarn\", \"factor\": ..., \"original_max_position_embeddings\": ..., "
-                              "optionally beta_fast, beta_slow, attention_factor}) or Llama 3's ({\"rope_type\": "
-                              "\"llama3\", \"factor\": ..., \"low_freq_factor\": ..., \"high_freq_factor\": ..., "
-                              "\"original_max_position_embeddings\": ...})")
-        theta = rope.get("rope_theta", theta)
-        if kind in ("yarn", "llama3"):
-            def number(key: str, default: float | None) -> float:
-                return get_float(f"{rope_key}.{key}", default, rope.get(key))
-
-            # transformers' original length: a top-level original_max_position_embeddings first (Phi-3 keeps
-            # it there), then the rope dict's, then max_position_embeddings.
-            original = "original_max_position_embeddings"
-            rope_fields = dict(
-                rope_scaling=kind, rope_factor=number("factor", None),
-                rope_original_max_len=get_int(original if original in hf_config else f"{rope_key}.{original}",
-                                              hf_config.get("max_position_embeddings"),
-                                              hf_config.get(original, rope.get(original))))
-            if kind == "yarn":
-                attention = rope.get("attention_factor")
-                rope_fields.update(
-                    rope_beta_fast=number("beta_fast", 32.0), rope_beta_slow=number("beta_slow", 1.0),
-                    rope_attention_factor=0.0 if attention is None else number("attention_factor", None))
-            else:  # transformers requires both; Llama 3.x's values are these
-                rope_fields.update(rope_low_freq_factor=number("low_freq_factor", 1.0),
-                                   rope_high_freq_factor=number("high_freq_factor", 4.0))
-    if model_type not in ("qwen2", "qwen2_moe"):
-        if hf_config.get("attention_bias"):
-            raise unsupported("attention_bias", hf_config["attention_bias"], "it adds an o_proj bias, which "
-                              "nanolm's attention lacks (nanolm has q/k/v biases as Qwen2 has them: qwen2)")
-    if hf_config.get("mlp_bias"):
-        raise unsupported("mlp_bias", hf_config["mlp_bias"], "nanolm's MLP has no bias (mlp_bias false)")
-    if hf_config.get("use_sliding_window"):
-        raise unsupported("use_sliding_window", True, "nanolm attends to the whole context (false)")
-    layer_types = hf_config.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list) or set(layer_types) - {"full_attention"}):
-        raise unsupported("layer_types", layer_types, "nanolm attends to the whole context in every layer "
-                          "(\"full_attention\")")
-    d_model, n_head = get_int("hidden_size"), get_int("num_attention_heads")
-    # Qwen3Config's head_dim defaults to 128 whatever the width; the others' to hidden_size / heads (0 here).
-    head_dim = hf_config.get("head_dim", 128 if model_type == "qwen3" else None)
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0
-                                 or head_dim % 2):
-        raise unsupported("head_dim", head_dim, "nanolm's heads are a positive even size (RoPE rotates pairs)")
-    # Qwen2's attention always has q/k/v biases; Qwen2-MoE's unless qkv_bias is false, and all-zero ones are
-    # the stand-ins nanolm exports for none.
-    bias_keys = [k for k in hf_state_dict if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]
-    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))
-                                         and any(hf_state_dict[k].any() for k in bias_keys))
-    n_layer = get_int("num_hidden_layers")
-    kv = hf_config.get("num_key_value_heads")
-    fields: dict[str, Any] = dict(
-        vocab_size=get_int("vocab_size"), d_model=d_model, n_layer=n_layer, n_head=n_head,
-        n_kv_head=n_head if kv is None else get_int("num_key_value_heads"), head_dim=head_dim or 0,
-        qkv_bias=qkv_bias,
-        n_hidden=get_int("intermediate_size"),
-        max_seq_len=get_int("max_position_embeddings", 2048), rope_theta=get_float("rope_theta", 0.0, theta),
-        **rope_fields,
-        norm_eps=get_float("rms_norm_eps", 1e-6), qk_norm=model_type in ("qwen3", "qwen3_moe"), dropout=0.0,
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        init_std=get_float("initializer_range", 0.02),
-    )
-    moe = model_type in ("qwen2_moe", "qwen3_moe")
-    if moe:
-        if hf_config.get("mlp_only_layers"):
-            raise unsupported("mlp_only_layers", hf_config["mlp_only_layers"], "nanolm places MoE layers by "
-                              "decoder_sparse_step only (mlp_only_layers [])")
-        step = get_int("decoder_sparse_step", 1)
-        top_k = get_int("num_experts_per_tok")
-        n_moe = sum(1 for i in range(n_layer) if step > 0 and (i + 1) % step == 0)
-        moe_hidden = get_int("moe_intermediate_size")
-        # Qwen3-MoE has no shared expert; in Qwen2-MoE a width that is no multiple of the expert width is the
-        # zero stand-in for "no shared expert".
-        shared = get_int("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
-        # transformers >= 5 saves Qwen3-MoE's expert count as num_local_experts.
-        n_experts = "num_local_experts" if "num_experts" not in hf_config and "num_local_experts" in hf_config \
-            else "num_experts"
-        fields.update(
-            use_moe=True, n_experts=get_int(n_experts), top_k=top_k, moe_n_hidden=moe_hidden, moe_every=step,
-            n_shared_experts=shared // moe_hidden if moe_hidden > 0 and shared % moe_hidden == 0 else 0,
-            norm_topk=bool(hf_config.get("norm_topk_prob", False)),
-            aux_loss_coef=_round(get_float("router_aux_loss_coef", 0.001) * top_k / max(n_moe, 1)),
-        )
-    try:
-        cfg = ModelConfig(**fields)
-    except UserError as e:
-        raise UserError(f"{where_cfg}: {e}") from None
-
+    cfg = from_hf_config(hf_config, hf_state_dict, where_cfg)
     sd = {k: t for k, t in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # transformers ignores a stored copy of the tied head too
-    def take(key: str) -> torch.Tensor:
-        if key not in sd:
-            raise UserError(f"{where_w}: missing tensor {key}; the checkpoint is incomplete")
-        return sd.pop(key)
+    _split_fused_experts(sd, where_w)
+    if hf_config["model_type"] == "qwen2_moe":
+        _drop_stand_ins(sd, cfg, hf_config, where_cfg, where_w)
+    return _checked_state_dict(sd, cfg, hf_config["model_type"], where_w), cfg
 
-    # Experts fused into 3-D tensors (transformers >= 5 in memory, MiniMind's conversion script) become the
-    # per-expert tensors of the checkpoint layout.
+
+def _take(sd: dict[str, torch.Tensor], key: str, where_w: str) -> torch.Tensor:
+    """Tensor `key`, taken out of `sd`; UserError when the checkpoint lacks it."""
+    if key not in sd:
+        raise UserError(f"{where_w}: missing tensor {key}; the checkpoint is incomplete")
+    return sd.pop(key)
+
+
+def _split_fused_experts(sd: dict[str, torch.Tensor], where_w: str) -> None:
+    """Experts fused into 3-D tensors (transformers >= 5 in memory, MiniMind's conversion script), replaced in
+    `sd` by the per-expert tensors of the checkpoint layout."""
     for fused in [k for k in sd if k.endswith(".mlp.experts.gate_up_proj")]:
         experts = fused.removesuffix("gate_up_proj")
-        gate_up, down = take(fused), take(experts + "down_proj")  # (E, 2 moe_hidden, C): gate rows, then up rows
+        # (E, 2 moe_hidden, C): gate rows, then up rows
+        gate_up, down = _take(sd, fused, where_w), _take(sd, experts + "down_proj", where_w)
         if gate_up.dim() != 3 or gate_up.shape[1] % 2 or down.dim() != 3 or down.shape[0] != gate_up.shape[0]:
             raise UserError(f"{where_w}: {fused} {tuple(gate_up.shape)} and {experts}down_proj {tuple(down.shape)} "
                             "are not (experts, 2 x width, hidden) and (experts, hidden, width)")
@@ -434,28 +203,38 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
             gate, up = gate_up[j].chunk(2)
             sd[f"{experts}{j}.gate_proj.weight"], sd[f"{experts}{j}.up_proj.weight"] = gate.clone(), up.clone()
             sd[f"{experts}{j}.down_proj.weight"] = down[j].clone()  # (C, moe_hidden)
-    if model_type == "qwen2_moe":
-        if hf_config.get("qkv_bias", True) and not cfg.qkv_bias:
-            for i in range(cfg.n_layer):
-                for proj in ("q_proj", "k_proj", "v_proj"):
-                    take(f"model.layers.{i}.self_attn.{proj}.bias")  # zeros: the stand-ins for none
-        for i in _moe_layers(cfg):
-            mlp = f"model.layers.{i}.mlp."
-            gate = take(mlp + "shared_expert_gate.weight")
-            if cfg.n_shared_experts == 0:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    t = take(f"{mlp}shared_expert.{proj}.weight")
-                    if proj == "down_proj" and t.any():
-                        raise UserError(f"{where_cfg}: shared_expert_intermediate_size = {shared} is not a "
-                                        f"multiple of moe_intermediate_size = {moe_hidden}; nanolm's shared "
-                                        f"experts are n_shared_experts x moe_intermediate_size wide")
-            else:
-                if gate.any():
-                    raise UserError(f"{where_w}: {mlp}shared_expert_gate.weight is not zero; nanolm's shared "
-                                    f"expert is ungated, so only a zero gate (as nanolm exports it) can be imported")
-                down = mlp + "shared_expert.down_proj.weight"
-                sd[down] = take(down) / 2  # the exported gate's sigmoid(0) = 0.5, exactly
 
+
+def _drop_stand_ins(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: dict[str, Any], where_cfg: str,
+                    where_w: str) -> None:
+    """Qwen2-MoE as nanolm exports it, back to nanolm's layer: the zero q/k/v biases, zero shared expert and
+    zero shared-expert gate dropped, the shared down_proj halved (the gate's sigmoid(0) = 0.5)."""
+    if hf_config.get("qkv_bias", True) and not cfg.qkv_bias:
+        for i in range(cfg.n_layer):
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                _take(sd, f"model.layers.{i}.self_attn.{proj}.bias", where_w)  # zeros: the stand-ins for none
+    for i in moe_layers(cfg):
+        mlp = f"model.layers.{i}.mlp."
+        gate = _take(sd, mlp + "shared_expert_gate.weight", where_w)
+        if cfg.n_shared_experts == 0:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                t = _take(sd, f"{mlp}shared_expert.{proj}.weight", where_w)
+                if proj == "down_proj" and t.any():
+                    raise UserError(f"{where_cfg}: shared_expert_intermediate_size = "
+                                    f"{hf_config['shared_expert_intermediate_size']} is not a multiple of "
+                                    f"moe_intermediate_size = {hf_config['moe_intermediate_size']}; nanolm's shared "
+                                    f"experts are n_shared_experts x moe_intermediate_size wide")
+        else:
+            if gate.any():
+                raise UserError(f"{where_w}: {mlp}shared_expert_gate.weight is not zero; nanolm's shared "
+                                f"expert is ungated, so only a zero gate (as nanolm exports it) can be imported")
+            down = mlp + "shared_expert.down_proj.weight"
+            sd[down] = _take(sd, down, where_w) / 2  # the exported gate's sigmoid(0) = 0.5, exactly
+
+
+def _checked_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, model_type: str,
+                        where_w: str) -> dict[str, torch.Tensor]:
+    """`sd` under nanolm's names, every tensor the config implies present with its shape, none else."""
     shapes = expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for key, t in sd.items():
@@ -471,7 +250,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: dict[str, Any], *
     if missing:
         raise UserError(f"{where_w}: {len(missing)} tensor(s) missing, first: {missing[0]}; "
                         f"the checkpoint is incomplete")
-    return out, cfg
+    return out
 
 
 # ----------------------------------------------------------------------------- files
