@@ -1,7 +1,7 @@
 """The on-disk layout of models and training checkpoints: one owner for writing and reading them.
 
 Training, inference, evaluation and export all read and write model
-directories through this module; it sits below `train/`, `infer/` and
+directories through this package; it sits below `train/`, `infer/` and
 `export/` and imports none of them.
 
 A model directory (a training checkpoint, a merged LoRA model, an imported HF
@@ -36,8 +36,9 @@ state.json also records the best step (`best_step`), so a best.json left
 stale by a kill is rewritten at the next save. What killed saves leave behind
 is removed at the next save.
 
-The LoRA adapter files are `checkpoint/adapter.py`'s, and the check of a weights file against its
-config (from the safetensors header alone) is `checkpoint/weights.py`'s.
+The LoRA adapter files are written and read by `checkpoint/adapter.py`, and a
+weights file is checked against its config (from the safetensors header
+alone) by `checkpoint/weights.py`; this module holds the rest of the layout.
 """
 
 from __future__ import annotations
