@@ -8,7 +8,7 @@ module name (`q_proj`, `down_proj`, ...), never by shape.
 
 The adapter files (`adapter.safetensors` + `adapter_config.json`, with the
 fingerprint of the base weights computed here) are written and read by
-nanolm.checkpoint, the owner of the on-disk layout; this module knows modules
+nanolm/checkpoint/adapter.py, in the owner of the on-disk layout; this module knows modules
 and tensors only.
 """
 
