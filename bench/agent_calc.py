@@ -118,7 +118,7 @@ def pass_rates(run: Path, prompts: Path, k: int, items: int, temperature: float)
 
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import Tokenizer
     from nanolm.train.trainer import train

@@ -42,7 +42,7 @@ from typing import Any
 
 
 def run(task_dir: Path, out: Path, causal: bool, seed: int, a: argparse.Namespace) -> dict[str, Any]:
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.train.trainer import train
     T = a.max_len + 1
     n_val = json.loads((task_dir / "data" / "manifest.json").read_text())["blocks"]["val"]

@@ -86,7 +86,7 @@ def _fwd_bwd(part: Callable[..., torch.Tensor], inputs: list[torch.Tensor], devi
 
 def _loader_s(cfg: Config, device: torch.device, batch_size: int, seq_len: int, repeats: int) -> float:
     from bigdata import write_token_set  # bench/bigdata.py, beside this file
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.stream import DataStream
     with tempfile.TemporaryDirectory(prefix="nanolm-breakdown-") as tmp:
         write_token_set(Path(tmp), (repeats + 4) * batch_size * (seq_len + 1) * 4, vocab_size=cfg.model.vocab_size)

@@ -109,7 +109,7 @@ def tokens_per_byte(tok, texts: list[str]) -> tuple[float, int, int]:
 def pretrain(work: Path, name: str, tok_dir: Path, text_files: list[Path], steps: int, seed: int,
              heldout: dict[str, Path]) -> dict:
     """Prepare (once per tokenizer) and pretrain `tiny` for `steps`; bits per byte on val and the held-out texts."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.prepare import prepare
     from nanolm.eval.loss import evaluate
     from nanolm.tokenizer import Tokenizer

@@ -41,7 +41,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.corpora import fetch
     from nanolm.data.formats import iter_texts
     from nanolm.eval.builtin import idiom_task

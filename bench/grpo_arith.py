@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare

@@ -127,7 +127,7 @@ def cost_key(name: str) -> str:
 
 def variant_config(name: str):
     """The Config a variant trains (its preset and overrides; the budget left out)."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     args, preset, over = variant_args(name), None, {}
     for key, value in zip(args[::2], args[1::2]):
         if key == "--preset":

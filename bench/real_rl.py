@@ -38,7 +38,7 @@ def scores(run: Path, which: str, items: int, out: Path) -> dict[str, float]:
 
 
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.prepare import prepare
     from nanolm.data.builtin.tooluse import calculator_prompts, calculator_prompts2
     from nanolm.infer.tools import calculator

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
 
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare

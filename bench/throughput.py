@@ -278,7 +278,7 @@ def trainer_throughput(preset_name: str, device: torch.device, dtype: torch.dtyp
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bigdata import write_token_set  # bench/bigdata.py: random ids in `nanolm prepare`'s format
 
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.train.trainer import train
 
     data = workdir / "data"

@@ -80,6 +80,7 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
     from nanolm.config.load import override_fields
+    from nanolm.train import stages  # noqa: F401  registers the stages, whose sections are options (--grpo.*)
     g = p.add_argument_group("config fields (override the preset and the config file)")
     for name, typ in override_fields().items():
         if name == "data.sets":  # given as --data DIR:key=value,... (see _config_from_args)
@@ -98,7 +99,8 @@ _SHORTCUTS = {"out": "train.out_dir", "stage": "train.stage", "init_from": "trai
 
 def _config_from_args(args: argparse.Namespace):
     from nanolm.config import data_overrides
-    from nanolm.config.load import load_config, override_fields
+    from nanolm.config.load import override_fields
+    from nanolm.train.configure import load_config
     overrides = {k: v for k, v in vars(args).items() if k in override_fields()}
     if getattr(args, "data", None) is not None:
         overrides.update(data_overrides(args.data))
@@ -120,7 +122,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     check_text(args.prompt, "--prompt")  # bytes that are not UTF-8 cannot be echoed, nor tokenized
     loaded = model_from_args(args)
     model, src = loaded[0], loaded[3]
-    if not model.config.causal or _run_stage(src) == "blocks":  # a block in, the output block out
+    if not model.config.causal or _block_run(src):  # a block in, the output block out
         from nanolm.checkpoint import trained_seq_len
         from nanolm.infer.generate import write_block
         from nanolm.tokenizer import Tokenizer
@@ -134,12 +136,14 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
-def _run_stage(src: Path) -> str | None:
-    """The train.stage a checkpoint's config.json records, if any (a model directory made by export or merge
-    records none)."""
+def _block_run(src: Path) -> bool:
+    """Whether a checkpoint's run trained input/output blocks: its config.json's train.stage is a `block_model`
+    stage (a model directory made by export or merge records no stage)."""
     from nanolm.checkpoint import CONFIG, read_json
+    from nanolm.train import stages
     train = read_json(Path(src) / CONFIG, "config").get("train")
-    return train.get("stage") if isinstance(train, dict) else None
+    name = train.get("stage") if isinstance(train, dict) else None
+    return name in stages.names() and stages.get(name).block_model
 
 
 def _cmd_chat(args: argparse.Namespace) -> None:
@@ -263,6 +267,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         print(format_result(result))
     if args.task or args.degeneration:
         from nanolm.eval.runner import format_degeneration, format_table, run_eval
+        from nanolm.train import stages  # noqa: F401  registers the stages a run's config.json is read with
         report = run_eval(args.checkpoint, args.task, which=which, batch_size=args.batch_size, device=args.device,
                           adapter=args.adapter, chat={"auto": None, "on": True, "off": False}[args.chat],
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -280,6 +285,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 
 def _cmd_report(args: argparse.Namespace) -> None:
     from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, write_report
+    from nanolm.train import stages  # noqa: F401  registers the stages the runs' config.json are read with
     card = build_report(args.runs, tasks=args.task or DEFAULT_TASKS, n=args.n, text_train=args.text_train,
                         text_heldout=args.text_heldout, device=args.device, batch_size=args.batch_size)
     print(format_report(card))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.corpora import TEXT_CORPORA, resolve_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_duration

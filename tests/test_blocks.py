@@ -12,7 +12,7 @@ import torch
 from nanolm import checkpoint as ckpt
 from nanolm.cli import main
 from nanolm.config import ModelConfig
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.data.kinds.blocks import block_views
 from nanolm.data.loader import iter_eval_batches
 from nanolm.data.prepare import prepare

@@ -10,7 +10,7 @@ import pytest
 
 from nanolm import checkpoint as ckpt
 from nanolm.config import OptimConfig
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.errors import UserError
 from nanolm.train.schedule import lr_at, probe_steps, steps_for_time, steps_for_tokens
 from test_train import same_weights

@@ -89,7 +89,7 @@ def test_minimind_layout_tokenizer_loads_with_its_own_ids_and_template(mm_dir):
 def test_prepare_train_and_chat_with_a_minimind_layout_tokenizer(mm_dir, tmp_path):
     from nanolm.checkpoint import load_model
     from nanolm.config import SamplingParams
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.infer.session import ChatSession
     from nanolm.infer.engine import Engine
     from nanolm.train.trainer import train
@@ -154,7 +154,7 @@ def test_a_minimind_3_release_with_its_tokenizer_imports_and_fine_tunes(mm_dir, 
     import torch
 
     from nanolm.checkpoint import load_model
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.export.hf import import_hf
     from nanolm.train.trainer import train
 

@@ -553,7 +553,7 @@ def test_mfu_counts_the_output_projection_at_the_replies_alone(tmp_path, tokeniz
     """On chat data the loss projects only the replies' positions to the vocabulary: the logged MFU counts the
     output projection's FLOPs at those alone (the rest of the model at every position); on text, where every
     position has a target, at all of them."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.model.transformer import flops_per_token
     from nanolm.metrics_log import read_metrics
     from nanolm.train.metrics import measured_matmul_flops

@@ -6,7 +6,8 @@ import pytest
 
 from nanolm.config import Config, ModelConfig, preset
 
-from nanolm.config.load import load_config, override_fields
+from nanolm.config.load import override_fields
+from nanolm.train.configure import load_config
 from nanolm.errors import UserError
 
 

@@ -211,7 +211,7 @@ def test_choices_sharing_a_context_run_it_once_and_score_as_each_alone():
 def test_runs_trained_on_chat_data_are_scored_through_the_chat_template_by_default(tmp_path):
     """RL prompts are rendered in the chat layout, so an RL run is a chat model, as an SFT run is."""
     from nanolm.checkpoint import save_checkpoint
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.eval.runner import is_finetuned
     from nanolm.model.transformer import Transformer
     for stage, chat in (("pretrain", False), ("sft", True), ("dpo", True), ("grpo", True), ("ppo", True)):

@@ -22,7 +22,7 @@ import torch
 
 from nanolm import checkpoint as ckpt
 from nanolm.config import Config, ModelConfig, SamplingParams, TrainConfig
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.errors import UserError
 from nanolm.export.hf import export_hf, from_hf, import_hf, to_hf
 from nanolm.infer.engine import Engine

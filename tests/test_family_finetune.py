@@ -21,7 +21,7 @@ from test_family_templates import CONVS, LLAMA3, NANOLM, QWEN25, SMOLLM2, family
 from nanolm import checkpoint as ckpt
 from nanolm.chat import message_from_dict
 from nanolm.config import SamplingParams
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.data.prepare import prepare
 from nanolm.export.hf import export_hf, import_hf
 from nanolm.infer.engine import Engine

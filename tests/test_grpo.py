@@ -386,7 +386,7 @@ def sft_on_arith(tmp_path, sft_steps: int = 100, n_sft: int = 140, n_prompts: in
     """The arithmetic task's easy level in tmp_path: a tokenizer, SFT from scratch on the worked answers
     (tmp_path / "sftrun"), and the prompts prepared (tmp_path / "prompts": the val split, every 4th prompt, is
     held out from the 90 trained on)."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
@@ -404,7 +404,7 @@ def sft_on_arith(tmp_path, sft_steps: int = 100, n_sft: int = 140, n_prompts: in
 
 
 def grpo_on_arith(tmp_path, model: dict | None = None, **over):
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     return load_config("tiny", overrides={
         **(model or E2E_MODEL), "data.path": str(tmp_path / "prompts"), "train.out_dir": str(tmp_path / "grpo"),
         "train.stage": "grpo", "train.init_from": str(tmp_path / "sftrun"), "train.batch_size": 8,

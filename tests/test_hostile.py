@@ -38,7 +38,8 @@ from nanolm import chat
 from nanolm.chat import render_chat
 from nanolm.config import DataSetConfig
 
-from nanolm.config.load import load_config, override_fields
+from nanolm.config.load import override_fields
+from nanolm.train.configure import load_config
 from nanolm.corpora import expand_sources
 from nanolm.data.formats import (
     ReadStats,

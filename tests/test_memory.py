@@ -41,6 +41,25 @@ def test_the_exact_parts_of_a_full_and_a_lora_run(data_dir, tmp_path):
     assert bf16.kept == 4 * total - 2 * frozen and bf16.activations == est.activations // 2
 
 
+def test_distillation_counts_its_teacher_at_the_teachers_own_size(data_dir, tmp_path):
+    """The frozen teacher Distill.objective loads, of any size (its own model config), in float32."""
+    from nanolm.checkpoint import save_checkpoint
+    from nanolm.train.configure import load_config
+    tcfg = load_config("tiny", overrides={"model.vocab_size": 96, "model.d_model": 48, "model.n_layer": 1,
+                                          "model.n_head": 2, "model.n_kv_head": 1, "model.max_seq_len": 16,
+                                          "train.seq_len": 16})
+    teacher = Transformer(tcfg.model)
+    # embedding 96x48 (tied head), q and o 48x48, k and v 24x48, the MLP 3 x 128x48, three norms of 48
+    assert n_params(teacher) == 4608 + 2 * 2304 + 2 * 1152 + 3 * 6144 + 3 * 48 == 30096
+    src = save_checkpoint(tmp_path / "teacher", 1, teacher, None, tcfg, {})
+    plain = memory.estimate(tiny_cfg(data_dir, tmp_path / "run"), CPU, torch.float32)
+    cfg = tiny_cfg(data_dir, tmp_path / "run", **{"train.stage": "distill", "distill.teacher": str(src)})
+    est = memory.estimate(cfg, CPU, torch.float32)
+    assert est.copies == 4 * 30096 == 120384
+    assert est.per_process - plain.per_process == 120384  # the teacher is all it adds
+    assert "reference/teacher/rollout copies 0.00" in est.describe()
+
+
 def test_the_activation_floor_is_below_what_autograd_saves(data_dir, tmp_path):
     """The estimate is a lower bound: the tensors a forward really saves for backward weigh more."""
     for over in ({}, {"model.n_kv_head": 1, "train.batch_size": 3}, {"train.activation_checkpointing": "true"}):

@@ -117,7 +117,7 @@ def test_muon_refuses_fsdp_and_bad_settings(data_dir, tmp_path, monkeypatch):
 def test_fine_tuning_stages_divide_the_muon_rate_as_they_divide_lr():
     """A stage's smaller steps reach the Muon matrices too: at cpu-small's 0.02 the quickstart's GRPO had wrecked
     its model. The matrices' group gets muon_lr at the schedule's peak, and a rate given by the user wins."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     base = load_config("cpu-small")
     assert base.optim.name == "muon"
     for stage in ("sft", "lora", "dpo", "grpo", "ppo"):

@@ -109,7 +109,7 @@ def test_whitening_and_explained_variance_from_moments_of_several_batches():
     ("epsilon", 1.0, r"ppo.epsilon must be in \(0, 1\), got 1.0"),
 ])
 def test_ppo_settings_are_checked_with_one_line_naming_the_field(field, value, message):
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     with pytest.raises(UserError, match=message) as e:
         load_config("tiny", overrides={f"ppo.{field}": value})
     assert "\n" not in str(e.value)
@@ -151,7 +151,7 @@ def ppo_cfg(prompts_dir, out, base, **over):
 
 
 def test_the_stage_is_registered_with_its_defaults_and_data(prompts_dir, data_dir, base_run, tmp_path):
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.train import stages
     stage = stages.get("ppo")
     assert stage.kinds == ("prompts",) and stage.fine_tunes
@@ -329,7 +329,7 @@ E2E_STEPS = 10
 @pytest.fixture(scope="module")
 def arith_sft(tmp_path_factory):
     """A short SFT on the arithmetic task's worked answers, and its prompts (the val split held out)."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
     from nanolm.data.formats import iter_texts
     from nanolm.data.prepare import prepare
@@ -355,7 +355,7 @@ E2E_COMMON = {"model.vocab_size": 400, "model.d_model": 64, "model.n_layer": 2, 
 
 def ppo_reward_change(root, out) -> tuple[float, float]:
     """The held-out prompts' greedy mean reward before and after PPO steps with the length reward."""
-    from nanolm.config.load import load_config
+    from nanolm.train.configure import load_config
     cfg = load_config("tiny", overrides={
         **E2E_COMMON, "data.path": str(root / "prompts"), "train.out_dir": str(out), "train.stage": "ppo",
         "train.init_from": str(root / "sftrun"), "train.max_steps": E2E_STEPS, "train.batch_size": 16,

@@ -1,9 +1,12 @@
 """A stage and a data kind are registry entries: a new one is a class registered from outside nanolm/, and the
-loop trains with it; the trainer and prepare name none of the built-in ones."""
+loop trains with it; the trainer and prepare name none of the built-in ones. A stage's own settings are a
+dataclass it declares: the configuration builds, checks, saves, prints and offers them on the command line under
+the stage's name, with no edit to any module of nanolm/."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import nanolm
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
+from nanolm.config import registry
 from nanolm.errors import UserError
 from nanolm.train import stages
 from nanolm.train.objectives import Loss, Objective
@@ -21,18 +25,20 @@ ROOT = Path(nanolm.__file__).parent
 
 
 class LastTokenObjective(Objective):
-    """A toy objective: the cross-entropy of each row's last target only; its unit is a row."""
+    """A toy objective: the cross-entropy of each row's last `targets` targets only, summed; its unit is a row."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, targets: int = 1) -> None:
         self.model = model
+        self.targets = targets
 
     @staticmethod
     def units(batch) -> int:
         return int(batch.x.shape[0])
 
     def __call__(self, model, batch) -> Loss:
-        logits = model(batch.x)[:, -1]
-        ce = F.cross_entropy(logits.float(), batch.y[:, -1], reduction="sum")
+        k = self.targets
+        logits = model(batch.x)[:, -k:]
+        ce = F.cross_entropy(logits.float().flatten(0, 1), batch.y[:, -k:].flatten(), reduction="sum") / k
         return Loss(ce, {"loss": ce.detach()})
 
     def evaluate(self, model, batches, autocast, token_bytes) -> dict[str, float]:
@@ -44,20 +50,32 @@ class LastTokenObjective(Objective):
         return {"val_loss": total / rows} if rows else {}
 
 
+@dataclass
+class LastTokenConfig:
+    """The toy stage's own settings (`--toy-last-token.targets 2`)."""
+
+    targets: int = 1  # each row's last targets trained on
+
+    def __post_init__(self) -> None:
+        if self.targets < 1:
+            raise UserError(f"toy-last-token.targets must be >= 1, got {self.targets}")
+
+
 class LastToken(stages.Stage):
     name = "toy-last-token"
     kinds = ("text",)
+    section = LastTokenConfig
 
     def defaults(self, base):
         return {"optim": {"lr": 1e-3, "min_lr": 1e-4}}
 
     def objective(self, trainer):
-        return LastTokenObjective(trainer.model)
+        return LastTokenObjective(trainer.model, getattr(trainer.cfg, self.name).targets)
 
 
 @pytest.fixture
 def toy_stage(monkeypatch):
-    monkeypatch.setattr(stages, "_REGISTRY", dict(stages._REGISTRY))  # registered for this test only
+    monkeypatch.setattr(registry, "_STAGES", dict(registry._STAGES))  # registered for this test only
     stages.register(LastToken)
     return LastToken
 
@@ -89,6 +107,32 @@ def test_a_registered_stage_trains_one_step_with_its_own_objective_and_defaults(
     result = t.run()
     assert result.step == 3 and result.best_metric == "val_loss" and result.best_value is not None
     assert (tmp_path / "run" / "checkpoints" / "best.json").is_file()
+
+
+def test_a_registered_stage_brings_its_own_settings_section(toy_stage, data_dir, tmp_path, capsys):
+    """Declared by the stage only: built from the overrides, checked, saved in config.json, printed for its own
+    runs, offered as a command-line option, and read by its objective."""
+    from nanolm.cli import main
+    cfg = toy_cfg(data_dir, tmp_path / "run", **{"toy-last-token.targets": "2"})
+    assert getattr(cfg, LastToken.name) == LastTokenConfig(targets=2)
+    assert cfg.to_dict()[LastToken.name] == {"targets": 2}
+    assert "toy-last-token: targets=2" in cfg.summary()
+    assert not any(line.startswith("toy-last-token") for line in toy_cfg(
+        data_dir, tmp_path / "run", **{"train.stage": "pretrain"}).summary())  # another stage's run: not printed
+    with pytest.raises(UserError, match=r"command line: toy-last-token\.targets must be >= 1, got 0"):
+        toy_cfg(data_dir, tmp_path / "run", **{"toy-last-token.targets": "0"})
+    with pytest.raises(UserError, match=r"unknown field toy-last-token\.nope; known fields: toy-last-token\.targets"):
+        from nanolm.config import Config
+        Config.from_dict({**cfg.to_dict(), LastToken.name: {"nope": 1}}, "x")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--toy-last-token.targets" in capsys.readouterr().out
+    t = Trainer(cfg, quiet=True)  # its objective reads it: the cross-entropy of each row's last 2 targets
+    batch = t.data.next_batch()
+    with torch.no_grad():
+        logits = t.model(batch.x)[:, -2:]
+        expected = F.cross_entropy(logits.flatten(0, 1), batch.y[:, -2:].flatten()).item()
+    assert t.train_step([batch]).logged(t.info)["loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_an_unknown_stage_names_the_registered_ones(data_dir, tmp_path):
@@ -126,7 +170,7 @@ def test_a_toy_data_kind_and_a_toy_stage_registered_from_outside_train_together(
     from nanolm.data.prepare import prepare
     monkeypatch.setattr(kinds_base, "_KINDS", dict(kinds_base._KINDS))
     kinds.register(UpperKind)
-    monkeypatch.setattr(stages, "_REGISTRY", dict(stages._REGISTRY))
+    monkeypatch.setattr(registry, "_STAGES", dict(registry._STAGES))
 
     class UpperLastToken(LastToken):
         name = "toy-upper"

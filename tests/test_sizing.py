@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.train import sizing
 from nanolm.train.sizing import choose
 

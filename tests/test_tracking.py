@@ -12,7 +12,7 @@ import pytest
 
 from nanolm.config import Config
 
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.errors import UserError
 from nanolm.train.trainer import train
 from nanolm.metrics_log import read_metrics

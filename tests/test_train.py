@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from nanolm.config.load import load_config
+from nanolm.train.configure import load_config
 from nanolm.errors import UserError
 from nanolm import checkpoint as ckpt
 from nanolm.train.trainer import train

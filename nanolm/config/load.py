@@ -1,5 +1,7 @@
-"""A run's configuration in layers: a preset, the stage's defaults (nanolm/train/stages.py), a TOML or JSON
-file, then command-line overrides (`--model.n_layer 4`) whose names and types come from the dataclasses."""
+"""What a run's configuration is built from: a TOML or JSON file read into a nested dict, command-line overrides
+(`--model.n_layer 4`) whose names and types come from the dataclasses, and the preset a short time budget picks.
+The layers are put together (a preset, the stage's defaults, the file, the overrides) by
+nanolm/train/configure.py's `load_config`, above the stages whose defaults it applies."""
 
 from __future__ import annotations
 
@@ -9,11 +11,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from nanolm.config.fields import deep_merge, field_type, shown
-from nanolm.config.presets import preset
+from nanolm.config.fields import field_type, shown
 from nanolm.config.train import Config
 from nanolm.errors import UserError
-from nanolm.train import stages
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -48,14 +48,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def override_fields(cls: type = Config, prefix: str = "") -> dict[str, Any]:
-    """All dotted override names (`model.n_layer`, ...) with their field types, from the dataclasses."""
+    """All dotted override names (`model.n_layer`, ...) with their field types, from the dataclasses (a Config's
+    sections: its own and the registered stages', `Config.section_types`)."""
     out: dict[str, Any] = {}
-    for f in fields(cls):
-        typ = field_type(cls, f)
+    named = cls.section_types() if cls is Config else {f.name: field_type(cls, f) for f in fields(cls)}
+    for name, typ in named.items():
         if dataclasses.is_dataclass(typ):
-            out.update(override_fields(typ, prefix + f.name + "."))
+            out.update(override_fields(typ, prefix + name + "."))
         else:
-            out[prefix + f.name] = typ
+            out[prefix + name] = typ
     return out
 
 
@@ -74,7 +75,7 @@ def overrides_to_dict(overrides: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def _nonzero(value: Any) -> bool:
+def nonzero(value: Any) -> bool:
     """Whether a budget value from a file or the command line (a number or its text) is set and not 0."""
     try:
         return float(value) != 0
@@ -100,52 +101,3 @@ def budget_preset(preset_name: str | None, file_d: dict[str, Any], over_d: dict[
     except (IndexError, TypeError, ValueError):
         return None
     return BUDGET_PRESET if 0 < last <= BUDGET_PRESET_MINUTES else None
-
-
-def load_config(preset_name: str | None = None, config_file: str | Path | None = None,
-                overrides: dict[str, Any] | None = None) -> Config:
-    """preset -> file -> overrides, validated once at the end. With no preset, a time budget of at most
-    BUDGET_PRESET_MINUTES and no model settings, the preset is BUDGET_PRESET (the config's `note` says so)."""
-    file_d = read_config_file(config_file) if config_file else {}
-    over_d = overrides_to_dict(overrides) if overrides else {}
-    note = ""
-    if (picked := budget_preset(preset_name, file_d, over_d)) is not None:
-        preset_name = picked
-        note = (f"preset {picked}: no preset or model settings were given and the time budget is at most "
-                f"{BUDGET_PRESET_MINUTES:g} minutes, so the model is sized for it (pass --preset or --model.* to "
-                f"choose)")
-    base = preset(preset_name) if preset_name else Config()
-    d = base.to_dict()
-    source = f"preset {preset_name}" if preset_name else "defaults"
-    # The stage (from the overrides, else the file, else the preset) brings its defaults first.
-    # (A "train" that is no table is reported when the Config is built.)
-    stage = next((t.get("stage") for t in (over_d.get("train"), file_d.get("train")) if isinstance(t, dict)
-                  and t.get("stage")), base.train.stage)
-    d = deep_merge(d, stages.get(stage).defaults(base) if stage in stages.names() else {})
-    if config_file:
-        d = deep_merge(d, file_d)
-        source = str(config_file)
-    if overrides:
-        d = deep_merge(d, over_d)
-        source = "command line" if not config_file else f"{config_file} + command line"
-    # A budget the user gives without max_steps shapes the schedule (max_steps 0: fitted at the start of the run).
-    given = [t for t in (file_d.get("train"), over_d.get("train")) if isinstance(t, dict)]
-    if any(_nonzero(t.get(k)) for t in given for k in ("max_minutes", "max_tokens")) \
-            and not any("max_steps" in t for t in given):
-        d["train"]["max_steps"] = 0
-    cfg = Config.from_dict(d, source)
-    if picked is not None:  # its width and weight decay, for the budget and the data (nanolm/train/sizing.py)
-        from nanolm.train.sizing import shape_for_budget
-        decay_given = any(isinstance(o := g.get("optim"), dict) and "weight_decay" in o for g in (file_d, over_d))
-        changed, why = shape_for_budget(cfg, decay_given)
-        if changed:
-            for part, values in changed.items():
-                d[part].update(values)
-            cfg = Config.from_dict(d, source)
-        note += f"; {why}" if why else ""
-    try:
-        stages.get(cfg.train.stage).check(cfg)
-    except UserError as e:
-        raise UserError(f"{source}: {e}") from None
-    cfg.note = note
-    return cfg

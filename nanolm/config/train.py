@@ -4,15 +4,16 @@ config.json in the run directory."""
 from __future__ import annotations
 
 import re
-import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from nanolm.config.registry import default_name as default_stage, find as find_stage, get as get_stage, \
+    sections as stage_sections
 from nanolm.config.data import DataConfig, format_data_set
-from nanolm.config.fields import build_config, check as _check
-from nanolm.config.methods import DistillConfig, DPOConfig, GRPOConfig, LoRAConfig, PPOConfig
+from nanolm.config.fields import build_config, check as _check, field_type, shown
 from nanolm.config.model import ModelConfig
 from nanolm.config.optim import OptimConfig
+from nanolm.errors import UserError
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -41,7 +42,7 @@ def _joined_task_specs(items: tuple[str, ...]) -> tuple[str, ...]:
 class TrainConfig:
     """The training loop: batch shape, budget, evaluation, checkpoints, precision."""
 
-    stage: str = "pretrain"
+    stage: str = field(default_factory=default_stage)  # a registered stage (nanolm/train/stages.py)
     out_dir: str = "runs/nanolm"
     batch_size: int = 8  # sequences per micro-batch (per process)
     seq_len: int = 512
@@ -121,33 +122,60 @@ class TrainConfig:
                f"{m.group(1) if m else ''})")
 
 
+def _stage_sections() -> dict[str, Any]:
+    return {name: section() for name, section in stage_sections().items()}
+
+
 @dataclass
 class Config:
-    """Everything a training run needs; saved as config.json in the run directory."""
+    """Everything a training run needs; saved as config.json in the run directory.
+
+    Beside the loop's own sections (model, data, optim, train), each stage with settings of its own (LoRA's
+    adapters, DPO, distillation, GRPO, PPO, or a stage registered from outside) brings a section: a dataclass
+    its stage registers (nanolm/config/registry.py), built, validated, saved and printed under the stage's name,
+    and read as `cfg.<name>` (`cfg.grpo.group_size`).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    sections: dict[str, Any] = field(default_factory=_stage_sections)  # the stages' own, by stage name
 
-    # How the config was chosen where the user did not say (load_config's budget preset); not a field: not saved.
-    note: typing.ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        # How the config was chosen where the user did not say (load_config's budget preset): an attribute of this
+        # instance, not a field, so it is not saved with the run.
+        self.note: str = ""
         _check(self.train.seq_len <= self.model.max_seq_len,
                f"train.seq_len ({self.train.seq_len}) must not exceed model.max_seq_len ({self.model.max_seq_len})")
+        own = stage_sections()
+        for name, section in self.sections.items():
+            if not isinstance(section, own.get(name, ())):
+                raise TypeError(f"Config.sections[{name!r}]: not the settings of a registered stage's section")
+        self.sections = {name: self.sections.get(name) or section() for name, section in own.items()}
+
+    def __getattr__(self, name: str) -> Any:  # a stage's section: cfg.grpo
+        sections = self.__dict__.get("sections")
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def section_types(cls) -> dict[str, type]:
+        """Each section's name and dataclass: the loop's own, then the registered stages' (in their order)."""
+        own = {f.name: field_type(cls, f) for f in fields(cls) if f.name != "sections"}
+        return {**own, **stage_sections()}
 
     @property
     def uses_lora(self) -> bool:
-        return self.train.stage == "lora" or self.lora.enabled
+        stage = find_stage(self.train.stage)
+        return (stage is not None and stage.adapters) or self.lora.enabled
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "model": self.model.to_dict()}
+        d = asdict(self)
+        sections = d.pop("sections")
+        return {**d, "model": self.model.to_dict(), **sections}
 
     def summary(self) -> list[str]:
         """One line per section, `section: field=value ...`, for the start-of-run print."""
@@ -155,14 +183,20 @@ class Config:
             if isinstance(v, (tuple, list)):  # names, or data sets (as --data spells them)
                 return " ".join(map(format_data_set, v)) if v and isinstance(v[0], dict) else ",".join(v)
             return repr(v) if v == "" else str(v)
-        def shown(name: str) -> bool:  # stage-specific sections only where they apply
-            if name == "lora":
-                return self.uses_lora
-            return name not in ("dpo", "distill", "grpo", "ppo") or name == self.train.stage
+        def shows(name: str) -> bool:  # a stage's section only where its stage says it applies
+            return name not in self.sections or get_stage(name).shows_section(self)
         return [f"{name}: " + " ".join(f"{k}={fmt(v)}" for k, v in section.items())
-                for name, section in self.to_dict().items() if shown(name)]
+                for name, section in self.to_dict().items() if shows(name)]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Config":
-        return build_config(cls, d, source, prefix="")
-
+        if not isinstance(d, dict):
+            return build_config(cls, d, source, prefix="")  # its one-line error
+        known, own = cls.section_types(), stage_sections()
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise UserError(f"{source}: unknown field {shown(unknown[0])}; known fields: {', '.join(known)}")
+        sections = {name: build_config(section, d[name], source, prefix=f"{name}.")
+                    for name, section in own.items() if name in d}
+        return build_config(cls, {**{k: v for k, v in d.items() if k not in own}, "sections": sections}, source,
+                            prefix="")

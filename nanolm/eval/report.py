@@ -78,6 +78,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from nanolm.config import registry
 from nanolm.errors import UserError
 from nanolm.eval.builtin import BUILTIN_TASKS
 
@@ -283,11 +284,12 @@ def _heldout_side(run: Path, cfg: Any, tok: Any, text_heldout: list[str],
         model = evaluate(run, text_heldout, which="best", device=device, quiet=True)
         return (ids, ", ".join(text_heldout) + " (as nanolm eval --data reads them)",
                 {"model_bpb": model["bpb"], "model_checkpoint": model["checkpoint"]})
+    from nanolm.data.kinds import TextKind
     from nanolm.data.loader import iter_eval_batches
     from nanolm.data.shards import PackedData
     data_dir = _one_data_dir(cfg)
     val = PackedData(data_dir, "val", tokenizer_fingerprint=tok.fingerprint)
-    if val.kind != "text":
+    if val.kind != TextKind.name:
         raise UserError(f"{data_dir}: {val.kind} data, and the baselines are computed on text; {_TEXT_FIX}")
     tc = cfg.train
     # The batches the trainer's validation scores (Trainer.evaluate), so the ids are val_bpb's targets.
@@ -330,11 +332,12 @@ def val_by_source(data_dir: Path, tok: Any) -> dict[str, list]:
     read again in order (each checked against its sha256), record i of them all in the val split when
     i % k == 1, k from the val_fraction it was prepared with (`nanolm.data.provenance.val_every`)."""
     from nanolm.data.formats import iter_chat_records
+    from nanolm.data.kinds import ChatKind
     from nanolm.data.provenance import sha256_of, val_every
     from nanolm.data.shards import MANIFEST, Manifest
     m = Manifest.read(data_dir)
     opts = m.options
-    if m.kind != "chat" or opts.get("system_ratio") or opts.get("empty_think_ratio"):
+    if m.kind != ChatKind.name or opts.get("system_ratio") or opts.get("empty_think_ratio"):
         raise UserError(f"{data_dir / MANIFEST}: not chat data prepared without augmentations, so its held-out "
                         "replies cannot be read again by source")
     k = val_every(opts.get("val_fraction", 0))
@@ -443,17 +446,18 @@ def build_report(runs: Sequence[str | Path], *, tasks: Sequence[str] = DEFAULT_T
                             "baseline": None})
             continue
         ckpt = resolve_checkpoint(run, "best")
-        data_set = text_set(cfg) if cfg.train.stage == "pretrain" else None
+        card = registry.get(cfg.train.stage).card_baseline  # the baseline its stage's row is set beside
+        data_set = text_set(cfg) if card == "text" else None
         entry: dict[str, Any] = {"path": str(run.resolve()), "label": label, "stage": cfg.train.stage,
                                  "checkpoint": str(ckpt), **stage_summary(run, data_set), "data_set": data_set,
                                  "baseline": None}
         try:
-            if cfg.train.stage == "pretrain":
+            if card == "text":
                 tok = Tokenizer.load(ckpt)
                 entry["baseline"] = pretrain_baselines(run, cfg, tok, text_train=train_files,
                                                        text_heldout=heldout_files, xz_train_bytes=xz_train_bytes,
                                                        device=device)
-            elif cfg.train.stage in ("sft", "lora") and (entry["validation"] or {}).get("metric") == "val_bpb":
+            elif card == "initial" and (entry["validation"] or {}).get("metric") == "val_bpb":
                 entry["baseline"] = init_baseline(cfg, device)
                 try:
                     if _sources(cfg) > 1:  # one source: its replies are the validation row's
@@ -500,7 +504,8 @@ def _validation_row(entry: dict[str, Any]) -> tuple[str, str, str, str] | None:
         return None
     first, best, last = v["first"], v["best"], v["last"]
     if v["metric"] == "val_bpb":
-        what = "assistant replies" if entry["stage"] in ("sft", "lora", "dpo") else "text"
+        stage = registry.find(entry["stage"])  # None: a stage not registered in this process
+        what = stage.card_measures if stage is not None else "text"
         if entry.get("data_set"):
             what += f", set {entry['data_set']}"
         measure = f"held-out bits per byte ({what}), first → last validation"

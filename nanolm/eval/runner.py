@@ -11,7 +11,7 @@ and `everyday`, see `builtin.py`; `toolcall:FILE`, tool use scored on calls and 
   `<subject>_dev.csv` beside `<subject>_val.csv`, CMMLU's `dev/<subject>.csv`
   beside `test/<subject>.csv`, `<name>_dev.*` / `dev.*` beside others);
 - `chat=true|false`: through the tokenizer's chat template or as plain text
-  (default: chat for a run trained on chat data: train.stage sft, lora, dpo, grpo or ppo);
+  (default: chat for a run of a fine-tuning stage, trained on data in the chat layout);
 - `style=cloze|letters`: multiple choice scored by each choice's text after
   the question (cloze, the default: informative for small models), or with
   the choices listed under the question and their letters scored (letters:
@@ -222,12 +222,12 @@ def run_dir_of(ckpt_dir: Path) -> Path:
 
 
 def is_finetuned(ckpt_dir: Path) -> bool:
-    """Whether the checkpoint's run is of a fine-tuning stage (the registry's `fine_tunes`: sft, lora, dpo, grpo,
-    ppo), whose data is chat, pairs or RL prompts in the chat layout."""
+    """Whether the checkpoint's run is of a fine-tuning stage (the stage registry's `fine_tunes`,
+    nanolm/config/registry.py), whose data is chat, pairs or RL prompts in the chat layout."""
     from nanolm.checkpoint import read_run_config
-    from nanolm.train import stages
+    from nanolm.config import registry
     try:
-        return stages.get(read_run_config(ckpt_dir).train.stage).fine_tunes
+        return registry.get(read_run_config(ckpt_dir).train.stage).fine_tunes
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return False
 

@@ -3,11 +3,12 @@ against what the device has free: a run that cannot fit stops at start-up with t
 not minutes later in the kernel's out-of-memory killer.
 
 The estimate is a lower bound: the parts known exactly from the config (the weights as loaded and as kept,
-gradients and optimizer states of what trains, the reference and rollout copies of the RL and preference
-stages) plus the activations one micro-batch must save for backward in any implementation (each block's
-inputs, q/k/v, the attention output and the MLP's hidden products; nanolm saves more). Allocator slack,
-the loader, the kernels' workspaces and the interpreter come on top, so a run refused here would certainly
-not have fit; one let through may still be tight (the start-up line says how much is left).
+gradients and optimizer states of what trains, and the models the stage keeps beside them: the references,
+distillation teacher, rollout engine and critic of its `copies` in nanolm/train/stages.py) plus the activations
+one micro-batch must save for backward in any implementation (each block's inputs, q/k/v, the attention output
+and the MLP's hidden products; nanolm saves more). Allocator slack, the loader, the kernels' workspaces and the
+interpreter come on top, so a run refused here would certainly not have fit; one let through may still be tight
+(the start-up line says how much is left).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from nanolm.errors import UserError
 from nanolm.model import lora
+from nanolm.train import stages
 
 GIB = 2**30
 
@@ -29,7 +31,7 @@ class MemoryEstimate:
     loaded: int  # every weight as a checkpoint is loaded (float32): the peak while the model is built
     kept: int  # the weights as trained (a LoRA run keeps its frozen base in bf16 under bf16 training)
     states: int  # gradients and optimizer states of the trained parameters
-    copies: int  # frozen references, the rollout engine's copy, a critic with its states
+    copies: int  # frozen references, a distillation teacher, the rollout engine's copy, a critic with its states
     activations: int  # a lower bound on what one micro-batch saves for backward
     processes: int  # processes of this run sharing the device's memory (torchrun ranks on one CPU)
 
@@ -44,7 +46,7 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = [f"weights {self.kept / GIB:.2f}", f"gradients + optimizer {self.states / GIB:.2f}"]
         if self.copies:
-            parts.append(f"reference/rollout copies {self.copies / GIB:.2f}")
+            parts.append(f"reference/teacher/rollout copies {self.copies / GIB:.2f}")
         parts.append(f"activations >= {self.activations / GIB:.2f}")
         each = f" x {self.processes} processes" if self.processes > 1 else ""
         return f"at least {self.total / GIB:.2f} GiB ({', '.join(parts)} GiB{each})"
@@ -71,12 +73,10 @@ def _param_counts(cfg) -> tuple[int, int, int, int]:
 def _activation_floor(cfg, compute_bytes: int) -> int:
     """A lower bound on the activations one micro-batch saves for backward (see the module doc)."""
     m, tc = cfg.model, cfg.train
-    if tc.stage in ("grpo", "ppo"):
-        return 0  # their micro-batches are rollouts, whose lengths the config does not fix
+    tokens = stages.get(tc.stage).activation_tokens(cfg)  # 0 for rollouts, whose lengths the config does not fix
     hidden = m.n_hidden if not m.use_moe else m.top_k * (m.moe_n_hidden or m.n_hidden)
     kv = 2 * m.n_kv_head * m.head_dim
     per_token_layer = 4 * m.d_model + m.n_head * m.head_dim + kv + 3 * hidden  # inputs, q/k/v, attention, MLP
-    tokens = tc.batch_size * tc.seq_len * (2 if tc.stage == "dpo" else 1)  # DPO: chosen and rejected
     if tc.activation_checkpointing:  # each block's input kept, one block's saved at a time
         return tokens * (m.n_layer * m.d_model * 4 + per_token_layer * compute_bytes)
     return tokens * m.n_layer * per_token_layer * compute_bytes
@@ -84,8 +84,6 @@ def _activation_floor(cfg, compute_bytes: int) -> int:
 
 def estimate(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1) -> MemoryEstimate:
     """The run's lower-bound memory per process (module doc). dtype: the compute dtype (autocast)."""
-    from nanolm.runtime import decode_dtype
-
     tc = cfg.train
     total, trained, castable, trained_matrices = _param_counts(cfg)
     loaded = 4 * total
@@ -96,17 +94,7 @@ def estimate(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1)
     states = 4 * (trained + moments)
     shards = world_size if tc.parallel == "fsdp" and world_size > 1 else 1
     kept, states = kept // shards, states // shards
-    copies = 0
-    if tc.stage == "dpo" and not cfg.uses_lora:
-        copies += loaded  # the frozen reference
-    if tc.stage in ("grpo", "ppo"):
-        section = cfg.grpo if tc.stage == "grpo" else cfg.ppo
-        if (section.beta if tc.stage == "grpo" else section.kl_coef) > 0 and not cfg.uses_lora:
-            copies += loaded  # the frozen reference
-        engine = decode_dtype("auto", device, cfg.model.d_model, total, timer=None)[0]  # the rollouts' (train/rl/rollout.py)
-        copies += total * torch.finfo(engine).bits // 8  # the engine
-    if tc.stage == "ppo":
-        copies += 16 * total  # the critic: a copy of the policy, trained (weights, gradients, two moments)
+    copies = stages.get(tc.stage).copies(cfg, device, total)
     compute_bytes = 2 if dtype in (torch.bfloat16, torch.float16) else 4
     processes = world_size if device.type == "cpu" else 1  # torchrun's CPU ranks share one machine's memory
     return MemoryEstimate(loaded, kept, states, copies, _activation_floor(cfg, compute_bytes), processes)
@@ -152,7 +140,7 @@ def check_fit(cfg, device: torch.device, dtype: torch.dtype, world_size: int = 1
                          f"{2 * tc.grad_accum} keeps the step's batch)")
             if not tc.activation_checkpointing:
                 fixes.append("--train.activation_checkpointing true")
-        if not cfg.uses_lora and tc.stage in ("sft", "dpo", "grpo", "ppo"):
+        if not cfg.uses_lora and stages.get(tc.stage).fine_tunes:
             fixes.append("LoRA adapters instead of every weight (--stage lora, or --lora.enabled)")
         if cfg.uses_lora and lora.base_dtype(cfg.lora.base_dtype, dtype)[0] != torch.bfloat16:
             fixes.append("--lora.base_dtype bfloat16 (half the frozen base)")

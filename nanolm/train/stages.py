@@ -9,29 +9,41 @@ A stage says what the one training loop (nanolm/train/trainer.py) does different
 - `objective(trainer)`: the batch -> loss function it trains (nanolm/train/objectives.py), built from the
   trainer's model, data and configuration;
 - `tokens_per_step(cfg)`, `val_seq_len(cfg)`, `describe(cfg)`: how its steps are counted, how its validation
-  split is cut, and a line for the start-of-run report.
+  split is cut, and a line for the start-of-run report;
+- `section`: its own settings, a dataclass the configuration builds, validates, saves and prints under the
+  stage's name (`--grpo.group_size`, `cfg.grpo`), and `shows_section(cfg)`: where the summary prints it;
+- `activation_tokens(cfg)`, `copies(cfg, device, params)`: what it needs in memory beside the trained weights
+  (nanolm/train/memory.py): the positions a micro-batch saves activations for, and the frozen references,
+  teacher, rollout engine and critic it keeps;
+- `card_measures`, `card_baseline`: its row of the report card (nanolm/eval/report.py); `block_model`: whether
+  it trains input/output blocks (`nanolm generate` then writes the output block).
 
 A new stage is one `Stage` subclass passed to `register` (tests/test_registries.py trains one step of a toy
-stage that way). The trainer, prepare and the configuration name no stage.
+stage, with a settings section of its own, that way). `register` adds it to nanolm/config/registry.py, where the
+configuration and evaluation, below the trainer, look stages up; no module outside this one and the stages' own
+(nanolm/train/rl/) names a stage (tests/test_stage_names.py).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from nanolm import checkpoint as ckpt
-from nanolm.config import Config, GRPOConfig, PPOConfig
+from nanolm.config import Config, registry
+from nanolm.config.fields import check as _check
+from nanolm.data.kinds import BlocksKind, ChatKind, PairsKind, PromptsKind, TextKind
 from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
 from nanolm.model import lora
 from nanolm.train.distributed import DistInfo
-from nanolm.train.rl.grpo import GRPOObjective
+from nanolm.train.rl.grpo import GRPOConfig, GRPOObjective
 from nanolm.train.objectives import BlocksObjective, DistillObjective, DPOObjective, LMObjective, Objective
-from nanolm.train.rl.ppo import PPOObjective, value_model
+from nanolm.train.rl.ppo import PPOConfig, PPOObjective, value_model
 from nanolm.train.rl.rewards import Rewards
 
 
@@ -56,12 +68,25 @@ class Stage:
     """One way of training: the defaults suit plain next-token training on text or chat data."""
 
     name = ""
-    kinds: tuple[str, ...] = ("text", "chat")
+    kinds: tuple[str, ...] = (TextKind.name, ChatKind.name)
     fine_tunes = False  # starts from trained weights: train.init_from is required
     trains_non_causal = False  # a non-causal model (model.causal false) trains with it
     prepare_hint = ""  # how to prepare the data it needs, where it needs its own kind
     data_hint = ""  # what the data only it trains on is called and how it trains, for the other stages' errors
     pretrains = False  # trains from scratch on one data set: warn when the plan repeats the data many times
+    default = False  # the stage a configuration trains when none is named
+    section: type | None = None  # its own settings: a dataclass, the config section named after the stage
+    adapters = False  # trains LoRA adapters on a frozen base (Config.uses_lora)
+    block_model = False  # trains input/output blocks: `nanolm generate` writes a run's output block
+    # Its report-card row (nanolm/eval/report.py): what its held-out bits per byte are measured on, and the
+    # baseline beside it: "text" (unigram, xz and uniform bits per byte of its text set), "initial" (the initial
+    # model's, and the replies by source), or "" (none).
+    card_measures = "text"
+    card_baseline = ""
+
+    def shows_section(self, cfg: Config) -> bool:
+        """Whether the start-of-run summary prints the stage's section (where the run trains this stage)."""
+        return cfg.train.stage == self.name
 
     def defaults(self, base: Config) -> dict[str, Any]:
         """What the stage changes in preset `base` before the user's file and overrides apply."""
@@ -86,36 +111,96 @@ class Stage:
         """An extra line of the start-of-run report, or None."""
         return None
 
+    def activation_tokens(self, cfg: Config) -> int:
+        """The positions one micro-batch saves activations for in backward (nanolm/train/memory.py's floor)."""
+        return cfg.train.batch_size * cfg.train.seq_len
 
-_REGISTRY: dict[str, Stage] = {}
+    def copies(self, cfg: Config, device: torch.device, params: int) -> int:
+        """Bytes of the models it keeps beside the trained one (frozen references, a teacher, the rollout engine,
+        a critic), per process; `params`: the trained model's parameter count."""
+        return 0
 
 
 def register(cls: type[Stage]) -> type[Stage]:
-    """Add a stage (a class decorator); its `name` is what `--stage` takes."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"stage {cls.name!r}: a stage needs a name of its own")
-    _REGISTRY[cls.name] = cls()
+    """Add a stage (a class decorator) to the registry (nanolm/config/registry.py); its `name` is what `--stage`
+    takes, its `section` the settings the configuration then takes under that name."""
+    registry.add(cls())
     return cls
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return registry.names()
 
 
 def get(name: str) -> Stage:
-    if name not in _REGISTRY:
-        raise UserError(f"train.stage must be one of {', '.join(_REGISTRY)}, got {name!r}")
-    return _REGISTRY[name]
+    stage = registry.get(name)
+    assert isinstance(stage, Stage), f"stage {name!r} was registered without nanolm.train.stages.register"
+    return stage
 
 
 def check_data(stage: Stage, kind: str, where: str) -> None:
     """A stage given data of a kind it does not train on: one line naming the fix."""
     if kind in stage.kinds:
         return
-    owners = [s for s in _REGISTRY.values() if kind in s.kinds and s.data_hint]
+    owners = [s for s in map(get, names()) if kind in s.kinds and s.data_hint]
     fix = stage.prepare_hint or (owners[0].data_hint if owners else
                                  f"prepare {' or '.join(stage.kinds)} data with `nanolm prepare`")
     raise UserError(f"{where}: train.stage={stage.name} cannot train on {kind} data; {fix}")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters for `train.stage = "lora"`: W x + (alpha / rank) * B A x on the target projections."""
+
+    enabled: bool = False  # train adapters in any fine-tuning stage (dpo, distill); stage "lora" implies it
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # The dtype the frozen base's matrices (projections, embedding, head) are kept in: auto = bfloat16 when training
+    # computes in bf16 (autocast casts every weight to it anyway: the same products, half the memory), else float32.
+    base_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(self.base_dtype in ("auto", "float32", "bfloat16"),
+               f"lora.base_dtype must be auto, float32 or bfloat16, got {self.base_dtype!r}")
+        _check(self.rank > 0, f"lora.rank must be a positive integer, got {self.rank}")
+        _check(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        self.targets = tuple(self.targets)
+        _check(len(self.targets) > 0, "lora.targets must name at least one module (e.g. q_proj,v_proj)")
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation (`train.stage = "dpo"`)."""
+
+    beta: float = 0.1  # how far the policy may move from the reference
+    ref_from: str = ""  # the frozen reference checkpoint; "" = the initial weights (train.init_from)
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, f"dpo.beta must be > 0, got {self.beta}")
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation (`train.stage = "distill"`): loss = alpha * T^2 * KL(teacher_T || student_T)
+    + (1 - alpha) * cross-entropy."""
+
+    teacher: str = ""  # the teacher's run or checkpoint (same tokenizer as the data)
+    temperature: float = 2.0
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
+        _check(0.0 <= self.alpha <= 1.0, f"distill.alpha must be in [0, 1], got {self.alpha}")
+
+
+def _float32_bytes(model_config: Any) -> int:
+    """Bytes of a model's weights in float32 (as a checkpoint loads), counted on the meta device."""
+    from nanolm.model.transformer import Transformer, count_params
+    with torch.device("meta"):
+        return 4 * count_params(Transformer(model_config))["total"]
 
 
 def _finetune_lr(base: Config, lr_div: float, min_div: float, warmup: int) -> dict[str, Any]:
@@ -137,6 +222,8 @@ class Pretrain(Stage):
 
     name = "pretrain"
     pretrains = True
+    default = True
+    card_baseline = "text"
 
 
 @register
@@ -145,6 +232,8 @@ class SFT(Stage):
 
     name = "sft"
     fine_tunes = True
+    card_measures = "assistant replies"
+    card_baseline = "initial"
 
     def defaults(self, base: Config) -> dict[str, Any]:
         return _finetune_lr(base, 10, 100, 20)
@@ -155,6 +244,11 @@ class LoRA(SFT):
     """SFT of low-rank adapters on a frozen base (`Config.uses_lora`)."""
 
     name = "lora"
+    section = LoRAConfig  # any fine-tuning stage trains adapters with lora.enabled
+    adapters = True
+
+    def shows_section(self, cfg: Config) -> bool:
+        return cfg.uses_lora
 
     def defaults(self, base: Config) -> dict[str, Any]:
         return _finetune_lr(base, 2, 20, 20)
@@ -165,10 +259,12 @@ class DPO(Stage):
     """Direct preference optimisation on preference pairs, against a frozen reference."""
 
     name = "dpo"
-    kinds = ("pairs",)
+    kinds = (PairsKind.name,)
     fine_tunes = True
     prepare_hint = "prepare preference pairs with `nanolm prepare --format pairs`"
     data_hint = "preference data trains with --stage dpo"
+    section = DPOConfig
+    card_measures = "assistant replies"
 
     def defaults(self, base: Config) -> dict[str, Any]:
         return _finetune_lr(base, 50, 500, 10)
@@ -185,12 +281,19 @@ class DPO(Stage):
     def tokens_per_step(self, cfg: Config) -> int:  # batch_size counts (chosen, rejected) pairs
         return 2 * super().tokens_per_step(cfg)
 
+    def activation_tokens(self, cfg: Config) -> int:  # chosen and rejected
+        return 2 * super().activation_tokens(cfg)
+
+    def copies(self, cfg: Config, device: torch.device, params: int) -> int:
+        return 0 if cfg.uses_lora else 4 * params  # the frozen reference (with LoRA: the base, adapters off)
+
 
 @register
 class Distill(Stage):
     """Knowledge distillation: a frozen teacher's token distributions, mixed with cross-entropy."""
 
     name = "distill"
+    section = DistillConfig
 
     def check(self, cfg: Config) -> None:
         if not cfg.distill.teacher:
@@ -208,6 +311,10 @@ class Distill(Stage):
         lm = LMObjective(trainer.model, cfg.model.aux_loss_coef)
         return DistillObjective(trainer.frozen(teacher, src, "distillation teacher"), cfg.distill.temperature,
                                 cfg.distill.alpha, trainer.data.vocab_size, lm)
+
+    def copies(self, cfg: Config, device: torch.device, params: int) -> int:
+        """The frozen teacher, of any size: its own model config, loaded in float32 as `objective` loads it."""
+        return _float32_bytes(ckpt.read_model_config(ckpt.resolve_checkpoint(cfg.distill.teacher, "best")))
 
 
 def _rl_setup(trainer: Trainer, section: str) -> None:
@@ -250,7 +357,7 @@ class RLStage(Stage):
     """What the RL stages share: RL prompts, trained weights to start from, small constant steps, validation by
     decoding held-out prompts."""
 
-    kinds = ("prompts",)
+    kinds = (PromptsKind.name,)
     fine_tunes = True
     prepare_hint = "prepare RL prompts with `nanolm prepare --format prompts`"
     data_hint = "RL prompts train with --stage grpo or --stage ppo"
@@ -261,12 +368,31 @@ class RLStage(Stage):
     def val_seq_len(self, cfg: Config) -> int:  # any held-out prompt is one to decode
         return 1
 
+    def kl_weight(self, cfg: Config) -> float:
+        """The weight of the KL penalty to the frozen reference (0: no reference is kept)."""
+        raise NotImplementedError
+
+    def activation_tokens(self, cfg: Config) -> int:  # its micro-batches are rollouts, of lengths not configured
+        return 0
+
+    def copies(self, cfg: Config, device: torch.device, params: int) -> int:
+        """The frozen reference (none with LoRA: the base with its adapters off) and the rollout engine's copy,
+        in the dtype it decodes in (nanolm/train/rl/rollout.py)."""
+        from nanolm.runtime import decode_dtype
+        reference = 4 * params if self.kl_weight(cfg) > 0 and not cfg.uses_lora else 0
+        engine = decode_dtype("auto", device, cfg.model.d_model, params, timer=None)[0]
+        return reference + params * torch.finfo(engine).bits // 8
+
 
 @register
 class GRPO(RLStage):
     """RL from rewards: sampled completions of RL prompts, scored and weighed group-relatively."""
 
     name = "grpo"
+    section = GRPOConfig
+
+    def kl_weight(self, cfg: Config) -> float:
+        return cfg.grpo.beta
 
     def objective(self, trainer: Trainer) -> Objective:
         """The data's tokenizer, the rewards, and the reference (the initial weights frozen; for LoRA the model
@@ -297,6 +423,14 @@ class PPO(RLStage):
     """RL from rewards with a learned critic: sampled completions of RL prompts, a per-token KL penalty, GAE."""
 
     name = "ppo"
+    section = PPOConfig
+
+    def kl_weight(self, cfg: Config) -> float:
+        return cfg.ppo.kl_coef
+
+    def copies(self, cfg: Config, device: torch.device, params: int) -> int:
+        # and the critic: a copy of the policy, trained (float32 weights, gradients, two moments)
+        return super().copies(cfg, device, params) + 16 * params
 
     def objective(self, trainer: Trainer) -> Objective:
         """The data's tokenizer, the rewards, the reference (as GRPO's; none when ppo.kl_coef is 0) and the
@@ -346,8 +480,9 @@ class Blocks(Stage):
     """Input and output blocks (Nano's non-causal mode, or a causal model reading both as one sequence)."""
 
     name = "blocks"
-    kinds = ("blocks",)
+    kinds = (BlocksKind.name,)
     trains_non_causal = True
+    block_model = True
     prepare_hint = "prepare input/output records with `nanolm prepare --format blocks`"
     data_hint = "block data trains with --stage blocks"
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from nanolm.config.methods import GRPOConfig
+from nanolm.config.fields import check as _check
 from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
@@ -48,6 +48,56 @@ from nanolm.train.rl.rewards import Rewards
 from nanolm.train.rl.formulas import cispo, clipped_surrogate, group_advantages, k3_kl, token_sums, zero_variance_groups
 from nanolm.train.rl.agent import sampler_for
 from nanolm.train.rl.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
+
+
+@dataclass
+class GRPOConfig:
+    """RL from rewards (`train.stage = "grpo"`): group_size sampled completions per prompt, group-relative
+    advantages, a clipped (or CISPO) policy loss and a k3 KL penalty to the frozen initial model."""
+
+    group_size: int = 8  # completions sampled per prompt (a group; its rewards are compared with each other)
+    temperature: float = 1.0  # sampling of the completions
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256  # completion budget; a completion cut here counts in the `truncated` metric
+    thinking: bool = False  # open a <think> block in the generation prompt (the chat template's thinking switch)
+    scale_rewards: bool = True  # divide by the group's std (off: Dr. GRPO)
+    loss: str = "grpo"  # grpo (PPO's clipped ratio) or cispo (clipped importance weight, stop-gradient)
+    epsilon: float = 0.2  # clip ratios below 1 - epsilon
+    epsilon_high: float = 0.2  # clip ratios above 1 + epsilon_high (DAPO's clip-higher: > epsilon)
+    cispo_clip: float = 5.0  # cispo: the importance weight is clipped at this
+    average: str = "token"  # token: every completion token of the step weighs alike (DAPO); sequence: each one
+    beta: float = 0.04  # weight of the k3 KL to the reference; 0 drops the reference (no copy is kept)
+    inner_epochs: int = 1  # optimizer updates per rollout batch (the behaviour log-probs are kept)
+    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rl/rewards.py), e.g. answer:1,format:0.2
+    reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
+    length_min: int = 1  # the `length` reward's window, in characters of the reply
+    length_max: int = 512
+    tools: str = ""  # RL over tool calls: "" none, builtin, tools.json, file.py:function (comma-separated)
+    max_rounds: int = 3  # with tools: the most replies of a trajectory (each but the last may call tools)
+    compile_rollouts: bool = False  # torch.compile the rollouts' decode step at the first step (30-90 s on a CPU)
+
+    def __post_init__(self) -> None:
+        _check(self.max_rounds >= 1, f"grpo.max_rounds must be >= 1, got {self.max_rounds}")
+        _check(self.group_size >= 2, f"grpo.group_size must be >= 2 (a group compares completions), got "
+                                     f"{self.group_size}")
+        _check(self.temperature > 0, f"grpo.temperature must be > 0 (the completions of a group must differ), "
+                                     f"got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"grpo.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"grpo.top_k must be >= 0 (0 = off), got {self.top_k}")
+        _check(self.max_new_tokens > 0, f"grpo.max_new_tokens must be > 0, got {self.max_new_tokens}")
+        _check(self.loss in ("grpo", "cispo"), f"grpo.loss must be grpo or cispo, got {self.loss!r}")
+        _check(0 < self.epsilon < 1, f"grpo.epsilon must be in (0, 1), got {self.epsilon}")
+        _check(self.epsilon_high > 0, f"grpo.epsilon_high must be > 0, got {self.epsilon_high}")
+        _check(self.cispo_clip > 0, f"grpo.cispo_clip must be > 0, got {self.cispo_clip}")
+        _check(self.average in ("token", "sequence"), f"grpo.average must be token or sequence, got "
+                                                      f"{self.average!r}")
+        _check(self.beta >= 0, f"grpo.beta must be >= 0 (0 disables the KL penalty), got {self.beta}")
+        _check(self.inner_epochs >= 1, f"grpo.inner_epochs must be >= 1, got {self.inner_epochs}")
+        _check(self.length_min >= 0, f"grpo.length_min must be >= 0, got {self.length_min}")
+        _check(self.length_max > 0 and self.length_max >= self.length_min,
+               f"grpo.length_max must be > 0 and >= grpo.length_min ({self.length_min}), got {self.length_max}")
+
 
 
 @dataclass

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from nanolm.config.methods import PPOConfig
+from nanolm.config.fields import check as _check
 from nanolm.data.kinds.prompts import PromptBatch
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.train import distributed
@@ -60,6 +60,67 @@ from nanolm.train.rl.formulas import (clipped_surrogate, clipped_value_loss, exp
                              token_rewards, token_sums, whiten)
 from nanolm.train.rl.agent import sampler_for
 from nanolm.train.rl.rollout import RolloutSums, Sampler, over_ranks, reference_logps, step_metrics
+
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclass
+class PPOConfig:
+    """RL from rewards with a learned critic (`train.stage = "ppo"`): sampled completions, a per-token KL
+    penalty to the frozen initial model in the reward, GAE advantages from a value model, the clipped policy
+    and value losses over inner_epochs updates per rollout."""
+
+    samples_per_prompt: int = 1  # completions sampled per prompt
+    temperature: float = 1.0  # sampling of the completions
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256  # completion budget; a completion cut here counts in the `truncated` metric
+    thinking: bool = False  # open a <think> block in the generation prompt (the chat template's thinking switch)
+    epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon]
+    kl_coef: float = 0.05  # each token's reward is -kl_coef x its KL to the reference; 0 drops the reference
+    kl_estimator: str = "k1"  # k1: logp - ref_logp (TRL's default); k3: exp(q) - q - 1, q = ref_logp - logp
+    gamma: float = 1.0  # discount of GAE
+    lam: float = 0.95  # GAE's lambda: 1 = Monte Carlo returns, 0 = one-step TD
+    whiten_advantages: bool = True  # advantages to mean 0, variance 1 over the step's completion tokens
+    vf_coef: float = 0.1  # weight of the value loss beside the policy loss
+    value_clip: float = 0.2  # a value may move this far from the rollout's before its loss stops pulling
+    value_lr_scale: float = 1.0  # the critic's learning rate, times the policy's (optim.lr and its schedule)
+    inner_epochs: int = 4  # optimizer updates per rollout (the behaviour log-probs and values are kept)
+    target_kl: float = 0.0  # stop a step's updates once the approximate KL to the behaviour policy passes this
+    critic_from: str = ""  # the checkpoint the critic starts from; "" = the initial weights (train.init_from)
+    rewards: str = "answer:1.0"  # weighted rewards by name (nanolm/train/rl/rewards.py), e.g. answer:1,format:0.2
+    reward_model: str = ""  # a transformers sequence-classification directory, for the `model` reward
+    length_min: int = 1  # the `length` reward's window, in characters of the reply
+    length_max: int = 512
+    tools: str = ""  # RL over tool calls, as grpo.tools: "" none, builtin, tools.json, file.py:function
+    max_rounds: int = 3  # with tools: the most replies of a trajectory (each but the last may call tools)
+    compile_rollouts: bool = False  # as grpo.compile_rollouts
+
+    def __post_init__(self) -> None:
+        _check(self.max_rounds >= 1, f"ppo.max_rounds must be >= 1, got {self.max_rounds}")
+        _check(self.samples_per_prompt >= 1, f"ppo.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        _check(self.temperature > 0, f"ppo.temperature must be > 0 (PPO learns from sampled completions), got "
+                                     f"{self.temperature}")
+        _check(0 < self.top_p <= 1, f"ppo.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"ppo.top_k must be >= 0 (0 = off), got {self.top_k}")
+        _check(self.max_new_tokens > 0, f"ppo.max_new_tokens must be > 0, got {self.max_new_tokens}")
+        _check(0 < self.epsilon < 1, f"ppo.epsilon must be in (0, 1), got {self.epsilon}")
+        _check(self.kl_coef >= 0, f"ppo.kl_coef must be >= 0 (0 disables the KL penalty), got {self.kl_coef}")
+        _check(self.kl_estimator in KL_ESTIMATORS,
+               f"ppo.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        _check(0 < self.gamma <= 1, f"ppo.gamma must be in (0, 1], got {self.gamma}")
+        _check(0 <= self.lam <= 1, f"ppo.lam must be in [0, 1], got {self.lam}")
+        _check(self.vf_coef > 0, f"ppo.vf_coef must be > 0 (the critic learns from the value loss), got "
+                                 f"{self.vf_coef}")
+        _check(self.value_clip > 0, f"ppo.value_clip must be > 0, got {self.value_clip}")
+        _check(self.value_lr_scale > 0, f"ppo.value_lr_scale must be > 0, got {self.value_lr_scale}")
+        _check(self.inner_epochs >= 1, f"ppo.inner_epochs must be >= 1, got {self.inner_epochs}")
+        _check(self.target_kl >= 0, f"ppo.target_kl must be >= 0 (0 = no early stop), got {self.target_kl}")
+        _check(self.length_min >= 0, f"ppo.length_min must be >= 0, got {self.length_min}")
+        _check(self.length_max > 0 and self.length_max >= self.length_min,
+               f"ppo.length_max must be > 0 and >= ppo.length_min ({self.length_min}), got {self.length_max}")
+
 
 
 @dataclass
