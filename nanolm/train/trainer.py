@@ -24,7 +24,9 @@ Every stage runs through a `Trainer`:
 What differs between stages is the stage's (nanolm/train/stages.py: its data
 kinds, defaults and objective); the loop's components are apart: validation
 and the best checkpoint's metric (validation.py), the schedule's length fitted
-to a budget (budget.py), metrics and trackers (metrics.py).
+to a budget (budget.py), metrics and trackers (metrics.py), where a resume
+continues from, its restored state and each step's checkpoint (resume.py), and
+the start-of-run report and each logged step's line (runlog.py).
 
 `train(cfg)` is `Trainer(cfg).run()`.
 """
@@ -48,15 +50,14 @@ from nanolm.config import Config
 from nanolm.data.shards import Batch
 from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
-from nanolm.io import first_line, write_json_atomic
+from nanolm.io import write_json_atomic
 from nanolm.model import lora
-from nanolm.model.moe import moe_layers
 from nanolm.model.transformer import count_params, flops_per_token, head_flops_per_token
-from nanolm.progress import fmt_count, fmt_duration
+from nanolm.progress import fmt_count
 from nanolm.runtime import attention_kernel, autocast, seed_everything, train_dtype
 from nanolm.train import distributed, memory
 from nanolm.train.metrics import MetricsWriter, log, make_trackers, peak_flops
-from nanolm.train.numerics import locate_nonfinite, step_is_finite, weights_are_finite
+from nanolm.train.numerics import locate_nonfinite, step_is_finite
 from nanolm.train.optim import build_optimizer
 from nanolm.train.budget import Budget
 from nanolm.train.schedule import lr_at, probe_steps
@@ -64,6 +65,8 @@ from nanolm.train.sizing import USEFUL_PASSES
 from nanolm.train.validation import Best, Validation
 from nanolm.train import stages
 from nanolm.train.objectives import Companion, Objective
+from nanolm.train.resume import restore, resume_source, save_step
+from nanolm.train.runlog import log_step, start_report
 
 
 @dataclass
@@ -141,48 +144,6 @@ def _tokenizer_dir(data: DataStream) -> Path | None:
     return path if (path / "tokenizer.json").is_file() else None
 
 
-def _newest_that_verifies(steps: list[Path]) -> tuple[Path, list[str]]:
-    """The newest checkpoint whose weights and optimizer state match the CRC-32s its state.json recorded, and a
-    line for each newer one that did not (left in place: the resumed run writes those steps again)."""
-    skipped: list[str] = []
-    for src in reversed(steps):
-        try:
-            ckpt.verify_checkpoint(src)
-            return src, skipped
-        except UserError as e:
-            skipped.append(str(e))
-    raise UserError(f"{skipped[0]} (and no earlier checkpoint of the run verifies either; start anew, or from "
-                    "its weights with --init-from if only the optimizer state is damaged)")
-
-
-def _resume_source(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path | None, list[str]]:
-    """The checkpoint a resume continues from (the run's newest that verifies), after checking it fits this
-    config, and the newer ones passed over; None for a fresh start, which a run directory that already holds
-    checkpoints refuses. Workers that torchrun restarted (`--max-restarts`, after a process died) resume from
-    the newest checkpoint of the run they were started for, or start it anew when it saved none."""
-    tc = cfg.train
-    resume_src: Path | None = None
-    skipped: list[str] = []
-    if not resume and distributed.restart_count() and ckpt.step_dirs(run_dir):
-        resume = True
-    if resume:
-        steps = ckpt.step_dirs(run_dir)
-        if not steps:
-            raise UserError(f"{run_dir}: nothing to resume (no checkpoints/step-*); drop --resume to start anew")
-        resume_src, skipped = _newest_that_verifies(steps)
-        saved_cfg = ckpt.read_run_config(resume_src)
-        if saved_cfg.model != cfg.model:
-            raise UserError(f"{resume_src}/config.json: the checkpoint's model config differs from this run's; "
-                            f"resume with the same model settings (saved: {saved_cfg.model})")
-    elif ckpt.step_dirs(run_dir):
-        raise UserError(f"{run_dir}: already holds checkpoints of a run; pass --resume to continue it, or choose "
-                        f"another --out for a new run")
-    if stages.get(tc.stage).fine_tunes and not tc.init_from:
-        raise UserError(f"train.stage={tc.stage} fine-tunes a trained model; pass --init-from <pretrained run or "
-                        f"checkpoint>")
-    return resume_src, skipped
-
-
 class Trainer:
     """One run of the one training loop (see the module doc)."""
 
@@ -217,7 +178,7 @@ class Trainer:
                                      self.device, fsdp=tc.parallel == "fsdp" and info.enabled)
         self.val_sets = self.validation.val_sets
 
-        resume_src, skipped = _resume_source(cfg, self.run_dir, resume)
+        resume_src, skipped = resume_source(cfg, self.run_dir, resume)
         if skipped and info.is_main:  # said even when quiet: a newer checkpoint is passed over
             print("\n".join(skipped) + f"\nresuming from {resume_src} instead, the newest checkpoint that verifies",
                   file=sys.stderr, flush=True)
@@ -249,7 +210,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=info.is_main,
                                      trackers=make_trackers(cfg, self.run_dir) if info.is_main else ())
         if resume_src is not None:
-            self._restore(resume_src)
+            restore(self, resume_src)
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
@@ -338,92 +299,15 @@ class Trainer:
         """The model's optimizer, then each companion's."""
         return [self.optimizer, *self.companion_optimizers.values()]
 
-    def _restore(self, src: Path) -> None:
-        """Continue checkpoint `src` of this run: optimizer state (and each companion's weights and optimizer
-        state), then state.json into the data stream and RNG."""
-        parts = [(self.model, self.optimizer, ckpt.OPTIMIZER)]
-        for name, c in self.companions.items():
-            ckpt.load_companion(src, name, c.module)
-            parts.append((c.module, self.companion_optimizers[name], ckpt.companion_files(name)[1]))
-        for module, optimizer, file in parts:
-            try:
-                distributed.load_full_optimizer_state(module, optimizer, ckpt.read_optimizer(src, file))
-            except (KeyError, ValueError, RuntimeError) as e:
-                raise UserError(f"{src}/{file}: does not match this run's trainable parameters "
-                                f"({type(e).__name__}: {e}); resume with the settings the run was saved with") \
-                    from None
-        state = ckpt.read_json(src / "state.json", "training state")
-        try:  # a damaged state.json: a missing field, a wrong type, an RNG state of the wrong size
-            step, tokens = int(state["step"]), int(state["tokens"])
-            if step < 0 or tokens < 0:
-                raise ValueError(f"step {step}, tokens {tokens}")
-            self.best.restore(state)
-            self.elapsed_before = float(state.get("elapsed_s", 0.0))
-            self.budget.restore(state)
-            self.data.load_state_dict(state["loader"])
-            ckpt.set_rng_state(state["rng"])
-        except UserError as e:  # the data position does not fit this data
-            raise UserError(f"{src}/state.json: {e}") from None
-        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-            raise UserError(f"{src}/state.json: damaged training state ({type(e).__name__}: {first_line(e)}); "
-                            "resume from an earlier checkpoint (move this one away) or start a new run") from None
-        self.step, self.tokens = step, tokens
-        self.metrics.truncate_after(step)
-        self.say(f"resumed from {src} at step {step} ({fmt_count(tokens)} tokens seen)")
-
     @property
     def tokens_per_step(self) -> int:
         """Input positions of one optimizer step as configured (the stage counts them)."""
         return self.stage.tokens_per_step(self.cfg)
 
     def report(self) -> None:
-        """The derived settings, printed once at the start."""
-        cfg, tc, info, data = self.cfg, self.cfg.train, self.info, self.data
-        several = len(data.sets) > 1
-        params = count_params(self.model)
-        self.say(f"run dir: {self.run_dir.resolve()} (config saved as config.json)")
-        for line in cfg.summary():
-            self.say(f"  {line}")
-        if cfg.note:
-            self.say(cfg.note)
-        if info.enabled:
-            self.say(f"data parallel: {info.world_size} processes ({tc.parallel}) | {self.accum} micro-batch(es) per "
-                     f"rank per step | global batch {self.tokens_per_step:,} tokens/step as configured")
-        self.say(f"stage: {tc.stage} | device: {self.device} | compute dtype: {str(self.dtype).removeprefix('torch.')}"
-                 f" ({self.dtype_why}) | compile: {tc.compile} | activation checkpointing: "
-                 f"{tc.activation_checkpointing} | attention kernel: {tc.sdpa_backend}")
-        active = f", {params['active'] / 1e6:.2f}M active per token" if params["active"] != params["total"] else ""
-        self.say(f"model: {params['total'] / 1e6:.2f}M parameters ({params['trainable'] / 1e6:.2f}M trainable, "
-                 f"{params['non_embedding'] / 1e6:.2f}M non-embedding{active}) | {self.fpt / 1e6:.1f} MFLOPs/token "
-                 "(train)")
-        self.say(self.memory_line)
-        for name, c in self.companions.items():
-            self.say(f"{name}: {count_params(c.module)['trainable'] / 1e6:.2f}M parameters trained beside the model "
-                     f"(lr x {c.lr_scale:g}), saved as {ckpt.companion_files(name)[0]} in each checkpoint")
-        val_tokens = sum(v.n_tokens for _, v in self.val_sets)
-        self.say(f"data: {f'{len(data.sets)} sets as a {data.mode}, ' if several else ''}"
-                 f"{fmt_count(data.n_tokens)} train tokens, {fmt_count(val_tokens)} val tokens | "
-                 f"batch {tc.batch_size} x seq {tc.seq_len} x accum {tc.grad_accum} = {self.tokens_per_step:,} "
-                 f"tokens/step" + ("" if several else
-                                   f" | one epoch = {data.epoch_windows / (tc.batch_size * tc.grad_accum):.1f} steps"))
-        for line in data.describe():
-            self.say(f"data stream: {line}")
-        if (line := self.stage.describe(cfg)) is not None:
+        """The derived settings, printed once at the start (nanolm/train/runlog.py)."""
+        for line in start_report(self):
             self.say(line)
-        for s in data.sets:  # which rule made each set's val split (the manifest's split_policy)
-            rule = s.data.manifest.split_policy.get("summary")
-            if rule:
-                self.say(f"val split{f' of {s.name}' if several else ''}: {rule}")
-        for tracker in self.metrics.trackers:
-            self.say(f"tracking: {tracker.describe()}")
-        steps = self.budget.describe(probe_steps(cfg.optim.warmup_steps))
-        muon = (f" (AdamW; Muon matrices {cfg.optim.muon_lr:g} x the same factor)" if cfg.optim.name == "muon"
-                else "")
-        self.say(f"schedule: {cfg.optim.schedule}, lr {cfg.optim.lr:g} -> {cfg.optim.min_lr:g}{muon}, "
-                 f"warmup {cfg.optim.warmup_steps}, {steps}"
-                 + (f", max_tokens {tc.max_tokens:,}" if tc.max_tokens else "")
-                 + (f", max_minutes {tc.max_minutes:g}" if tc.max_minutes else "")
-                 + f" | MFU peak: {self.peak / 1e12:.2f} TFLOP/s ({self.peak_src})")
         self._warn_repeats()
 
     # ------------------------------------------------------------------------------------------ one step
@@ -587,27 +471,7 @@ class Trainer:
     def save(self, is_best: bool = False) -> Path:
         """A checkpoint of this step. Rank 0 writes (every rank holds the same weights and data position); the
         others wait for it."""
-        path = self.run_dir / "checkpoints" / f"step-{self.step:08d}"
-        if not weights_are_finite(self.model):
-            raise UserError(f"step {self.step}: the weights hold NaN or inf values, so no checkpoint was written; "
-                            f"the previous checkpoints are untouched: resume from them with a lower optim.lr "
-                            f"(now {self.cfg.optim.lr:g})")
-        # Gathered on every rank (a collective under FSDP); rank 0 gets the full tensors.
-        weights = distributed.full_model_state(self.model) if distributed.is_sharded(self.model) else None
-        optim_state = distributed.full_optimizer_state(self.model, self.optimizer)
-        companions = {name: (ckpt.model_state(c.module),
-                             distributed.full_optimizer_state(c.module, self.companion_optimizers[name]))
-                      for name, c in self.companions.items()}
-        if self.info.is_main:
-            state = {"tokens": self.tokens, "loader": self.data.state_dict(), "rng": ckpt.rng_state(),
-                     **self.best.state(),
-                     "elapsed_s": self.elapsed(), **self.budget.state()}
-            path = ckpt.save_checkpoint(self.run_dir, self.step, self.model, optim_state, self.cfg, state,
-                                        tokenizer_dir=self.tok_dir, keep_last=self.cfg.train.keep_last,
-                                        is_best=is_best, adapter_base=self.adapter_base, weights=weights,
-                                        companions=companions)
-        distributed.barrier(self.info)
-        return path
+        return save_step(self, is_best)
 
     def elapsed(self) -> float:
         """Seconds of training in this run so far, the runs it resumed included."""
@@ -643,44 +507,6 @@ class Trainer:
             return "max_minutes"
         return "interrupted" if flag.stop else None
 
-    def _log(self, res: StepResult, window: tuple[float, int, int]) -> None:
-        """The step's line and metrics.jsonl record; window: (start time, tokens, projected positions) of the log
-        window."""
-        tc, info = self.cfg.train, self.info
-        logged = res.logged(info)
-        logged.update(res.extra)
-        loss = logged.pop("loss")
-        if (warning := self.objective.warning(res.extra)) is not None:
-            self.say(f"step {self.step:>6} | {warning}")
-        self.losses[self.step] = loss
-        shown = {k: v for k, v in logged.items() if not (k.endswith("_std") or k in ("generate_s", "score_s"))}
-        extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in shown.items())
-        loads = [layer.expert_load.tolist() for layer in moe_layers(self.model) if layer.expert_load is not None]
-        if loads:
-            logged["expert_load"] = loads
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - window[0]
-        tok_s = window[1] / elapsed
-        # useful FLOPs: the model at every position read, the output projection at those it computed
-        mfu = (window[1] * (self.fpt - self.fpt_head) + window[2] * self.fpt_head) / elapsed / self.peak
-        max_steps = self.budget.max_steps
-        remaining = (max_steps - self.step) * self.tokens_per_step / tok_s if max_steps else math.inf
-        if tc.max_tokens:
-            remaining = min(remaining, max(0, tc.max_tokens - self.tokens) / tok_s)
-        if tc.max_minutes:
-            remaining = min(remaining, max(0.0, tc.max_minutes * 60 - self.elapsed()))
-        several = len(self.data.sets) > 1
-        # With several data sets: where the step's last micro-batch came from (DataStream.position).
-        where = {"data": self.data.position()} if several else {}
-        self.metrics.write({"step": self.step, "tokens": self.tokens, "loss": loss, **logged, "lr": res.lr,
-                            "grad_norm": res.grad_norm.item(), "tokens_per_s": tok_s, "mfu": mfu,
-                            "elapsed_s": self.elapsed(), **where})
-        shown_set = f" [{where['data']['set']} epoch {where['data']['epoch']}]" if several else ""
-        self.say(f"step {self.step:>6}/{max_steps or '?'}{shown_set} | loss {loss:.4f}{extra} | lr {res.lr:.2e} | "
-                 f"grad {res.grad_norm.item():.3f} | {fmt_count(tok_s)} tok/s | MFU {mfu * 100:.1f}% | "
-                 f"ETA {fmt_duration(remaining)}")
-
     def run(self) -> TrainResult:
         """Train until a stop condition, then evaluate and save once more; returns where it stopped."""
         tc = self.cfg.train
@@ -707,7 +533,7 @@ class Trainer:
                     reason = "nonfinite"
                     break
                 if self.step % tc.log_interval == 0 or self.step == self.budget.max_steps:
-                    self._log(res, window)
+                    log_step(self, res, window)
                     window = (time.perf_counter(), 0, 0)
                 is_best = False
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and \
