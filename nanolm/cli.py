@@ -284,7 +284,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> None:
-    from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, write_report
+    from nanolm.eval.card import format_report, write_report
+    from nanolm.eval.report import DEFAULT_TASKS, build_report
     from nanolm.train import stages  # noqa: F401  registers the stages the runs' config.json are read with
     card = build_report(args.runs, tasks=args.task or DEFAULT_TASKS, n=args.n, text_train=args.text_train,
                         text_heldout=args.text_heldout, device=args.device, batch_size=args.batch_size)

@@ -337,7 +337,8 @@ class _Toy:
     def report(self) -> dict[str, Path]:
         from nanolm.corpora import REGISTRY
         from nanolm.eval.everyday import DEFAULT_ITEMS as EVERYDAY_ITEMS
-        from nanolm.eval.report import DEFAULT_TASKS, build_report, format_report, with_items, write_report
+        from nanolm.eval.card import format_report, write_report
+        from nanolm.eval.report import DEFAULT_TASKS, build_report, with_items
         self.banner("report card: each stage's effect on held-out data, against a baseline")
         items = self.bench_items
         # built-in chat data leaves the idioms and everyday benchmarks' conversations out; a user's own may not

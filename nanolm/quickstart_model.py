@@ -243,7 +243,8 @@ class _RealModel:
                   f"prompts (first {agreement['tokens']} tokens each)")
 
     def report(self) -> dict[str, Path]:
-        from nanolm.eval.report import build_report, format_report, write_report
+        from nanolm.eval.card import format_report, write_report
+        from nanolm.eval.report import build_report
         self.banner("report card: each stage's effect on held-out data, what it gained and what it cost")
         card = build_report(self.runs, tasks=self.tasks, scored={str(self.base): self.base_scores})
         agreement, final = self.agreement, self.final

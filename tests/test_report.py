@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from nanolm.errors import UserError
-from nanolm.eval.report import (build_report, format_report, unigram_bits_per_byte, uniform_bits_per_byte,
-                                with_items, write_report, xz_bits_per_byte)
+from nanolm.eval.card import format_report, write_report
+from nanolm.eval.report import (build_report, unigram_bits_per_byte, uniform_bits_per_byte, with_items,
+                                xz_bits_per_byte)
 from nanolm.train.trainer import train
 from test_train import read_metrics, tiny_cfg
 
