@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nanolm.train.configure import load_config
+from nanolm.train.stages import GRPO, SFT, Pretrain
 from nanolm.corpora import TEXT_CORPORA, resolve_sources
 from nanolm.errors import UserError
 from nanolm.progress import fmt_duration
@@ -169,7 +170,7 @@ class _Toy:
         out = self.out
         self.tok_dir, self.data_dir, self.drill_dir = out / "tokenizer", out / "data", out / "drill-data"
         self.sft_dir, self.rl_dir = out / "sft-data", out / "rl-data"
-        self.run_dir, self.sft_run, self.rl_run = out / "run", out / "sft", out / "rl"
+        self.run_dir, self.sft_run, self.rl_run = out / "run", out / SFT.name, out / "rl"
         self.runs, self.final = [self.run_dir], self.run_dir
         self.artefacts: dict[str, Path] = {}
 
@@ -259,7 +260,7 @@ class _Toy:
         self.rl_time = self.train_time * RL_SHARE if self.cfg.rl else 0.0
 
     def pretrain(self) -> None:
-        self.banner("pretrain")
+        self.banner(Pretrain.name)
         for d in (self.run_dir, self.sft_run, self.rl_run):
             if (d / "config.json").is_file():
                 shutil.rmtree(d)  # a previous quickstart's run: start afresh so the logs tell one story
@@ -300,7 +301,7 @@ class _Toy:
         # pretraining lr), which suits long fine-tuning runs of well-trained models.
         pre_lr = load_config(self.cfg.preset).optim.lr  # SFT halves both learning rates of pretraining
         sft = {**self.base, "data.path": str(self.sft_dir), "train.out_dir": str(self.sft_run),
-               "train.stage": "sft", "train.seq_len": self.sft_len, "train.init_from": str(self.ckpt_dir),
+               "train.stage": SFT.name, "train.seq_len": self.sft_len, "train.init_from": str(self.ckpt_dir),
                "optim.lr": pre_lr / 2, "optim.min_lr": pre_lr / 20, "optim.muon_lr": MUON_LR / 2}
         train_within(sft, self.cfg.preset, max(10.0, self.remaining() - self.reserve - self.rl_time))
 
@@ -327,7 +328,7 @@ class _Toy:
     def reinforce(self) -> None:
         self.banner("reinforcement learning (GRPO, answer reward) on the arithmetic task's prompts")
         grpo = {**self.base, "data.path": str(self.rl_dir), "train.out_dir": str(self.rl_run),
-                "train.stage": "grpo", "train.init_from": str(self.sft_run), "train.batch_size": 8,
+                "train.stage": GRPO.name, "train.init_from": str(self.sft_run), "train.batch_size": 8,
                 "train.eval_batches": 8, "grpo.group_size": 8, "grpo.max_new_tokens": 24, "grpo.rewards": "answer"}
         train_within(grpo, self.cfg.preset, max(10.0, self.remaining() - self.reserve))
         self.artefacts["rl run"] = self.rl_run

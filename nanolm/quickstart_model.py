@@ -31,6 +31,7 @@ from nanolm.errors import UserError
 from nanolm.progress import fmt_duration
 from nanolm.quickstart import MODEL_BENCH_ITEMS as BENCH_ITEMS, MODEL_MINUTES as MINUTES, \
     MODEL_RL_MINUTES as RL_MINUTES, QuickstartConfig, train_within
+from nanolm.train.stages import GRPO, LoRA
 
 TOOL_CONVERSATIONS = 800  # more than 15 CPU-minutes read (the trainer stops at the time, repeating nothing)
 RL_PROMPTS = 400
@@ -134,7 +135,7 @@ class _RealModel:
         self.out, self.model, self.minutes, self.rl, self.bench_items, self.quiet = \
             out, model, minutes, rl, bench_items, quiet
         self.n, self.step = 7 + bool(rl), itertools.count(1)
-        self.sft_dir, self.rl_dir, self.sft_run, self.rl_run = out / "sft-data", out / "rl-data", out / "lora", \
+        self.sft_dir, self.rl_dir, self.sft_run, self.rl_run = out / "sft-data", out / "rl-data", out / LoRA.name, \
             out / "rl"
 
     def remaining(self) -> float:
@@ -194,7 +195,7 @@ class _RealModel:
         rl_time = max(10.0, (self.remaining() - reserve) * 0.5) if self.rl else 0.0
         sft_time = max(10.0, self.remaining() - reserve - rl_time)
         self.banner(f"LoRA fine-tuning on tool use ({fmt_duration(sft_time)})")
-        lora = {"train.stage": "lora", "data.path": str(self.sft_dir), "train.out_dir": str(self.sft_run),
+        lora = {"train.stage": LoRA.name, "data.path": str(self.sft_dir), "train.out_dir": str(self.sft_run),
                 "train.seq_len": seq_len, "train.batch_size": BATCH_SIZE, "train.eval_interval": 25,
                 "train.eval_batches": 4, "train.log_interval": 5, **LORA}
         _train(self.base, lora, sft_time, quiet=self.quiet)
@@ -220,7 +221,7 @@ class _RealModel:
 
     def reinforce(self, seq_len: int) -> None:
         self.banner("agentic GRPO: calculator prompts, the calculator in the loop, the answer reward")
-        grpo = {"train.stage": "grpo", "data.path": str(self.rl_dir), "train.out_dir": str(self.rl_run),
+        grpo = {"train.stage": GRPO.name, "data.path": str(self.rl_dir), "train.out_dir": str(self.rl_run),
                 "train.init_from": str(self.sft_run), "train.seq_len": seq_len, "train.batch_size": 4,
                 "train.eval_batches": 4, "grpo.group_size": 8, "grpo.max_new_tokens": 48, "grpo.tools": "builtin",
                 "grpo.max_rounds": 2, "grpo.rewards": "answer", **LORA, "optim.lr": 2e-4}

@@ -23,12 +23,7 @@ ALLOWED = {
     ("data/", "blocks"): "the blocks data kind, which shares the stage's name (data kinds are nanolm/data/kinds/'s)",
     ("data/", "dpo"): "the pairs data kind's former name, read from old manifests (data/shards.py's RENAMED_KINDS)",
     ("data/builtin/arith.py", "sft"): "the key of the arithmetic set's worked-reply conversations file",
-    # The quickstarts are recipes at the top floor: they run stages by name as a user's `--stage sft` does.
-    ("quickstart.py", "pretrain"): "the quickstart's banner for its pretraining step",
-    ("quickstart.py", "sft"): "the quickstart's SFT run, and the arithmetic set's file key",
-    ("quickstart.py", "grpo"): "the quickstart's GRPO run",
-    ("quickstart_model.py", "lora"): "the real model's quickstart's LoRA run",
-    ("quickstart_model.py", "grpo"): "the real model's quickstart's GRPO run",
+    ("quickstart.py", "sft"): "the arithmetic set's worked-reply file, by its key in write_arith's files",
 }
 
 
