@@ -80,17 +80,9 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     if fmt not in FORMATS:
         raise UserError(f"{out}: unknown image type {out.suffix or '(no suffix)'!r}; end the name in "
                         f"{', '.join('.' + f for f in FORMATS)}")
-    files = [metrics_file(r) for r in runs]
-    data = []
-    for file, label in zip(files, run_labels(runs)):
-        records = read_metrics(file)
-        if not any("loss" in r or "val_loss" in r for r in records):
-            raise UserError(f"{file}: no training records yet; plot it once the run has logged a step")
-        data.append((label, records))
+    data = _read_runs(runs)
     try:
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.ticker import EngFormatter
     except ImportError:
         raise UserError("nanolm plot needs matplotlib, which is not installed; pip install 'nanolm[track]'") from None
 
@@ -98,6 +90,33 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     bench = sorted({k for _, recs in data for r in recs for k in r if k.startswith(("task/", "degen/"))})
     fig = Figure(figsize=(12, 12 if bench else 8), layout="constrained")
     axes = fig.subplots(3 if bench else 2, 2, sharex=True)
+    _draw_training(axes, data, x)
+    if bench:
+        _draw_benchmarks(axes[2], data, bench, x)
+    _label(axes, data, x)
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, dpi=110)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, buf.getvalue())
+    return out
+
+
+def _read_runs(runs: Sequence[str | Path]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(legend label, metrics records) of each run; UserError for a run without a metrics.jsonl or a logged step."""
+    files = [metrics_file(r) for r in runs]
+    data = []
+    for file, label in zip(files, run_labels(runs)):
+        records = read_metrics(file)
+        if not any("loss" in r or "val_loss" in r for r in records):
+            raise UserError(f"{file}: no training records yet; plot it once the run has logged a step")
+        data.append((label, records))
+    return data
+
+
+def _draw_training(axes: Any, data: list[tuple[str, list[dict[str, Any]]]], x: str) -> None:
+    """The first two rows: loss (training, smoothed when long, and validation), learning rate, throughput and
+    gradient norm, one colour per run."""
     ax_loss, ax_lr, ax_tps, ax_grad = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
     for i, (label, records) in enumerate(data):
         color = f"C{i % 10}"
@@ -115,22 +134,34 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
             if xs:
                 ax.plot(xs, ys, color=color, linewidth=1.2)
 
-    if bench:
-        styles = ("-", "--", ":", "-.")
-        for ax, prefix, title in ((axes[2, 0], "task/", "benchmark scores (train.eval_tasks)"),
-                                  (axes[2, 1], "degen/", "degeneration of sampled text")):
-            keys = [k for k in bench if k.startswith(prefix)]
-            for i, (label, records) in enumerate(data):
-                for j, key in enumerate(keys):
-                    xs, ys = metric_series(records, key, x)
-                    if xs:
-                        ax.plot(xs, ys, color=f"C{i % 10}", linestyle=styles[j % len(styles)], marker="o",
-                                markersize=3, linewidth=1.2)
-            ax.set_title(title)
-            if keys:
-                ax.legend(handles=[Line2D([], [], color="gray", linestyle=styles[j % len(styles)],
-                                          label=k.removeprefix(prefix)) for j, k in enumerate(keys)],
-                          fontsize="small")
+
+def _draw_benchmarks(row: Any, data: list[tuple[str, list[dict[str, Any]]]], bench: list[str], x: str) -> None:
+    """The third row: benchmark scores and degeneration metrics, a line style per metric, a colour per run."""
+    from matplotlib.lines import Line2D
+
+    styles = ("-", "--", ":", "-.")
+    for ax, prefix, title in ((row[0], "task/", "benchmark scores (train.eval_tasks)"),
+                              (row[1], "degen/", "degeneration of sampled text")):
+        keys = [k for k in bench if k.startswith(prefix)]
+        for i, (label, records) in enumerate(data):
+            for j, key in enumerate(keys):
+                xs, ys = metric_series(records, key, x)
+                if xs:
+                    ax.plot(xs, ys, color=f"C{i % 10}", linestyle=styles[j % len(styles)], marker="o",
+                            markersize=3, linewidth=1.2)
+        ax.set_title(title)
+        if keys:
+            ax.legend(handles=[Line2D([], [], color="gray", linestyle=styles[j % len(styles)],
+                                      label=k.removeprefix(prefix)) for j, k in enumerate(keys)],
+                      fontsize="small")
+
+
+def _label(axes: Any, data: list[tuple[str, list[dict[str, Any]]]], x: str) -> None:
+    """Titles, scales, axis formats, grids and the legend of runs and line styles."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter
+
+    ax_loss, ax_lr, ax_tps, ax_grad = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
     ax_loss.set_title("loss (nats/token)")
     ax_lr.set_title("learning rate")
     ax_tps.set_title("throughput (tokens/s)")
@@ -153,9 +184,3 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, *, x: str = "step") -
     handles += [Line2D([], [], color="gray", linewidth=1.5, label="train"),
                 Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4, label="validation")]
     ax_loss.legend(handles=handles, fontsize="small")
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format=fmt, dpi=110)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out, buf.getvalue())
-    return out
