@@ -58,7 +58,7 @@ from throughput import environment, matmul_ceiling, say, weight_pass_floor  # no
 
 from nanolm.config import PRESETS, SamplingParams, preset  # noqa: E402
 from nanolm.infer.engine import Engine  # noqa: E402
-from nanolm.model.transformer import Transformer, count_params, flops_per_token  # noqa: E402
+from nanolm.model.transformer import Transformer, flops_per_token  # noqa: E402
 from nanolm.runtime import autocast, decode_dtype  # noqa: E402
 
 
@@ -198,7 +198,7 @@ def decoding(args: argparse.Namespace, all_peers: list[Peer]) -> list[dict[str, 
 def auto_dtype(args: argparse.Namespace) -> dict[str, str]:
     """The dtype nanolm's `--dtype auto` (generate, chat, serve) decodes this preset in on this CPU, and why."""
     model = Transformer(preset(args.preset).model)
-    dtype, why = decode_dtype("auto", torch.device("cpu"), model.config.d_model, count_params(model)["total"])
+    dtype, why = decode_dtype("auto", torch.device("cpu"), model.config)
     return {"dtype": str(dtype).removeprefix("torch."), "why": why}
 
 

@@ -5,9 +5,9 @@ else fp16 with a gradient scaler), Apple MPS next, else the CPU in float32;
 for training (`train_dtype`) a CPU with native bf16 matrix instructions
 (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags) trains in bf16 autocast
 when the model is wide enough for bf16 matmuls to pay for their casts, and
-decoding (`decode_dtype`) holds bf16 weights where one row through as many
-weights as the model's times faster so, on CPUs without native bf16 too
-(for wider models there).
+decoding (`decode_dtype`) holds bf16 weights where one row through a decode
+step's products at the model's own widths times faster so, on CPUs without
+native bf16 too (for wider models there).
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ import functools
 import random
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from nanolm.errors import UserError
+
+if TYPE_CHECKING:
+    from nanolm.config.model import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,9 +108,11 @@ BF16_DECODE_MIN_D_MODEL = 256
 # Whether bf16 pays at that width is the CPU's one-row kernels', not its flags': on a 2-core Xeon with AMX a
 # one-row product at width 512 takes 1.5-3x as long in bf16 as in float32 (minimind-26m 5.9 against 4.95 ms a
 # token), and on a 2-core AVX2 EPYC without any native bf16 half as long (a pass over minimind-26m's matrices 3.5
-# against 8.2 ms; its many-row products widen to float32, infer/fuse.py). So auto times one row through matrices
-# holding as many weights as the model's (`weight_pass_seconds`: the memory traffic of a token, not products
-# repeated from the cache), in both dtypes, once per process, and takes bf16 only where it is at least
+# against 8.2 ms; its many-row products widen to float32, infer/fuse.py). So auto times what a decode step's
+# products do (`decode_step_seconds`: one row through the model's own matrices, a layer's widths and the head's,
+# distinct copies past the caches, the memory traffic of a token), in both dtypes, once per process (an earlier
+# probe timed one row through (4 d_model, d_model) matrices holding the model's weights: on SmolLM2-135M, whose
+# head alone is 28 M of its 134.5 M weights, it measured something other than its decode step), and takes bf16 only where it is at least
 # BF16_DECODE_MARGIN times as fast: a close call stays float32. RL's rollouts, many rows, take the untimed rule
 # (timer=None: bf16 on native bf16 only), so that every rank and a resumed run decode alike.
 BF16_DECODE_MARGIN = 1.15
@@ -119,44 +125,85 @@ BF16_DECODE_MIN_D_MODEL_EMULATED = 512
 # 1,16, two runs of each), 16 requests kept in flight made 267-277 tokens/s with bf16 weights against 309-342 in
 # float32, one alone 89-102 against 68-85. So the server keeps float32 on such CPUs; generate and chat take the
 # timing.
-# The most weights the timed pass holds: 32 M (128 MB in float32) is past a 2-core machine's caches, so a larger
-# model's pass times as its own would.
+# The most weights the timed layers hold: 32 M (128 MB in float32) is past a 2-core machine's caches, so the layers
+# of a deeper model time as its own would (scaled to its depth).
 TIMED_WEIGHTS = 32 * 2**20
 
 
+@dataclass(frozen=True)
+class DecodeShape:
+    """The matrices (out, in) one decoded token multiplies one row by, at a model's own widths: a layer's, as the
+    engine runs them (q/k/v stacked, o, gate/up stacked, down; a MoE layer's as its active experts' widths side
+    by side, every layer counted so), `n_layer` such layers, and the head (vocabulary, width)."""
+
+    layer: tuple[tuple[int, int], ...]
+    n_layer: int
+    head: tuple[int, int]
+
+    @classmethod
+    def of(cls, cfg: "ModelConfig") -> "DecodeShape":
+        c, hs = cfg.d_model, cfg.head_dim
+        hidden = cfg.moe_n_hidden * (cfg.top_k + cfg.n_shared_experts) if cfg.use_moe else cfg.n_hidden
+        layer = (((cfg.n_head + 2 * cfg.n_kv_head) * hs, c), (c, cfg.n_head * hs), (2 * hidden, c), (c, hidden))
+        return cls(layer, cfg.n_layer, (cfg.vocab_size, c))
+
+    @property
+    def layer_weights(self) -> int:
+        return sum(o * i for o, i in self.layer)
+
+    @property
+    def weights(self) -> int:
+        return self.layer_weights * self.n_layer + self.head[0] * self.head[1]
+
+    @property
+    def timed_layers(self) -> int:
+        """How many distinct layers the timer multiplies by: as many as TIMED_WEIGHTS holds, 1 to n_layer."""
+        return max(1, min(self.n_layer, TIMED_WEIGHTS // self.layer_weights))
+
+    def describe(self) -> str:
+        layer = ", ".join(f"{o}x{i}" for o, i in self.layer)
+        timed = "" if self.timed_layers == self.n_layer else f", {self.timed_layers} timed and scaled"
+        return (f"{self.n_layer} layers of {layer}{timed}, and the {self.head[0]}x{self.head[1]} head: "
+                f"{self.weights / 1e6:.1f} M weights")
+
+
 @functools.lru_cache(maxsize=None)
-def weight_pass_seconds(d_model: int, weights: int, dtype: torch.dtype) -> float:
-    """The median time on this CPU of one row multiplied by distinct (4 d_model, d_model) matrices (an MLP's shape)
-    holding `weights` weights in all (at most TIMED_WEIGHTS), in dtype, over 7 rounds after a warm-up; measured
-    once per process and shape."""
+def decode_step_seconds(shape: DecodeShape, dtype: torch.dtype) -> float:
+    """The median time on this CPU, in `dtype`, of one row through a decode step's products at `shape`'s widths:
+    `shape.timed_layers` distinct layers' matrices, scaled to n_layer layers, and the head's; 7 rounds after a
+    warm-up, measured once per process and shape."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(4 * d_model, d_model, generator=g).to(dtype)
-    ws = [w.clone() for _ in range(max(1, min(weights, TIMED_WEIGHTS) // w.numel()))]
-    x = torch.randn(1, d_model, generator=g).to(dtype)
+    layers = [[torch.randn(o, i, generator=g).to(dtype) for o, i in shape.layer] for _ in range(shape.timed_layers)]
+    head = torch.randn(*shape.head, generator=g).to(dtype)
+    rows = {i: torch.randn(1, i, generator=g).to(dtype) for _, i in (*shape.layer, shape.head)}
+    scale = shape.n_layer / shape.timed_layers
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        for ws in layers:
+            for w in ws:
+                torch.nn.functional.linear(rows[w.shape[1]], w)
+        t1 = time.perf_counter()
+        torch.nn.functional.linear(rows[head.shape[1]], head)
+        return (t1 - t0) * scale + time.perf_counter() - t1
+
     with torch.inference_mode():
         for _ in range(2):
-            for m in ws:
-                torch.nn.functional.linear(x, m)
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for m in ws:
-                torch.nn.functional.linear(x, m)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            step()
+        return statistics.median(step() for _ in range(7))
 
 
-def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, flags: set[str] | None = None, *,
-                 timer: Callable[[int, int, torch.dtype], float] | None = weight_pass_seconds,
+def decode_dtype(name: str, device: torch.device, cfg: "ModelConfig", flags: set[str] | None = None, *,
+                 timer: Callable[[DecodeShape, torch.dtype], float] | None = decode_step_seconds,
                  many_rows: bool = False) -> tuple[torch.dtype, str]:
     """The dtype an Engine holds its weights in for `generate`, `chat`, `serve` and RL's rollouts, and why (printed
-    at start-up), for a model `d_model` wide with `weights` weights. auto: bf16 on a GPU that has it; on a CPU,
-    where the model is at least BF16_DECODE_MIN_D_MODEL wide (BF16_DECODE_MIN_D_MODEL_EMULATED without native
-    bf16) and `timer` finds one row through that many weights BF16_DECODE_MARGIN times as fast in bf16 as in
-    float32; else float32. timer None: no timing, bf16 wherever the CPU has native bf16 matmuls and the width
-    allows (a choice every process makes alike). many_rows (the server): float32 on a CPU without native bf16,
-    whose many-row products widen to float32 (measured: the many_rows note above). flags, timer: the CPU's, for
-    tests."""
+    at start-up), for a model of config `cfg`. auto: bf16 on a GPU that has it; on a CPU, where the model is at
+    least BF16_DECODE_MIN_D_MODEL wide (BF16_DECODE_MIN_D_MODEL_EMULATED without native bf16) and `timer` finds one
+    row through a decode step's products at the model's widths (`DecodeShape`) BF16_DECODE_MARGIN times as fast in
+    bf16 as in float32; else float32. timer None: no timing, bf16 wherever the CPU has native bf16 matmuls and the
+    width allows (a choice every process makes alike). many_rows (the server): float32 on a CPU without native
+    bf16, whose many-row products widen to float32 (measured: the many_rows note above). flags, timer: the CPU's,
+    for tests."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"--dtype {name}: unknown; use auto, float32, bfloat16 or float16")
@@ -167,6 +214,7 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
         return torch.float32, "auto: this GPU has no bf16"
     if device.type != "cpu":
         return torch.float32, f"auto on {device.type}"
+    d_model = cfg.d_model
     if d_model < BF16_DECODE_MIN_D_MODEL:
         return torch.float32, f"auto: at width {d_model} < {BF16_DECODE_MIN_D_MODEL} float32 decodes faster"
     native = native_bf16(flags)
@@ -180,9 +228,10 @@ def decode_dtype(name: str, device: torch.device, d_model: int, weights: int, fl
     if native is None and d_model < BF16_DECODE_MIN_D_MODEL_EMULATED:
         return torch.float32, (f"auto: {has}, and at width {d_model} < {BF16_DECODE_MIN_D_MODEL_EMULATED} float32 "
                                "decodes as fast")
-    bf16, fp32 = timer(d_model, weights, torch.bfloat16), timer(d_model, weights, torch.float32)
-    measured = (f"one row through {min(weights, TIMED_WEIGHTS) / 1e6:.1f} M weights took {bf16 * 1e3:.2f} ms in "
-                f"bf16, {fp32 * 1e3:.2f} ms in float32")
+    shape = DecodeShape.of(cfg)
+    bf16, fp32 = timer(shape, torch.bfloat16), timer(shape, torch.float32)
+    measured = (f"one row through a decode step's products ({shape.describe()}) took {bf16 * 1e3:.2f} ms in bf16, "
+                f"{fp32 * 1e3:.2f} ms in float32")
     if bf16 * BF16_DECODE_MARGIN <= fp32:
         return torch.bfloat16, f"auto: {has}; {measured}"
     return torch.float32, f"auto: {has}, and {measured}"

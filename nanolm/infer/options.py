@@ -61,12 +61,11 @@ def engine_from_args(args: argparse.Namespace, loaded: tuple | None = None) -> t
     """(engine, tokenizer, sampling params, checkpoint dir) from the shared inference arguments (or the model
     `model_from_args` loaded)."""
     from nanolm.infer.engine import Engine
-    from nanolm.model.transformer import count_params
     from nanolm.runtime import decode_dtype
     from nanolm.tokenizer import Tokenizer
 
     model, params, device, src = loaded or model_from_args(args)
-    dtype, why = decode_dtype(args.dtype, device, model.config.d_model, count_params(model)["total"])
+    dtype, why = decode_dtype(args.dtype, device, model.config)
     engine = Engine(model, device, dtype)
     if args.compile:
         why += f"; {engine.compile_decode(rows=1)}"

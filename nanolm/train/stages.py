@@ -380,7 +380,7 @@ class RLStage(Stage):
         in the dtype it decodes in (nanolm/train/rl/rollout.py)."""
         from nanolm.runtime import decode_dtype
         reference = 4 * params if self.kl_weight(cfg) > 0 and not cfg.uses_lora else 0
-        engine = decode_dtype("auto", device, cfg.model.d_model, params, timer=None)[0]
+        engine = decode_dtype("auto", device, cfg.model, timer=None)[0]
         return reference + params * torch.finfo(engine).bits // 8
 
 

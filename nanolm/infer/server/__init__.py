@@ -148,7 +148,6 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
     _require_extra("fastapi", "uvicorn")
     import uvicorn
 
-    from nanolm.model.transformer import count_params
     from nanolm.runtime import decode_dtype, resolve_device
     from nanolm.checkpoint import load_model, run_name
 
@@ -161,7 +160,7 @@ def serve(checkpoint: str | Path, config: ServeConfig | None = None, *, sampling
             config = dataclasses.replace(config, model_name=run_name(Path(adapter) if adapter is not None else src))
         if dev.type == "cpu":
             torch.set_num_threads(decode_threads(config.threads))  # first: auto times a product on these threads
-        weights, why = decode_dtype(dtype, dev, model.config.d_model, count_params(model)["total"], many_rows=True)
+        weights, why = decode_dtype(dtype, dev, model.config, many_rows=True)
         if dev.type == "cpu":
             why += f"; {torch.get_num_threads()} decoding thread{'s' if torch.get_num_threads() > 1 else ''}"
         engine = Engine(model, dev, weights)

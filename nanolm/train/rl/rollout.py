@@ -40,7 +40,6 @@ from nanolm.data.kinds.prompts import PromptBatch, last_user_text
 from nanolm.data.shards import IGNORE_INDEX
 from nanolm.infer.bans import ReplyGuides
 from nanolm.infer.engine import Engine
-from nanolm.model.transformer import count_params
 from nanolm.runtime import decode_dtype
 from nanolm.train import distributed
 from nanolm.train.objectives import token_logps
@@ -96,7 +95,7 @@ class Sampler:
             # rank, and a resumed run, must decode in the same dtype. Rollouts decode many rows, which every
             # native-bf16 CPU measured decodes faster in bf16 (a Xeon with AMX, 16 rows at width 512: 196 against
             # 967 us a product). The update still scores the tokens with the policy.
-            dtype = decode_dtype("auto", self.device, model.config.d_model, count_params(model)["total"], timer=None)[0]
+            dtype = decode_dtype("auto", self.device, model.config, timer=None)[0]
             self.engine = Engine(model, self.device, dtype)
             self.guides = ReplyGuides(self.tok, model.config.vocab_size, self.device)
             if self.compile:
