@@ -87,7 +87,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from nanolm.data.builtin.digit_tasks import write_digit_task
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
 

@@ -150,7 +150,7 @@ def main() -> None:
         import torch
         torch.set_num_threads(args.threads)
 
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.tokenizer import Tokenizer, train_tokenizer
 
     work = Path(args.out)

@@ -43,7 +43,7 @@ def main() -> None:
 
     from nanolm.train.configure import load_config
     from nanolm.corpora import fetch
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.eval.builtin import idiom_task
     from nanolm.eval.scoring import encode_pair, mc_strings, score_mc
     from nanolm.model.transformer import Transformer, count_params

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 def run(seed: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
     from nanolm.train.trainer import Trainer, train

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from nanolm import corpora
-from nanolm.data.formats import iter_texts
+from nanolm.data.kinds import iter_texts
 from nanolm.data.prepare import prepare
 from nanolm.tokenizer import train_tokenizer
 

@@ -55,7 +55,7 @@ def main() -> None:
 
     from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
     from nanolm.train.trainer import Trainer, train

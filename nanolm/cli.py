@@ -58,8 +58,8 @@ def _cmd_data(args: argparse.Namespace) -> None:
 
 
 def _cmd_tokenizer_train(args: argparse.Namespace) -> None:
-    from nanolm.data.formats import iter_texts
     from nanolm.corpora import resolve_sources
+    from nanolm.data.kinds import iter_texts
     from nanolm.tokenizer import compression_report, split_by_script, train_tokenizer
 
     files = resolve_sources(args.sources)
@@ -379,6 +379,7 @@ def _add_builtin_commands(sub: argparse._SubParsersAction) -> None:
 def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     """tokenizer, prepare, train."""
     from nanolm.config import PRESETS
+    from nanolm.data import kinds
     from nanolm.data.prepare import PrepareConfig
     t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tsub = t.add_subparsers(dest="tok_cmd", required=True, metavar="ACTION")
@@ -386,9 +387,9 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     tt.add_argument("sources", nargs="+")
     tt.add_argument("--out", required=True, help="directory for tokenizer.json + tokenizer_config.json")
     tt.add_argument("--vocab-size", type=int, default=6400)
-    tt.add_argument("--format", choices=["text", "chat", "blocks"], default="text",
-                    help="chat: read conversation JSONL files and train on the message contents; blocks: the "
-                         "inputs and outputs of block records")
+    tt.add_argument("--format", choices=kinds.choices(), default=kinds.TextKind.name,
+                    help="the kind of data the files hold (as `nanolm prepare --format`), and what the tokenizer "
+                         "trains on: " + kinds.texts_help())
     tt.add_argument("--split-digits", action=argparse.BooleanOptionalAction, default=True,
                     help="one token per digit, as Qwen2/3 (default); --no-split-digits: GPT-2's split, as tokenizers "
                          "trained before")

@@ -29,7 +29,7 @@ VOCAB = 320
 @pytest.fixture(scope="module")
 def sort_data(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(records file, tokenizer dir, prepared dir) of 600 sort records of 2 to 6 digits, a 10% held-out split."""
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.tokenizer import train_tokenizer
     root = tmp_path_factory.mktemp("sort")
     assert main(["data", "blocks", "--out", str(root / "sort.jsonl"), "--n", "600", "--min-len", "2", "--max-len",
@@ -226,7 +226,7 @@ def test_two_processes_train_blocks_as_one(sort_data, tmp_path):
 
 
 def test_a_non_causal_model_learns_to_reverse_and_generate_prints_its_output_block(tmp_path, capsys):
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.tokenizer import train_tokenizer
     main(["data", "blocks", "--task", "reverse", "--out", str(tmp_path / "rev.jsonl"), "--n", "2000",
           "--min-len", "3", "--max-len", "5"])

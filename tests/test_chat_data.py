@@ -12,7 +12,8 @@ import torch
 
 import nanolm.data.prepare as prep
 from nanolm.chat import QWEN3, Message, encode_chat, fit_conversation, render_chat
-from nanolm.data.formats import ReadStats, iter_conversations
+from nanolm.data.formats import iter_conversations
+from nanolm.data.jsonl import ReadStats
 from nanolm.progress import fmt_count
 from nanolm.data.kinds.chat import pack_blocks
 from nanolm.data.loader import Loader, iter_eval_batches

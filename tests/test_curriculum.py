@@ -249,7 +249,7 @@ def test_sets_must_share_a_tokenizer_and_preferences_stay_alone(sets):
 
 def test_text_and_chat_mix_and_validation_means(sets):
     s = stream([{"path": sets["wiki"], "weight": 3}, {"path": sets["chat"]}], "mixture")
-    assert s.kind == "chat" and s.is_chat  # the loop picks attention that handles segments
+    assert s.kind == "chat" and s.segments  # the loop picks attention that handles segments
     for _ in range(8):
         batch = s.next_batch()
         assert (batch.seg is not None) == (s.position()["set"] == "chat")

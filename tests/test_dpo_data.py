@@ -17,7 +17,9 @@ import nanolm.data.prepare as prep
 from nanolm.chat import fit_pair, render_chat
 from nanolm.config import ModelConfig
 from nanolm.corpora import fetch
-from nanolm.data.formats import ReadStats, iter_conversations, iter_preferences, iter_texts
+from nanolm.data.formats import iter_conversations, iter_preferences
+from nanolm.data.jsonl import ReadStats
+from nanolm.data.kinds import iter_texts
 from nanolm.data.loader import Loader, iter_eval_batches, unit_kind
 from nanolm.data.builtin.preferences import build_idiom_preferences
 from nanolm.data.prepare import prepare

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from nanolm.corpora import expand_sources
-from nanolm.data.formats import ReadStats, iter_documents, iter_pieces
+from nanolm.data.formats import iter_documents, iter_pieces
+from nanolm.data.jsonl import BadRecord, ReadStats, read_jsonl
 from nanolm.errors import UserError
 
 HINT = "; fix the line or pass --skip-bad to skip such lines"
@@ -186,3 +187,31 @@ def test_a_bad_line_reads_alike_with_or_without_its_line_break(tmp_path):
         errors.append(str(e.value))
     assert errors == [f"{tmp_path / 'pairs.jsonl'}:1: invalid JSON (Unterminated string starting at column 1); "
                       "fix the line or pass --skip-bad to skip such lines"] * 3
+
+
+def test_the_one_jsonl_reader_names_file_and_line_and_its_fix(tmp_path):
+    """BOM dropped, blank lines and CRLF accepted, line numbers as in the file, the bytes read; a bad line is
+    `file:line: what is wrong; the fix` or, skipped, counted."""
+    p = write(tmp_path / "items.jsonl", b'\xef\xbb\xbf{"a": 1}\n\n{"a": 2}\r\n{oops\n[1]\n')
+    stats = ReadStats()
+    lines = list(read_jsonl(p, skip_bad=True, stats=stats))
+    assert [(r.value, r.line) for r in lines] == [({"a": 1}, 1), ({"a": 2}, 3), ([1], 5)]
+    assert sum(r.nbytes for r in lines) == p.stat().st_size  # as the file is read (by buffers), for progress
+    bad = f"{p}:4: invalid JSON (Expecting property name enclosed in double quotes at column 2)"
+    assert (stats.bad_lines, stats.examples) == (1, [bad])
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(p, fix="write one item per line"))
+    assert str(e.value) == bad + "; write one item per line"
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(p, fix="", invalid="not valid JSON"))
+    assert str(e.value) == f"{p}:4: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+
+    def objects(value):
+        if not isinstance(value, dict):
+            raise BadRecord("expected an object")
+        return value["a"]
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(write(tmp_path / "b.jsonl", '{"a": 1}\n[1]\n'), objects))
+    assert str(e.value) == f"{tmp_path / 'b.jsonl'}:2: expected an object{HINT}"
+    with pytest.raises(UserError, match=r"b\.jsonl:1: invalid UTF-8 \(byte 0xff at column 8\)"):
+        list(read_jsonl(write(tmp_path / "b.jsonl", b'{"a": "\xff"}\n')))

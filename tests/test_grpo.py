@@ -388,7 +388,7 @@ def sft_on_arith(tmp_path, sft_steps: int = 100, n_sft: int = 140, n_prompts: in
     held out from the 90 trained on)."""
     from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
 

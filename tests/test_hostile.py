@@ -41,13 +41,8 @@ from nanolm.config import DataSetConfig
 from nanolm.config.load import override_fields
 from nanolm.train.configure import load_config
 from nanolm.corpora import expand_sources
-from nanolm.data.formats import (
-    ReadStats,
-    iter_conversations,
-    iter_documents,
-    iter_pieces,
-    iter_preferences,
-)
+from nanolm.data.formats import iter_conversations, iter_documents, iter_pieces, iter_preferences
+from nanolm.data.jsonl import ReadStats
 from nanolm.data.loader import Loader, iter_eval_batches
 from nanolm.data.prepare import prepare
 from nanolm.data.shards import MANIFEST, PackedData

@@ -1,9 +1,10 @@
 """A data kind is one registered class: a new one, defined here, is prepared by `prepare` (and `nanolm prepare
---format`), written with its own manifest section, and read back by PackedData and the loader; prepare.py names
-no kind."""
+--format`), written with its own manifest section, read back by PackedData and the loader, trains a tokenizer
+(`nanolm tokenizer train --format`) and mixes with text; no module outside nanolm/data/kinds/ names a kind."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import nanolm
 from nanolm.cli import main
+from nanolm.config import DataConfig, DataSetConfig
 from nanolm.data import kinds
 from nanolm.data.formats import iter_pieces
 from nanolm.data.kinds import base as kinds_base
@@ -23,7 +25,9 @@ from nanolm.data.kinds.text import Windows, encode_pieces
 from nanolm.data.loader import Loader, iter_eval_batches, unit_kind
 from nanolm.data.prepare import PrepareConfig, prepare
 from nanolm.data.shards import Manifest, PackedData, SplitWriter, write_splits
+from nanolm.data.stream import DataStream
 from nanolm.errors import UserError
+from nanolm.tokenizer import Tokenizer
 
 ROOT = Path(nanolm.__file__).parent
 
@@ -38,6 +42,11 @@ class UpperKind(DataKind):
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> Windows:
         return Windows(data, seq_len)
+
+    @classmethod
+    def texts(cls, files: list[Path], *, skip_bad: bool = False, stats: Any = None) -> Iterator[str]:
+        documents = super().texts(files, skip_bad=skip_bad, stats=stats)  # a tokenizer for it reads them upper-cased
+        return (t.upper() for t in documents)
 
     def options(self) -> dict[str, Any]:
         return {"format": self.name, "val_fraction": self.cfg.val_fraction, "skip_bad": self.cfg.skip_bad,
@@ -161,3 +170,121 @@ def test_prompts_and_blocks_go_through_the_same_driver(tokenizer_dir, tmp_path, 
     b = prepare([blocks], tokenizer_dir, tmp_path / "b", format="blocks", val_fraction=0, workers=0, quiet=True)
     assert b.kind == "blocks" and b.section["n_records"] == 10 and b.splits["train"]["n_records"] == 10
     assert prepare([blocks], tokenizer_dir, tmp_path / "b", format="blocks", val_fraction=0, quiet=True) == b
+
+
+def test_a_registered_kind_trains_a_tokenizer_and_mixes_with_text(upper, tokenizer_dir, tmp_path):
+    """What the toy kind needs to train a tokenizer and to mix is in its class: its texts, and (by default) batches
+    of token rows like text's."""
+    src = write_docs(tmp_path / "docs.jsonl")
+    assert list(kinds.iter_texts([src], format="upper")) == [t.upper() for t in DOCS]
+    tok_dir = tmp_path / "tok"
+    assert main(["tokenizer", "train", str(src), "--out", str(tok_dir), "--vocab-size", "300", "--format",
+                 "upper"]) == 0
+    tok = Tokenizer.load(tok_dir)  # trained on the upper-cased documents only: no lower-case word is merged
+    assert len(tok.encode("THE QUICK BROWN FOX")) < len(tok.encode("the quick brown fox")) == 19
+    for name in ("upper", "text"):
+        prepare([src], tokenizer_dir, tmp_path / name, format=name, val_fraction=0, workers=0, quiet=True)
+    sets = (DataSetConfig(path=str(tmp_path / "upper")), DataSetConfig(path=str(tmp_path / "text")))
+    s = DataStream(DataConfig(sets=sets, mode="mixture"), 2, 8, pin_memory=False)
+    assert (s.kind, s.segments) == ("upper", False)
+    taken = []
+    for _ in range(4):
+        s.next_batch()
+        taken.append(s.position()["set"])
+    assert taken == ["upper", "text", "upper", "text"]
+    assert kinds.mix_refusal(UpperKind, kinds.PairsKind) == kinds.PairsKind.mix_fix == (
+        "preference pairs cannot be combined with text or chat data: train them in a run of their own")
+    assert kinds.mix_refusal(kinds.PairsKind, kinds.BlocksKind) == kinds.BlocksKind.mix_fix  # alone speaks first
+    assert kinds.mix_refusal(kinds.BlocksKind, kinds.BlocksKind) == ("block data trains alone: give it as the one "
+                                                                     "data set of its run")
+    assert kinds.mix_refusal(kinds.PromptsKind, kinds.PromptsKind) == ""
+    assert kinds.stream_kind([kinds.TextKind, kinds.ChatKind, UpperKind]) is kinds.ChatKind  # it has segments
+
+
+# A string equal to a kind's name stands for that kind where it is compared with, or tested against, an
+# expression that names a kind or a format; where it is the value of a keyword argument, a parameter's default or
+# an assignment whose name says kind or format; or where it is an argument of a call that defines a --format or
+# --kind option. Elsewhere "text" or "chat" are other things (a message's content type, a command's name).
+KIND_WORDS = re.compile(r"kind|format", re.IGNORECASE)
+# Files that may name kinds, and why.
+ALLOWED = {
+    "data/shards.py": "the manifest format's history: a manifest without options.format holds text, and a 'dpo' "
+                      "one pairs (data/kinds/ imports shards.py, so the kinds cannot be imported there)",
+    "corpora/registry.py": "a built-in corpus says which kind of records its file holds; corpora/ sits below data/ "
+                           "and cannot import the kinds",
+}
+
+
+def _names_a_kind(node: ast.AST) -> bool:
+    return any(KIND_WORDS.search(n.id if isinstance(n, ast.Name) else n.attr)
+               for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute)))
+
+
+def kind_name_uses(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of each string constant of `source` equal to one of `names` where it stands for a data kind."""
+    def constants(node: ast.AST | None) -> list[ast.Constant]:
+        return [] if node is None else [c for c in ast.walk(node) if isinstance(c, ast.Constant)
+                                        and isinstance(c.value, str) and c.value in names]
+    hits: list[ast.Constant] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for i, side in enumerate(sides):
+                if isinstance(side, (ast.Constant, ast.Tuple, ast.List, ast.Set)) and \
+                        any(_names_a_kind(other) for j, other in enumerate(sides) if j != i):
+                    hits += constants(side)
+        elif isinstance(node, ast.keyword) and node.arg and KIND_WORDS.search(node.arg):
+            hits += constants(node.value)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_names_a_kind(t) for t in targets):
+                hits += constants(node.value)
+        elif isinstance(node, ast.arguments):
+            args = [*node.posonlyargs, *node.args]
+            defaults = [*zip(args[len(args) - len(node.defaults):], node.defaults),
+                        *zip(node.kwonlyargs, node.kw_defaults)]
+            hits += [c for a, d in defaults if KIND_WORDS.search(a.arg) for c in constants(d)]
+        elif isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                                                and a.value.startswith("--") and KIND_WORDS.search(a.value)
+                                                for a in node.args):
+            hits += [c for k in node.keywords for c in constants(k.value)]
+    return sorted({(c.lineno, c.value) for c in hits})
+
+
+def test_the_scan_finds_a_kind_named_and_passes_other_meanings():
+    names = set(kinds.choices())
+    named = """
+if data.kind == "chat": pass
+if args.format in ("text", "blocks"): pass
+prepare(files, tok, out, format="prompts")
+kinds = ("pairs",)
+def read(files, format="dpo"): pass
+tt.add_argument("--format", choices=["text", "chat"], default="text")
+"""
+    assert kind_name_uses(named, names) == [(2, "chat"), (3, "blocks"), (3, "text"), (4, "prompts"), (5, "pairs"),
+                                            (6, "dpo"), (7, "chat"), (7, "text")]
+    other = """
+if message.role == "chat" or part.get("type") == "text" or args.cmd == "blocks": pass
+sub.add_parser("chat", help="multi-turn chat")
+record = {"text": "a document", "object": "chat.completion"}
+if stage.name == "dpo": pass
+"""
+    assert kind_name_uses(other, names) == []
+
+
+def test_no_module_outside_the_kinds_names_a_kind():
+    """Every .py under nanolm/ but data/kinds/: a kind is named by its class (`ChatKind.name`), asked for what it
+    is (`kinds.get(name).segments`), or not at all."""
+    names = set(kinds.choices())
+    found, allowed_hit = [], set()
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("data/kinds/"):
+            continue
+        uses = kind_name_uses(path.read_text(encoding="utf-8"), names)
+        if rel in ALLOWED:
+            allowed_hit.add(rel) if uses else None
+            continue
+        found += [f"{rel}:{line}: {name!r}" for line, name in uses]
+    assert found == [], "kind names outside nanolm/data/kinds/:\n" + "\n".join(found)
+    assert allowed_hit == set(ALLOWED), f"no longer names a kind, drop it from ALLOWED: {set(ALLOWED) - allowed_hit}"

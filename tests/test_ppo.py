@@ -331,7 +331,7 @@ def arith_sft(tmp_path_factory):
     """A short SFT on the arithmetic task's worked answers, and its prompts (the val split held out)."""
     from nanolm.train.configure import load_config
     from nanolm.data.builtin.arith import write_arith
-    from nanolm.data.formats import iter_texts
+    from nanolm.data.kinds import iter_texts
     from nanolm.data.prepare import prepare
     from nanolm.tokenizer import train_tokenizer
 

@@ -12,7 +12,9 @@ become LF; in `.jsonl` files a CRLF line end is accepted and blank lines are
 skipped. A `.jsonl` line that is not valid UTF-8, not valid JSON, not an object,
 or has no string "text" (and a `.txt` line that is not valid UTF-8) raises a
 `UserError` naming `file:line`; with `skip_bad=True` the line is skipped
-instead and counted in a `ReadStats`.
+instead and counted in a `ReadStats`. Every `.jsonl` file is read by the one
+reader, `nanolm.data.jsonl.read_jsonl`; this module says what a record of each
+kind must hold.
 Documents with empty text are skipped (they would train nothing) and counted.
 
 The unit the readers yield is a `Piece`: a document's text, or part of it, and
@@ -82,28 +84,18 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple
 
 from nanolm.chat import (ChatError, ChatFormat, Conversation, Message, check_conversation, checked_text,
                          message_from_dict, tools_from_value)
+from nanolm.data.jsonl import BAD_BYTE, BOM, SKIP_HINT, BadRecord, ReadStats, bad_utf8, open_text, read_jsonl
 from nanolm.errors import UserError
 
 # A .txt document longer than this (in characters) is yielded as several pieces.
 # Past 4x this without a safe cut (a letter or digit, then a newline), a piece
 # is cut at the next line end, or inside a line that long.
 TXT_PIECE_CHARS = 1 << 20
-# Bad lines whose location is kept for the final report when skip_bad is on.
-MAX_EXAMPLES = 5
-
-BOM = "\ufeff"  # a UTF-8 byte-order mark at the start of a file is dropped
-SKIP_HINT = "fix the line or pass --skip-bad to skip such lines"
-
-# Files are decoded with errors="surrogateescape": a byte that is not valid
-# UTF-8 becomes a lone surrogate in U+DC80..U+DCFF, which valid UTF-8 can never
-# decode to, so a regex search finds bad bytes line by line at C speed.
-_BAD_BYTE = re.compile("[\udc80-\udcff]")
 # Lone surrogates that arrive through JSON escapes ("\ud83d") are not Unicode
 # text either, and the tokenizer cannot take them.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -119,24 +111,6 @@ class Piece(NamedTuple):
     text: str
     last: bool
     nbytes: int
-
-
-@dataclass
-class ReadStats:
-    """What the readers skipped: bad lines (with skip_bad) and empty documents."""
-
-    bad_lines: int = 0
-    examples: list[str] = field(default_factory=list)  # first MAX_EXAMPLES "file:line: problem"
-    empty_docs: int = 0
-
-    def add_bad(self, where: str) -> None:
-        self.bad_lines += 1
-        if len(self.examples) < MAX_EXAMPLES:
-            self.examples.append(where)
-
-
-class _BadRecord(Exception):
-    """A record-level problem; the walker adds file:line and the skip hint."""
 
 
 def _json_type(value: Any) -> str:
@@ -171,16 +145,16 @@ def _keys(obj: dict) -> str:
 def _text_of(obj: Any) -> str:
     """The pretraining record: an object with a string "text"."""
     if not isinstance(obj, dict):
-        raise _BadRecord(f'expected a JSON object like {{"text": "..."}}, got {_json_type(obj)}')
+        raise BadRecord(f'expected a JSON object like {{"text": "..."}}, got {_json_type(obj)}')
     if "text" not in obj:
         keys = _keys(obj)
-        raise _BadRecord(f'no "text" field (keys: {keys})')
+        raise BadRecord(f'no "text" field (keys: {keys})')
     text = obj["text"]
     if not isinstance(text, str):
-        raise _BadRecord(f'"text" must be a string, got {_json_type(text)}')
+        raise BadRecord(f'"text" must be a string, got {_json_type(text)}')
     m = _SURROGATE.search(text)
     if m:
-        raise _BadRecord(f'"text" holds an unpaired surrogate escape \\u{ord(m.group()):04x}, '
+        raise BadRecord(f'"text" holds an unpaired surrogate escape \\u{ord(m.group()):04x}, '
                          "which is not valid Unicode")
     return text
 
@@ -190,31 +164,31 @@ _CHAT_SHAPE = ('{"conversations": [{"role": ..., "content": ...}, ...]}, {"messa
 
 
 def _check_content(where: str, content: Any) -> str:
-    """The content of an Alpaca field, or _BadRecord saying what is wrong with it (`chat.checked_text`)."""
+    """The content of an Alpaca field, or BadRecord saying what is wrong with it (`chat.checked_text`)."""
     if isinstance(content, str) and not content.strip():
-        raise _BadRecord(f"{where} is empty" + (" (only whitespace)" if content else ""))
+        raise BadRecord(f"{where} is empty" + (" (only whitespace)" if content else ""))
     try:
         return checked_text(where, content)
     except ChatError as e:
-        raise _BadRecord(str(e)) from None
+        raise BadRecord(str(e)) from None
 
 
 def _alpaca(obj: dict) -> Conversation:
     if "output" not in obj:
-        raise _BadRecord('Alpaca record has "instruction" but no "output" (the reply to train on)')
+        raise BadRecord('Alpaca record has "instruction" but no "output" (the reply to train on)')
     if "instruction" not in obj:
-        raise _BadRecord('Alpaca record has "output" but no "instruction"')
+        raise BadRecord('Alpaca record has "output" but no "instruction"')
     instruction = _check_content('"instruction"', obj["instruction"])
     output = _check_content('"output"', obj["output"])
     extra = obj.get("input")
     if extra is not None and not isinstance(extra, str):
-        raise _BadRecord(f'"input" must be a string, got {_json_type(extra)}')
+        raise BadRecord(f'"input" must be a string, got {_json_type(extra)}')
     user = instruction + "\n\n" + extra if extra and extra.strip() else instruction
     _check_content('"input"', user)  # a control token in the input
     messages = [Message("user", user), Message("assistant", output)]
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
-        raise _BadRecord(f'"system" must be a string, got {_json_type(system)}')
+        raise BadRecord(f'"system" must be a string, got {_json_type(system)}')
     if system and system.strip():
         messages.insert(0, Message("system", _check_content('"system"', system)))
     return Conversation(tuple(messages))
@@ -223,13 +197,13 @@ def _alpaca(obj: dict) -> Conversation:
 def _conversation_of(obj: Any) -> Conversation:
     """The chat record: a conversation in one of the formats of the module doc, validated."""
     if not isinstance(obj, dict):
-        raise _BadRecord(f"expected a JSON object like {_CHAT_SHAPE}, got {_json_type(obj)}")
+        raise BadRecord(f"expected a JSON object like {_CHAT_SHAPE}, got {_json_type(obj)}")
     key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
     if key is None:
         if "instruction" in obj or "output" in obj:
             return _alpaca(obj)
         keys = _keys(obj)
-        raise _BadRecord(f'no "conversations", "messages" or "instruction"/"output" field (keys: {keys}); '
+        raise BadRecord(f'no "conversations", "messages" or "instruction"/"output" field (keys: {keys}); '
                          f"expected {_CHAT_SHAPE}")
     turns = _turn_list(key, obj[key])
     messages = _check_turns(key, [(f'"{key}"[{i}]', m) for i, m in enumerate(turns)])
@@ -247,16 +221,16 @@ def _tools_of(obj: dict, key: str, turns: list) -> tuple[str, ...]:
     try:
         return tools_from_value(where, value)
     except ChatError as e:
-        raise _BadRecord(str(e)) from None
+        raise BadRecord(str(e)) from None
 
 
 def _turn_list(key: str, turns: Any) -> list:
-    """The array of messages under `key`, or _BadRecord when it is not a non-empty array."""
+    """The array of messages under `key`, or BadRecord when it is not a non-empty array."""
     if not isinstance(turns, list):
-        raise _BadRecord(f'"{key}" must be an array of {{"role": ..., "content": ...}} objects, '
+        raise BadRecord(f'"{key}" must be an array of {{"role": ..., "content": ...}} objects, '
                          f"got {_json_type(turns)}")
     if not turns:
-        raise _BadRecord(f'"{key}" is empty; a conversation needs a user turn and an assistant reply')
+        raise BadRecord(f'"{key}" is empty; a conversation needs a user turn and an assistant reply')
     return turns
 
 
@@ -270,7 +244,7 @@ def _check_turns(key: str, turns: list[tuple[str, Any]]) -> tuple[Message, ...]:
         messages = tuple(message_from_dict(where, m) for where, m in turns)
         check_conversation(f'"{key}"', messages, names=[where for where, _ in turns])
     except ChatError as e:
-        raise _BadRecord(str(e)) from None
+        raise BadRecord(str(e)) from None
     return messages
 
 
@@ -283,7 +257,7 @@ def _pair_side(obj: dict, side: str, prompt: list[tuple[str, Any]] | None) -> tu
     value = obj[side]
     if prompt is None:
         if isinstance(value, str):
-            raise _BadRecord(f'"{side}" is a string but there is no "prompt"; give a "prompt", or make "chosen" '
+            raise BadRecord(f'"{side}" is a string but there is no "prompt"; give a "prompt", or make "chosen" '
                              'and "rejected" whole conversations (arrays of messages)')
         turns = _turn_list(side, value)
         return _check_turns(side, [(f'"{side}"[{i}]', m) for i, m in enumerate(turns)])
@@ -292,7 +266,7 @@ def _pair_side(obj: dict, side: str, prompt: list[tuple[str, Any]] | None) -> tu
     else:
         if not isinstance(value, list) or not value:
             shown = "empty" if isinstance(value, list) else f"{_json_type(value)}"
-            raise _BadRecord(f'"{side}" must be the reply: a string or an array of messages, got {shown}')
+            raise BadRecord(f'"{side}" must be the reply: a string or an array of messages, got {shown}')
         reply = [(f'"{side}"[{i}]', m) for i, m in enumerate(value)]
     return _check_turns(side, prompt + reply)
 
@@ -301,11 +275,11 @@ def _pair_of(obj: Any) -> tuple[Conversation, Conversation]:
     """The preference record: (chosen, rejected) conversations sharing every turn but the last reply, and
     the tools of the record."""
     if not isinstance(obj, dict):
-        raise _BadRecord(f"expected a JSON object like {_PAIR_SHAPE}, got {_json_type(obj)}")
+        raise BadRecord(f"expected a JSON object like {_PAIR_SHAPE}, got {_json_type(obj)}")
     for side in ("chosen", "rejected"):
         if side not in obj:
             keys = _keys(obj)
-            raise _BadRecord(f'no "{side}" field (keys: {keys}); expected {_PAIR_SHAPE}')
+            raise BadRecord(f'no "{side}" field (keys: {keys}); expected {_PAIR_SHAPE}')
     prompt: list[tuple[str, Any]] | None = None
     if "prompt" in obj:
         value = obj["prompt"]
@@ -315,76 +289,27 @@ def _pair_of(obj: Any) -> tuple[Conversation, Conversation]:
             prompt = [(f'"prompt"[{i}]', m) for i, m in enumerate(value)]
         else:
             shown = "empty" if isinstance(value, list) else f"{_json_type(value)}"
-            raise _BadRecord(f'"prompt" must be a string or an array of messages, got {shown}')
+            raise BadRecord(f'"prompt" must be a string or an array of messages, got {shown}')
     chosen, rejected = _pair_side(obj, "chosen", prompt), _pair_side(obj, "rejected", prompt)
     if chosen[:-1] != rejected[:-1]:
         n_c, n_r = len(chosen) - 1, len(rejected) - 1
         at = next((i for i in range(min(n_c, n_r)) if chosen[i] != rejected[i]), min(n_c, n_r))
-        raise _BadRecord(f'"chosen" and "rejected" differ at message {at}, before their final reply; a pair must '
+        raise BadRecord(f'"chosen" and "rejected" differ at message {at}, before their final reply; a pair must '
                          "share every turn but the last assistant reply (the prompt)")
     if chosen[-1] == rejected[-1]:
-        raise _BadRecord('"chosen" and "rejected" have the same final reply, so there is nothing to prefer')
+        raise BadRecord('"chosen" and "rejected" have the same final reply, so there is nothing to prefer')
     tools = _tools_of(obj, "chosen", [])
     return Conversation(chosen, tools), Conversation(rejected, tools)
 
 
-def _open_text(path: Path, newline: str | None) -> TextIO:
-    try:
-        # Plain utf-8, the BOM dropped by the readers: "utf-8-sig" silently loses a file of one or two bytes
-        # that begin a BOM (b"\xef"), where the file's invalid UTF-8 must be reported.
-        return open(path, encoding="utf-8", errors="surrogateescape", newline=newline)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: is a directory; pass the files in it, or the directory to `nanolm prepare`") from None
-    except PermissionError:
-        raise UserError(f"{path}: permission denied; make the file readable") from None
-
-
-def _bad_utf8(m: re.Match) -> str:
-    return f"invalid UTF-8 (byte 0x{ord(m.group()) - 0xDC00:02x} at column {m.start() + 1})"
-
-
-T = TypeVar("T")
-
-
-def _iter_jsonl_records(path: Path, parse: Callable[[Any], T], skip_bad: bool,
-                        stats: ReadStats) -> Iterator[tuple[T, int]]:
-    """(parse(record), bytes read since the previous yield) for each non-blank line."""
-    with _open_text(path, newline="\n") as f:
-        raw = f.buffer.raw  # type: ignore[attr-defined]
-        pos = 0
-        for lineno, line in enumerate(f, 1):
-            if lineno == 1:
-                line = line.removeprefix(BOM)
-            if not line or line.isspace():
-                continue
-            try:
-                m = _BAD_BYTE.search(line)
-                if m:
-                    raise _BadRecord(_bad_utf8(m))
-                body = line.rstrip("\r\n")  # parsed without its line break, so a line reads alike at the file's end
-                try:
-                    obj = json.loads(body)
-                except json.JSONDecodeError as e:
-                    col = min(e.pos, len(body)) + 1  # past the end of the text means at its end
-                    raise _BadRecord(f"invalid JSON ({e.msg.removesuffix(' at')} at column {col})") from None
-                except RecursionError:  # e.g. a line of a million "["
-                    raise _BadRecord("invalid JSON (nested too deeply)") from None
-                value = parse(obj)
-            except _BadRecord as e:
-                where = f"{path}:{lineno}: {e}"
-                if not skip_bad:
-                    raise UserError(f"{where}; {SKIP_HINT}") from None
-                stats.add_bad(where)
-                continue
-            now = raw.tell()
-            yield value, now - pos
-            pos = now
+def _records(path: Path, parse: Callable[[Any], Any], skip_bad: bool,
+             stats: ReadStats | None) -> Iterator[tuple[Any, int]]:
+    """(parse(record), bytes read since the previous one) for each record of a .jsonl file."""
+    return ((r.value, r.nbytes) for r in read_jsonl(path, parse, skip_bad=skip_bad, stats=stats))
 
 
 def _iter_jsonl_text(path: Path, skip_bad: bool, stats: ReadStats) -> Iterator[Piece]:
-    for text, nbytes in _iter_jsonl_records(path, _text_of, skip_bad, stats):
+    for text, nbytes in _records(path, _text_of, skip_bad, stats):
         if not text:
             stats.empty_docs += 1
             continue
@@ -394,7 +319,7 @@ def _iter_jsonl_text(path: Path, skip_bad: bool, stats: ReadStats) -> Iterator[P
 def _iter_txt(path: Path, skip_bad: bool, stats: ReadStats, piece_chars: int) -> Iterator[Piece]:
     """One document per file, in pieces cut where tokenization does not change (see module doc)."""
     piece_max = 4 * piece_chars
-    with _open_text(path, newline=None) as f:
+    with open_text(path, newline=None) as f:
         raw = f.buffer.raw  # type: ignore[attr-defined]
         pos = 0
         buf: list[str] = []
@@ -412,9 +337,9 @@ def _iter_txt(path: Path, skip_bad: bool, stats: ReadStats, piece_chars: int) ->
             if at_line_start:
                 lineno += 1
             at_line_start = seg.endswith("\n")
-            m = _BAD_BYTE.search(seg)
+            m = BAD_BYTE.search(seg)
             if m:
-                where = f"{path}:{lineno}: {_bad_utf8(m)}"
+                where = f"{path}:{lineno}: {bad_utf8(m)}"
                 if not skip_bad:
                     raise UserError(f"{where}; {SKIP_HINT}")
                 stats.add_bad(where)
@@ -476,7 +401,7 @@ def iter_chat_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | 
         conv = _conversation_of(obj)
         _check_format(fmt, tokenizer, conv)
         return conv
-    return _iter_jsonl_records(path, parse, skip_bad, stats)
+    return _records(path, parse, skip_bad, stats)
 
 
 def _check_format(fmt: ChatFormat | None, tokenizer: str, conv: Conversation) -> None:
@@ -484,7 +409,7 @@ def _check_format(fmt: ChatFormat | None, tokenizer: str, conv: Conversation) ->
         try:
             fmt.check("the conversation", conv.messages, conv.tools, tokenizer)
         except ChatError as e:
-            raise _BadRecord(str(e)) from None
+            raise BadRecord(str(e)) from None
 
 
 def iter_conversations(path: Path, *, skip_bad: bool = False,
@@ -511,7 +436,7 @@ def iter_preference_records(path: Path, *, skip_bad: bool = False, stats: ReadSt
         pair = _pair_of(obj)
         _check_format(fmt, tokenizer, pair[0])
         return pair
-    return _iter_jsonl_records(path, parse, skip_bad, stats)
+    return _records(path, parse, skip_bad, stats)
 
 
 def iter_preferences(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None
@@ -535,59 +460,22 @@ def iter_documents(path: Path, *, skip_bad: bool = False, stats: ReadStats | Non
             parts = []
 
 
-def _message_texts(m: Message) -> Iterator[str]:
-    yield from (t for t in (m.reasoning, m.content) if t)
-    for c in m.tool_calls:
-        yield f'{{"name": "{c.name}", "arguments": {c.arguments}}}'
-
-
-def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = False,
-               stats: ReadStats | None = None) -> Iterator[str]:
-    """The text of every file in order, in pieces of bounded size: what tokenizer training reads.
-
-    format="chat" reads conversation files and yields each message's text
-    (its reasoning, content and tool calls) and the tools offered;
-    format="pairs" reads preference pairs and yields the chosen conversation's,
-    then the rejected reply's; format="blocks" each block record's input and
-    output (or its text).
-    """
-    for f in files:
-        if format == "chat":
-            for conv, _ in iter_chat_records(f, skip_bad=skip_bad, stats=stats):
-                yield from conv.tools
-                for m in conv.messages:
-                    yield from _message_texts(m)
-        elif format == "blocks":
-            for (a, b), _ in iter_block_records(f, skip_bad=skip_bad, stats=stats):
-                yield a
-                if b is not None:
-                    yield b
-        elif format == "pairs":
-            for (chosen, rejected), _ in iter_preference_records(f, skip_bad=skip_bad, stats=stats):
-                yield from chosen.tools
-                for m in (*chosen.messages, rejected.messages[-1]):
-                    yield from _message_texts(m)
-        else:
-            for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
-                yield piece.text
-
-
 _PROMPT_SHAPE = '{"prompt": "..."}, {"prompt": [messages]} or {"messages": [...]}'
 
 
 def _prompt_of(obj: Any) -> tuple[Conversation, dict[str, Any]]:
     """The RL prompt record: (its prompt conversation, validated, and the record itself)."""
     if not isinstance(obj, dict):
-        raise _BadRecord(f"expected a JSON object like {_PROMPT_SHAPE}, got {_json_type(obj)}")
+        raise BadRecord(f"expected a JSON object like {_PROMPT_SHAPE}, got {_json_type(obj)}")
     key = next((k for k in ("prompt", "messages", "conversations") if k in obj), None)
     if key is None:
-        raise _BadRecord(f'no "prompt", "messages" or "conversations" field (keys: {_keys(obj)}); expected '
+        raise BadRecord(f'no "prompt", "messages" or "conversations" field (keys: {_keys(obj)}); expected '
                          f"{_PROMPT_SHAPE}")
     value = obj[key]
     if key == "prompt" and isinstance(value, str):
         turns: list = [{"role": "user", "content": value}]
     elif isinstance(value, list) and not value:
-        raise _BadRecord(f'"{key}" is empty; a prompt needs a user turn')
+        raise BadRecord(f'"{key}" is empty; a prompt needs a user turn')
     else:
         turns = list(_turn_list(key, value))
     if turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant" and len(turns) > 1 \
@@ -597,7 +485,7 @@ def _prompt_of(obj: Any) -> tuple[Conversation, dict[str, Any]]:
         messages = tuple(message_from_dict(f'"{key}"[{i}]', m) for i, m in enumerate(turns))
         check_conversation(f'"{key}"', messages, complete=False, names=[f'"{key}"[{i}]' for i in range(len(turns))])
     except ChatError as e:
-        raise _BadRecord(str(e)) from None
+        raise BadRecord(str(e)) from None
     return Conversation(messages, _tools_of(obj, key, turns)), obj
 
 
@@ -616,7 +504,7 @@ def iter_prompt_records(path: Path, *, skip_bad: bool = False, stats: ReadStats 
         conv, record = _prompt_of(obj)
         _check_format(fmt, tokenizer, conv)
         return conv, record
-    return _iter_jsonl_records(path, parse, skip_bad, stats)
+    return _records(path, parse, skip_bad, stats)
 
 
 _BLOCK_SHAPE = '{"input": "...", "output": "..."} or, cut at --block-len, {"text": "..."}'
@@ -626,27 +514,27 @@ def _block_of(obj: Any) -> tuple[str, str | None]:
     """A block record (`--format blocks`): (input, output) of an input/output record, or (text, None) of a
     sequence in bd4sur's Nano's layout, which prepare cuts at the block length."""
     if not isinstance(obj, dict):
-        raise _BadRecord(f"expected a JSON object like {_BLOCK_SHAPE}, got {_json_type(obj)}")
+        raise BadRecord(f"expected a JSON object like {_BLOCK_SHAPE}, got {_json_type(obj)}")
     if "input" in obj or "output" in obj:
         out = []
         for key in ("input", "output"):
             if key not in obj:
-                raise _BadRecord(f'no "{key}" field (keys: {_keys(obj)}); expected {_BLOCK_SHAPE}')
+                raise BadRecord(f'no "{key}" field (keys: {_keys(obj)}); expected {_BLOCK_SHAPE}')
             value = obj[key]
             if not isinstance(value, str):
-                raise _BadRecord(f'"{key}" must be a string, got {_json_type(value)}')
+                raise BadRecord(f'"{key}" must be a string, got {_json_type(value)}')
             if not value:
-                raise _BadRecord(f'"{key}" is empty; a block record needs text in both')
+                raise BadRecord(f'"{key}" is empty; a block record needs text in both')
             if _SURROGATE.search(value):
-                raise _BadRecord(f'"{key}" holds an unpaired surrogate escape, which is not valid Unicode')
+                raise BadRecord(f'"{key}" holds an unpaired surrogate escape, which is not valid Unicode')
             out.append(value)
         return out[0], out[1]
     if "text" in obj:
         text = _text_of(obj)
         if not text:
-            raise _BadRecord('"text" is empty')
+            raise BadRecord('"text" is empty')
         return text, None
-    raise _BadRecord(f'no "input"/"output" or "text" field (keys: {_keys(obj)}); expected {_BLOCK_SHAPE}')
+    raise BadRecord(f'no "input"/"output" or "text" field (keys: {_keys(obj)}); expected {_BLOCK_SHAPE}')
 
 
 def iter_block_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
@@ -670,13 +558,13 @@ def iter_block_records(path: Path, *, skip_bad: bool = False, stats: ReadStats |
                                 "output blocks at the block length; pass --block-len N")
             ids = encode(a)
             if not block_len < len(ids) <= 2 * block_len:
-                raise _BadRecord(f'"text" is {len(ids)} tokens: a sequence cut at --block-len {block_len} needs more '
+                raise BadRecord(f'"text" is {len(ids)} tokens: a sequence cut at --block-len {block_len} needs more '
                                  f"than {block_len} (an input, then an output) and at most {2 * block_len}")
             return ids[:block_len], ids[block_len:]
         pair = encode(a), encode(b)
         for key, ids in zip(("input", "output"), pair):
             if block_len and len(ids) > block_len:
-                raise _BadRecord(f'"{key}" is {len(ids)} tokens, longer than --block-len {block_len}; shorten it or '
+                raise BadRecord(f'"{key}" is {len(ids)} tokens, longer than --block-len {block_len}; shorten it or '
                                  "raise --block-len")
         return pair
-    return _iter_jsonl_records(path, parse, skip_bad, stats if stats is not None else ReadStats())
+    return _records(path, parse, skip_bad, stats)

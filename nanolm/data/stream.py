@@ -65,8 +65,8 @@ from typing import Any
 
 from nanolm.config import Config, DataConfig, DataSetConfig, default_set_name
 from nanolm.data.loader import Loader
-from nanolm.data.kinds import BlocksKind, ChatKind, PairsKind
-from nanolm.data.shards import Batch, Manifest, PackedData
+from nanolm.data import kinds
+from nanolm.data.shards import MANIFEST, Batch, Manifest, PackedData
 from nanolm.errors import UserError
 
 
@@ -122,19 +122,17 @@ class DataStream:
         self.step_units = batch_size * world_size  # units of one set that one next_batch() on every rank takes
         self.rank, self.world_size = rank, world_size
         parts = [PackedData(Path(s.path), "train") for s in specs]
+        set_kinds = [kinds.get(p.kind, str(p.data_dir / MANIFEST)) for p in parts]
         first = parts[0]
-        for s, p in zip(specs[1:], parts[1:]):
+        for s, p, kind in zip(specs[1:], parts[1:], set_kinds[1:]):
             fp, fp0 = p.manifest.tokenizer.fingerprint, first.manifest.tokenizer.fingerprint
             if fp != fp0:
                 raise UserError(f"data.sets: {specs[0].path} and {s.path} were prepared with different tokenizers "
                                 f"({fp0[:12]} and {fp[:12]}); prepare every set with the same tokenizer")
-            if BlocksKind.name in (p.kind, first.kind):
+            refusal = kinds.mix_refusal(set_kinds[0], kind)  # which kinds mix is the kinds' to say
+            if refusal:
                 raise UserError(f"data.sets: {specs[0].path} holds {first.kind} data and {s.path} {p.kind} data; "
-                                "block data trains alone: give it as the one data set of its run")
-            if (p.kind == PairsKind.name) != (first.kind == PairsKind.name):
-                raise UserError(f"data.sets: {specs[0].path} holds {first.kind} data and {s.path} {p.kind} data; "
-                                "preference pairs cannot be combined with text or chat data: train them in a run "
-                                "of their own")
+                                f"{refusal}")
         total_weight = sum(Fraction(repr(s.weight)) for s in specs)
         self.sets: list[SetStream] = []
         for i, (s, p) in enumerate(zip(specs, parts)):
@@ -143,10 +141,10 @@ class DataStream:
             budget, text = _budget(s, loader, batch_size * grad_accum) if data.mode == "curriculum" else (None, "")
             weight = Fraction(repr(s.weight)) / total_weight if data.mode == "mixture" else Fraction(1)
             self.sets.append(SetStream(s.name, s.path, p, loader, budget, text, weight))
-        kinds = {p.kind for p in parts}
-        # A text/chat mix trains as chat data: its batches may carry segments (masked attention).
-        self.kind: str = kinds.pop() if len(kinds) == 1 else ChatKind.name
-        self.is_chat = self.kind == ChatKind.name
+        # The kind the stream trains as (a text/chat mix: chat), and whether its batches may carry segments (then
+        # the attention must keep them apart).
+        self.kind: str = kinds.stream_kind(set_kinds).name
+        self.segments: bool = any(k.segments for k in set_kinds)
         self.vocab_size: int = first.vocab_size
         self.manifest: Manifest = first.manifest  # tokenizer info, shared by all sets
         self.n_tokens: int = sum(p.n_tokens for p in parts)

@@ -35,12 +35,12 @@ have one right answer.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
 
 from nanolm.corpora.holdout import idiom_of, is_held_out
+from nanolm.data.jsonl import read_jsonl
 from nanolm.errors import UserError
 from nanolm.eval.tasks import MCItem, Task, cloze
 
@@ -61,17 +61,14 @@ def explanation_of(answer: str) -> str | None:
 def held_out_idioms(idioms_jsonl: Path) -> list[tuple[str, str, str]]:
     """(idiom, explanation, where) of every held-out idiom in the corpus file, in file order."""
     out = []
-    with open(idioms_jsonl, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            conv = json.loads(line)["conversations"]
-            idiom = idiom_of(conv[0]["content"])
-            if idiom is None or not is_held_out(idiom):
-                continue
-            explanation = explanation_of(conv[-1]["content"])
-            if explanation:
-                out.append((idiom, explanation, f"{idioms_jsonl}:{n}"))
+    for rec, n, _ in read_jsonl(idioms_jsonl, fix="the corpus file is damaged; fetch it again (`nanolm data fetch`)"):
+        conv = rec["conversations"]
+        idiom = idiom_of(conv[0]["content"])
+        if idiom is None or not is_held_out(idiom):
+            continue
+        explanation = explanation_of(conv[-1]["content"])
+        if explanation:
+            out.append((idiom, explanation, f"{idioms_jsonl}:{n}"))
     return out
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from nanolm.data.kinds import ChatKind, PairsKind
+from nanolm.data import kinds
 from nanolm.data.loader import iter_eval_batches
 from nanolm.data.shards import IGNORE_INDEX, MANIFEST, Batch, Manifest, PackedData
 from nanolm.errors import UserError
@@ -113,9 +113,9 @@ def _open_prepared(path: Path, tok: Tokenizer, ckpt_dir: Path) -> PackedData:
         raise UserError(f"{path / MANIFEST}: the data was tokenized with tokenizer {theirs[:12]}, but {ckpt_dir} "
                         f"uses tokenizer {tok.fingerprint[:12]}; pass the raw .txt/.jsonl files instead (nanolm eval "
                         f"tokenizes them with the checkpoint's tokenizer), or prepare the data with this tokenizer")
-    if data.kind == PairsKind.name:
-        raise UserError(f"{path}: preference pairs (--format pairs) have no single text to score; "
-                        f"evaluate on text or chat data")
+    unscorable = kinds.get(data.kind, str(path / MANIFEST)).unscorable
+    if unscorable:
+        raise UserError(f"{path}: {unscorable}")
     return data
 
 
@@ -187,7 +187,7 @@ def evaluate(checkpoint: str | Path, sources: Sequence[str | Path], *, which: st
                             "not both")
         data = _open_prepared(Path(prepared[0]), tok, ckpt_dir)
         split, described = data.split, f"{prepared[0]} ({data.split} split)"
-        if data.kind == ChatKind.name:
+        if kinds.get(data.kind).masked:  # scored where its loss mask says, through the loader's batches
             max_batches = None if max_tokens is None else math.ceil(max_tokens / (batch_size * T))
             batches: Iterator[Batch] = iter_eval_batches(data, batch_size, T, max_batches)
             expected = None

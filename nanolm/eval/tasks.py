@@ -36,12 +36,12 @@ English, "...\\n答案：" for Chinese) and the bare question for a chat templat
 from __future__ import annotations
 
 import csv
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from nanolm.data import jsonl
 from nanolm.errors import UserError
 
 LETTERS = "ABCDEFGHIJ"
@@ -318,19 +318,11 @@ _LAYOUT_NAMES = {"hellaswag": "HellaSwag", "piqa": "PIQA", "siqa": "SIQA", "arc"
 
 
 def _rows(path: Path) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
-                                "fix the line") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}; fix the line")
-            yield where, row
+    for row, n, _ in jsonl.read_jsonl(path, fix="fix the line", invalid="not valid JSON"):
+        where = f"{path}:{n}"
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}; fix the line")
+        yield where, row
 
 
 def read_jsonl(path: Path) -> Task:

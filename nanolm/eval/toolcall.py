@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from nanolm.chat import ToolCall, message_from_dict, read_reply, tools_from_value
+from nanolm.data.jsonl import read_jsonl
 from nanolm.errors import UserError
 from nanolm.eval.scoring import NUMBER, answers_match, summary
 
@@ -73,55 +74,48 @@ def read_toolcall_file(path: str | Path) -> list[ToolItem]:
     if not p.is_file():
         raise UserError(f"--task toolcall:{path}: no such file; give a .jsonl file of tool-use items")
     items = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not JSON ({e.msg}); write one item per line") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{where}: an item must be an object with \"question\" (or \"prompt\") and \"tools\"")
-            question = rec.get("question", rec.get("prompt"))
-            if not isinstance(question, str) or not question.strip():
-                raise UserError(f"{where}: no \"question\" (or MiniMind's \"prompt\") text")
-            tools = rec.get("tools")
-            if not isinstance(tools, list) or not tools:
-                raise UserError(f"{where}: \"tools\" must be a non-empty list of tool objects or built-in tool names")
-            offered = []
-            for i, t in enumerate(tools):
-                if isinstance(t, str):
-                    if t not in builtin:
-                        raise UserError(f"{where}: tools[{i}] {t!r} is not a built-in tool ({', '.join(builtin)}); "
-                                        "give the tool's object instead")
-                    offered.append(builtin[t])
-                elif isinstance(t, dict) and isinstance(_function(t).get("name"), str):
-                    offered.append(t)
-                else:
-                    raise UserError(f"{where}: tools[{i}] must be a tool object with a function name, or a "
-                                    "built-in tool's name")
-            call = rec.get("call", rec.get("expected_call"))
-            if call is not None:
-                if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                    raise UserError(f"{where}: \"call\" must be {{\"name\": ..., \"arguments\": {{...}}}}")
-                args = call.get("arguments", {})
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except json.JSONDecodeError:
-                        raise UserError(f"{where}: call.arguments is not a JSON object") from None
-                if not isinstance(args, dict):
-                    raise UserError(f"{where}: call.arguments must be an object")
-                call = {"name": call["name"], "arguments": args}
-            answer = rec.get("answer")
-            if answer is not None and not isinstance(answer, (str, int, float)):
-                raise UserError(f"{where}: \"answer\" must be a string or a number")
-            results = rec.get("results", {})
-            if not isinstance(results, dict):
-                raise UserError(f"{where}: \"results\" must be an object of tool name -> result")
-            items.append(ToolItem(question, offered, call, None if answer is None else str(answer), results, where))
+    for rec, n, _ in read_jsonl(p, fix="write one item per line"):
+        where = f"{p}:{n}"
+        if not isinstance(rec, dict):
+            raise UserError(f"{where}: an item must be an object with \"question\" (or \"prompt\") and \"tools\"")
+        question = rec.get("question", rec.get("prompt"))
+        if not isinstance(question, str) or not question.strip():
+            raise UserError(f"{where}: no \"question\" (or MiniMind's \"prompt\") text")
+        tools = rec.get("tools")
+        if not isinstance(tools, list) or not tools:
+            raise UserError(f"{where}: \"tools\" must be a non-empty list of tool objects or built-in tool names")
+        offered = []
+        for i, t in enumerate(tools):
+            if isinstance(t, str):
+                if t not in builtin:
+                    raise UserError(f"{where}: tools[{i}] {t!r} is not a built-in tool ({', '.join(builtin)}); "
+                                    "give the tool's object instead")
+                offered.append(builtin[t])
+            elif isinstance(t, dict) and isinstance(_function(t).get("name"), str):
+                offered.append(t)
+            else:
+                raise UserError(f"{where}: tools[{i}] must be a tool object with a function name, or a "
+                                "built-in tool's name")
+        call = rec.get("call", rec.get("expected_call"))
+        if call is not None:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise UserError(f"{where}: \"call\" must be {{\"name\": ..., \"arguments\": {{...}}}}")
+            args = call.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    raise UserError(f"{where}: call.arguments is not a JSON object") from None
+            if not isinstance(args, dict):
+                raise UserError(f"{where}: call.arguments must be an object")
+            call = {"name": call["name"], "arguments": args}
+        answer = rec.get("answer")
+        if answer is not None and not isinstance(answer, (str, int, float)):
+            raise UserError(f"{where}: \"answer\" must be a string or a number")
+        results = rec.get("results", {})
+        if not isinstance(results, dict):
+            raise UserError(f"{where}: \"results\" must be an object of tool name -> result")
+        items.append(ToolItem(question, offered, call, None if answer is None else str(answer), results, where))
     if not items:
         raise UserError(f"{p}: holds no items; write one JSON object per line")
     return items

@@ -170,7 +170,7 @@ class Trainer:
                             f"{self.data.vocab_size}")
         # An attention kernel this device cannot run stops the run here, before anything is written.
         self.attention = attention_kernel(tc.sdpa_backend, self.device, self.dtype, cfg.model.head_dim,
-                                          masked=self.data.is_chat)
+                                          masked=self.data.segments)
         # [(set name, val split)] of the sets that have one (RL prompts: any held-out prompt is one to decode)
         self.tok_dir = _tokenizer_dir(self.data)
         # held-out data, benchmarks and degeneration samples: read now, so a bad task file stops the start

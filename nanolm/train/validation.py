@@ -135,7 +135,7 @@ class Validation:
             from nanolm.infer.engine import Engine
             engine = Engine(model, self.device)  # a copy of this step's weights, for decoding
         with compute():
-            results = evaluate_tasks(model, self.task_tok, self.tasks, chat_default=self.data.is_chat,
+            results = evaluate_tasks(model, self.task_tok, self.tasks, chat_default=self.data.segments,
                                      batch_size=tc.batch_size, device=self.device, engine=engine)
         out = task_metrics(results)
         if tc.degeneration_samples and self.val_sets:

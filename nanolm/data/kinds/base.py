@@ -16,18 +16,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanolm.data.formats import ReadStats
+from nanolm.data.formats import iter_pieces
+from nanolm.data.jsonl import ReadStats
 from nanolm.data.provenance import val_every
 from nanolm.data.shards import RENAMED_KINDS, Batch, Manifest, PackedData, SplitWriter, token_dtype
 from nanolm.errors import UserError
 from nanolm.progress import fmt_bytes, fmt_count, fmt_duration
 from nanolm.tokenizer import Tokenizer
 
+# What the batches of text windows and packed conversations are (`DataKind.mixes_as`): rows of next-token
+# inputs and targets of seq_len, which a curriculum or mixture can take from either.
+TOKEN_ROWS = "token rows"
 DEFAULT_MAX_TOKENS = 1024  # conversations longer than this are truncated (chat and preference data)
 
 Splits = dict[str, dict[str, Any]]  # the manifest's "splits": per split, what `SplitWriter.finish` gives and more
@@ -68,6 +72,38 @@ def get(name: str, where: str = "") -> type[DataKind]:
 def kinds_help() -> str:
     """`--format`'s help: each kind's name and what it reads."""
     return "; ".join(f"{k.name}: {k.help}" for k in _KINDS.values())
+
+
+def texts_help() -> str:
+    """`nanolm tokenizer train --format`'s help: each kind's name and what a tokenizer trains on from it."""
+    return "; ".join(f"{k.name}: {k.texts_help}" for k in _KINDS.values())
+
+
+def iter_texts(files: Sequence[Path], *, format: str = "text", skip_bad: bool = False,
+               stats: ReadStats | None = None) -> Iterator[str]:
+    """What a tokenizer trains on from `files` of kind `format` (`DataKind.texts`), in order, in pieces of
+    bounded size."""
+    return get(format).texts(files, skip_bad=skip_bad, stats=stats)
+
+
+def mix_refusal(a: type[DataKind], b: type[DataKind]) -> str:
+    """Why data of kinds a and b cannot be the sets of one stream (a curriculum or mixture), and the fix; "" when
+    they can (`DataKind.mixes_as`)."""
+    if a.mixes_as and a.mixes_as == b.mixes_as:
+        return ""
+    for kind in sorted((a, b), key=lambda k: bool(k.mixes_as)):  # a kind that trains alone says why first
+        if kind.mix_fix:
+            return kind.mix_fix
+    return f"{a.name} and {b.name} data cannot be mixed: train them in runs of their own"
+
+
+def stream_kind(kinds: Sequence[type[DataKind]]) -> type[DataKind]:
+    """The kind a stream of sets of these kinds (in order, mixable) trains as: their kind when they are one, else
+    the first whose batches carry segments (a text/chat mix trains as chat data: its batches may carry
+    segments, which the attention must keep apart), else the first."""
+    if len(set(kinds)) == 1:
+        return kinds[0]
+    return next((k for k in kinds if k.segments), kinds[0])
 
 
 # --- what prepare is given -----------------------------------------------------------
@@ -260,6 +296,14 @@ class DataKind:
     records_throughput: ClassVar[bool] = True  # the manifest records the run's throughput
     jsonl_only: ClassVar[str] = ""  # what its files must hold, when only .jsonl files can
     augments: ClassVar[bool] = False  # takes the SFT augmentations (system_ratio, empty_think_ratio)
+    # Its batches pack several documents in a row, each a segment (Batch.pos and .seg): attention keeps them apart.
+    segments: ClassVar[bool] = False
+    # What its batches are: kinds with the same value can be the sets of one curriculum or mixture ("": the kind
+    # trains alone); `mix_fix`: why it mixes with no other kind, and the fix, where it does not mix as TOKEN_ROWS.
+    mixes_as: ClassVar[str] = TOKEN_ROWS
+    mix_fix: ClassVar[str] = ""
+    unscorable: ClassVar[str] = ""  # why `nanolm eval` cannot score its data as text, and the fix ("": it can)
+    texts_help: ClassVar[str] = "the documents"  # what a tokenizer trains on from its files (`texts`)
 
     def __init__(self, cfg: PrepareConfig, tok: Tokenizer) -> None:
         for name in ("system_ratio", "empty_think_ratio"):
@@ -276,6 +320,17 @@ class DataKind:
     def units(cls, data: PackedData, seq_len: int) -> UnitKind:
         """The units the loader streams from a split of this kind, at seq_len."""
         raise NotImplementedError
+
+    # --- the tokenizer side
+
+    @classmethod
+    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
+              ) -> Iterator[str]:
+        """What a tokenizer for this kind trains on from `files`, in order, in pieces of bounded size: here the
+        documents of .txt and {"text": ...} .jsonl files."""
+        for f in files:
+            for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
+                yield piece.text
 
     # --- the prepare side
 

@@ -34,12 +34,13 @@ y[:, T - 1 + i].
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from nanolm.data.formats import iter_block_records
+from nanolm.data.jsonl import ReadStats
 from nanolm.data.kinds.base import DataKind, Splits
 from nanolm.data.provenance import val_every
 from nanolm.data.shards import IGNORE_INDEX, MANIFEST, SPLITS, Batch, Manifest, PackedData, SplitWriter
@@ -57,6 +58,9 @@ class BlocksKind(DataKind):
     noun = "block records"
     group = 2  # a record's input and output stay in one shard
     streams = records_throughput = False
+    mixes_as = ""  # rows of two blocks, read apart by a non-causal model
+    mix_fix = "block data trains alone: give it as the one data set of its run"
+    texts_help = "the inputs and outputs of block records (or their texts)"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -66,6 +70,15 @@ class BlocksKind(DataKind):
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> Blocks:
         return Blocks(data, seq_len)
+
+    @classmethod
+    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
+              ) -> Iterator[str]:
+        for f in files:
+            for (a, b), _ in iter_block_records(f, skip_bad=skip_bad, stats=stats):
+                yield a
+                if b is not None:
+                    yield b
 
     def options(self) -> dict[str, Any]:
         return {"format": self.name, "block_len": self.cfg.block_len, "val_fraction": self.cfg.val_fraction,

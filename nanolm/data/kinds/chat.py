@@ -45,14 +45,15 @@ import random
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from nanolm.chat import QWEN3, TARGET, Conversation, Message, Span, check_spelling, fit_conversation
 from nanolm.chat import encode_chats as encode_with_masks
-from nanolm.data.formats import ReadStats, iter_chat_records
+from nanolm.data.formats import iter_chat_records
+from nanolm.data.jsonl import ReadStats
 from nanolm.data.kinds.base import Chunk, DataKind, Order, Record, Splits, encode_batch, pinned
 from nanolm.data.shards import IGNORE_INDEX, Batch, Manifest, PackedData, SplitWriter, write_splits
 from nanolm.errors import UserError
@@ -96,6 +97,8 @@ class ChatKind(DataKind):
     masked = True
     jsonl_only = "chat data must be .jsonl (one conversation per line)"
     augments = True
+    segments = True  # a block packs whole conversations, each a segment
+    texts_help = "the tools offered and each message's reasoning, content and tool calls"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -110,6 +113,13 @@ class ChatKind(DataKind):
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> PackedConversations:
         return PackedConversations(data, seq_len)
+
+    @classmethod
+    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
+              ) -> Iterator[str]:
+        for f in files:
+            for conv, _ in iter_chat_records(f, skip_bad=skip_bad, stats=stats):
+                yield from conversation_texts(conv)
 
     def check_tokenizer(self) -> None:
         tok = self.tok
@@ -182,6 +192,20 @@ def _check_masks(data: PackedData) -> None:
     """UserError when a split of a masked kind carries no loss mask (its manifest lists none)."""
     if data.masks is None:
         raise UserError(data.no_mask(data.shard_entries()[0]["bin"]))
+
+
+def message_texts(m: Message) -> Iterator[str]:
+    """What a tokenizer trains on of a message: its reasoning, its content and its tool calls."""
+    yield from (t for t in (m.reasoning, m.content) if t)
+    for c in m.tool_calls:
+        yield f'{{"name": "{c.name}", "arguments": {c.arguments}}}'
+
+
+def conversation_texts(conv: Conversation) -> Iterator[str]:
+    """What a tokenizer trains on of a conversation: the tools it offers, then its messages' texts."""
+    yield from conv.tools
+    for m in conv.messages:
+        yield from message_texts(m)
 
 
 def conversation_chars(conv: Conversation) -> int:

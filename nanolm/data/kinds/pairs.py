@@ -37,16 +37,17 @@ much of the batches is padding.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from nanolm.chat import Conversation, fit_pair
-from nanolm.data.formats import ReadStats, iter_preference_records
+from nanolm.data.formats import iter_preference_records
+from nanolm.data.jsonl import ReadStats
 from nanolm.data.kinds.base import Chunk, Order, Record, Splits, pinned
-from nanolm.data.kinds.chat import ChatKind, Conversations, Documents, chat_state, conversation_chars, encode_spans, \
-    targets
+from nanolm.data.kinds.chat import ChatKind, Conversations, Documents, chat_state, conversation_chars, \
+    conversation_texts, encode_spans, message_texts, targets
 from nanolm.data.shards import MANIFEST, Batch, Manifest, PackedData, SplitWriter, write_splits
 from nanolm.errors import UserError
 from nanolm.progress import fmt_count
@@ -72,10 +73,23 @@ class PairsKind(ChatKind):
     noun = "preference pairs"
     group = 2  # a pair's two conversations stay in one shard
     jsonl_only = "preference data must be .jsonl (one pair per line)"
+    segments = False  # one conversation per row, padded at the end
+    mixes_as = "pairs"
+    mix_fix = "preference pairs cannot be combined with text or chat data: train them in a run of their own"
+    unscorable = "preference pairs (--format pairs) have no single text to score; evaluate on text or chat data"
+    texts_help = "the chosen conversation's texts (as chat), then the rejected reply's"
 
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> PreferencePairs:  # type: ignore[override]
         return PreferencePairs(data, seq_len)
+
+    @classmethod
+    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
+              ) -> Iterator[str]:
+        for f in files:
+            for (chosen, rejected), _ in iter_preference_records(f, skip_bad=skip_bad, stats=stats):
+                yield from conversation_texts(chosen)
+                yield from message_texts(rejected.messages[-1])
 
     def plan(self) -> str:
         return f"preference pairs, max {self.cfg.max_tokens} tokens per conversation, "

@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from nanolm.data.formats import iter_prompt_records
+from nanolm.data.jsonl import ReadStats, read_jsonl
 from nanolm.data.kinds.base import DataKind, Order, Splits
+from nanolm.data.kinds.chat import conversation_texts
 from nanolm.data.provenance import val_every
 from nanolm.data.shards import SPLITS, Manifest, PackedData, SplitWriter
 from nanolm.errors import UserError
@@ -45,6 +47,9 @@ class PromptsKind(DataKind):
     unit = rule_unit = "prompt"
     noun = "prompts"
     streams = records_throughput = False
+    mixes_as = "prompts"
+    mix_fix = "RL prompts cannot be combined with other kinds of data: train them in a run of their own"
+    texts_help = "the tools offered and each prompt message's text"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -54,6 +59,13 @@ class PromptsKind(DataKind):
     @classmethod
     def units(cls, data: PackedData, seq_len: int) -> Prompts:
         return Prompts(data, seq_len)
+
+    @classmethod
+    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
+              ) -> Iterator[str]:
+        for f in files:
+            for (conv, _), _ in iter_prompt_records(f, skip_bad=skip_bad, stats=stats):
+                yield from conversation_texts(conv)
 
     def options(self) -> dict[str, Any]:
         return {"format": self.name, "max_tokens": self.cfg.max_tokens, "val_fraction": self.cfg.val_fraction,
@@ -137,18 +149,13 @@ def read_records(data_dir: Path, split: str, n_docs: int) -> list[dict[str, Any]
         raise UserError(f"{path}: missing, so the prompts of {data_dir} have no records; run `nanolm prepare "
                         "--format prompts` again")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not JSON ({e.msg}); the data is damaged, run `nanolm prepare "
-                                "--format prompts` again") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or \
-                    not isinstance(rec.get("record"), dict):
-                raise UserError(f"{path}:{lineno}: not a prompt record ({{\"messages\", \"tools\", \"record\"}}); the "
-                                "data is damaged, run `nanolm prepare --format prompts` again")
-            out.append(rec)
+    damaged = "the data is damaged, run `nanolm prepare --format prompts` again"
+    for rec, lineno, _ in read_jsonl(path, fix=damaged):
+        if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or \
+                not isinstance(rec.get("record"), dict):
+            raise UserError(f"{path}:{lineno}: not a prompt record ({{\"messages\", \"tools\", \"record\"}}); "
+                            f"{damaged}")
+        out.append(rec)
     if len(out) != n_docs:
         raise UserError(f"{path}: {len(out)} records for {n_docs} prompts in the shards; the data is damaged, run "
                         "`nanolm prepare --format prompts` again")

@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from nanolm.data.formats import ReadStats, iter_pieces
+from nanolm.data.formats import iter_pieces
+from nanolm.data.jsonl import ReadStats
 from nanolm.data.kinds.base import Chunk, DataKind, Order, Record, encode_batch, pinned
 from nanolm.data.shards import Batch, PackedData, SplitWriter, write_splits
 
