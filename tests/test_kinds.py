@@ -288,3 +288,17 @@ def test_no_module_outside_the_kinds_names_a_kind():
         found += [f"{rel}:{line}: {name!r}" for line, name in uses]
     assert found == [], "kind names outside nanolm/data/kinds/:\n" + "\n".join(found)
     assert allowed_hit == set(ALLOWED), f"no longer names a kind, drop it from ALLOWED: {set(ALLOWED) - allowed_hit}"
+
+
+def test_each_built_in_kind_gives_a_tokenizer_its_texts(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "what is 2 + 2?"}], "answer": "4"})
+                       + "\n" + json.dumps({"prompt": "hi"}) + "\n", encoding="utf-8")
+    assert list(kinds.iter_texts([prompts], format="prompts")) == ["be brief", "what is 2 + 2?", "hi"]
+    blocks = tmp_path / "blocks.jsonl"
+    blocks.write_text(json.dumps({"input": "123", "output": "321"}) + "\n" + json.dumps({"text": "4567"}) + "\n",
+                      encoding="utf-8")
+    assert list(kinds.iter_texts([blocks], format="blocks")) == ["123", "321", "4567"]
+    with pytest.raises(UserError, match=r"prompts\.jsonl:1: no \"chosen\" field"):  # "dpo" reads as pairs
+        list(kinds.iter_texts([prompts], format="dpo"))
