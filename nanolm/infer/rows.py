@@ -95,13 +95,40 @@ class RowsTransformer(Transformer):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *args: torch.Tensor | None,
                 **kw: torch.Tensor | None) -> torch.Tensor:
-        """As Transformer.forward; with a cache of rows of different lengths (cache.lengths), `decode_rows`."""
+        """As Transformer.forward; with a cache of rows of different lengths (cache.lengths), `decode_rows`; one
+        token after a cache filled to cache.pos in eval mode, `decode_one`."""
+        plain = not any(a is not None for a in (*args, *kw.values()))
+        if (cache is not None and cache.lengths is None and idx.shape[1] == 1 and plain and not self.training
+                and self.config.causal):
+            return self.decode_one(idx, cache)
         if cache is None or cache.lengths is None:
             return super().forward(idx, cache, *args, **kw)
-        if any(a is not None for a in (*args, *kw.values())):
+        if not plain:
             raise ValueError("rows of different lengths decode one token each, with no positions, segments, "
                              "targets or picked positions")
         return self.decode_rows(idx, cache)
+
+    def decode_one(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per row after cache.pos (idx (B, 1) -> logits (B, 1, V)): the operations of the architecture's
+        decoding path, in its order (so the same logits, bit for bit), without what a 30-layer token paid for
+        nothing in eval mode: each block's and attention's module call, the dropouts, the training and masking
+        branches of Attention.forward."""
+        B, pos = idx.shape[0], cache.pos
+        if pos + 1 > self.config.max_seq_len:
+            raise ValueError(f"sequence of {pos + 1} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[pos:pos + 1], self.rope_sin[pos:pos + 1]  # (1, hs)
+        x = self._embed(idx)  # (B, 1, C)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # (B, n, 1, hs)
+            cache.k[i][:, :, pos:pos + 1] = k
+            cache.v[i][:, :, pos:pos + 1] = v
+            k, v = cache.k[i][:, :, :pos + 1], cache.v[i][:, :, :pos + 1]  # (B, nkv, S, hs)
+            y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, enable_gqa=attn.n_kv_head != attn.n_head)
+            x = x + attn.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, 1, attn.n_head * attn.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.pos += 1
+        return self._head(self.norm(x))  # (B, 1, V)
 
     def decode_rows(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per row after rows of different lengths (cache.lengths): idx (B, 1) -> logits (B, 1, V)."""
