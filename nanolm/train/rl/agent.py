@@ -116,10 +116,6 @@ class Trajectory:
     finished: bool = False
     generated: int = 0  # tokens the model drew (its stop ids not counted), against max_new_tokens
 
-    @property
-    def model_tokens(self) -> list[int]:
-        return [t for ids, mine in self.segments if mine for t in ids]
-
     def ids(self) -> list[int]:
         """The whole row: prompt, then every segment."""
         return self.prompt_ids + [t for ids, _ in self.segments for t in ids]
