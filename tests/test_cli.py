@@ -209,3 +209,31 @@ def test_serve_options_are_generated_from_its_settings(monkeypatch, capsys):
     from nanolm.errors import UserError
     with pytest.raises(UserError, match=r"^compile='yes': must be true or false$"):
         ServeConfig(compile="yes")
+
+
+def test_import_help_names_every_family_import_reads(capsys):
+    """`nanolm import --help` names what import reads: each transformers model_type's families (SmolLM2 is a
+    Llama, Qwen2.5 a Qwen2) and the GGUF architectures."""
+    from nanolm.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["import", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("a transformers checkpoint (Llama, SmolLM2, Qwen2, Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE) or a GGUF file "
+            "of a dense model (Llama, SmolLM2, Qwen2, Qwen2.5, Qwen3)") in text
+
+
+def test_quickstart_options_are_generated_from_its_config():
+    """`nanolm quickstart`'s options are QuickstartConfig's fields with its defaults; --model and --rl reach the
+    real model's quickstart through it, and a bad budget is one line naming the option."""
+    from nanolm.cli import build_parser
+    from nanolm.config.options import from_fields
+    from nanolm.errors import UserError
+    from nanolm.quickstart import QuickstartConfig
+    parser = build_parser()
+    assert from_fields(parser.parse_args(["quickstart"]), QuickstartConfig) == QuickstartConfig()
+    cfg = from_fields(parser.parse_args(["quickstart", "--model", "smollm2-135m-instruct", "--rl", "--bench-items",
+                                         "7", "--chat-corpora"]), QuickstartConfig)
+    assert (cfg.model, cfg.rl, cfg.bench_items, cfg.chat_corpora, cfg.out) == ("smollm2-135m-instruct", True, 7, (),
+                                                                               None)
+    with pytest.raises(UserError, match=r"^quickstart: --minutes must be > 0, got 0.0$"):
+        from_fields(parser.parse_args(["quickstart", "--minutes", "0"]), QuickstartConfig)
