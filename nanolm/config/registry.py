@@ -69,7 +69,10 @@ def find(name: str) -> StageSpec | None:
 
 def default_name() -> str:
     """The stage a configuration trains when none is named (the one registered with `default`)."""
-    return next(s.name for s in _registered().values() if s.default)
+    name = next((s.name for s in _registered().values() if s.default), None)
+    if name is None:
+        raise RuntimeError("no registered stage is the default one (a Stage with default = True)")
+    return name
 
 
 def sections() -> dict[str, type]:
