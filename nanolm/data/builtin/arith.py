@@ -38,17 +38,19 @@ from nanolm.io import write_text_atomic
 Problem = tuple[str, str, int]
 
 
-def _add(a: int, b: int, zh: bool) -> Problem:
-    q = f"小明有{a}个苹果，妈妈又给了他{b}个。他现在有几个苹果？" if zh else \
-        f"Tom has {a} apples. His mother gives him {b} more. How many apples does Tom have now?"
-    return q, f"{a} + {b} = {a + b}", a + b
+def _sum(zh: str, en: str) -> Callable[[int, int, bool], Problem]:
+    """A template of a + b: the question in Chinese and in English, each with {a} and {b} to fill."""
+    def problem(a: int, b: int, in_zh: bool) -> Problem:
+        return (zh if in_zh else en).format(a=a, b=b), f"{a} + {b} = {a + b}", a + b
+    return problem
 
 
-def _sub(a: int, b: int, zh: bool) -> Problem:
-    a, b = max(a, b), min(a, b)
-    q = f"书架上有{a}本书，借走了{b}本。还剩几本书？" if zh else \
-        f"A shelf holds {a} books. {b} books are borrowed. How many books are left on the shelf?"
-    return q, f"{a} - {b} = {a - b}", a - b
+def _difference(zh: str, en: str) -> Callable[[int, int, bool], Problem]:
+    """A template of the larger number less the smaller: the question in Chinese and in English, as `_sum`."""
+    def problem(a: int, b: int, in_zh: bool) -> Problem:
+        a, b = max(a, b), min(a, b)
+        return (zh if in_zh else en).format(a=a, b=b), f"{a} - {b} = {a - b}", a - b
+    return problem
 
 
 def _mul(a: int, b: int, zh: bool) -> Problem:
@@ -64,37 +66,24 @@ def _add_sub(a: int, b: int, c: int, zh: bool) -> Problem:
     return q, f"{a} + {b} = {a + b}, {a + b} - {c} = {a + b - c}", a + b - c
 
 
-def _add2(a: int, b: int, zh: bool) -> Problem:
-    q = f"小红有{a}块糖，又买了{b}块。她一共有几块糖？" if zh else \
-        f"Anna has {a} sweets and buys {b} more. How many sweets does Anna have in all?"
-    return q, f"{a} + {b} = {a + b}", a + b
-
-
-def _sub2(a: int, b: int, zh: bool) -> Problem:
-    a, b = max(a, b), min(a, b)
-    q = f"树上有{a}只鸟，飞走了{b}只。树上还有几只鸟？" if zh else \
-        f"There are {a} birds in a tree and {b} fly away. How many birds are still in the tree?"
-    return q, f"{a} - {b} = {a - b}", a - b
-
-
-def _add3(a: int, b: int, zh: bool) -> Problem:
-    q = f"院子里有{a}只鸡，又跑来{b}只。现在院子里有几只鸡？" if zh else \
-        f"A farm has {a} hens and {b} more hens arrive. How many hens are on the farm now?"
-    return q, f"{a} + {b} = {a + b}", a + b
-
-
-def _sub3(a: int, b: int, zh: bool) -> Problem:
-    a, b = max(a, b), min(a, b)
-    q = f"盘子里有{a}个饺子，吃掉了{b}个。盘子里还剩几个饺子？" if zh else \
-        f"A plate has {a} cookies and {b} are eaten. How many cookies are left on the plate?"
-    return q, f"{a} - {b} = {a - b}", a - b
-
-
-TWO: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _mul]
-THREE: list[Callable[[int, int, int, bool], Problem]] = [_add_sub]
 # level "easy": one sum or difference of two numbers (single digits by default), in three templates each, so a
-# small model learns part of it in a short SFT and RL has mixed groups to learn from
-EASY: list[Callable[[int, int, bool], Problem]] = [_add, _sub, _add2, _sub2, _add3, _sub3]
+# small model learns part of it in a short SFT and RL has mixed groups to learn from. The order is the draw's.
+EASY: list[Callable[[int, int, bool], Problem]] = [make(zh, en) for make, zh, en in [
+    (_sum, "小明有{a}个苹果，妈妈又给了他{b}个。他现在有几个苹果？",
+     "Tom has {a} apples. His mother gives him {b} more. How many apples does Tom have now?"),
+    (_difference, "书架上有{a}本书，借走了{b}本。还剩几本书？",
+     "A shelf holds {a} books. {b} books are borrowed. How many books are left on the shelf?"),
+    (_sum, "小红有{a}块糖，又买了{b}块。她一共有几块糖？",
+     "Anna has {a} sweets and buys {b} more. How many sweets does Anna have in all?"),
+    (_difference, "树上有{a}只鸟，飞走了{b}只。树上还有几只鸟？",
+     "There are {a} birds in a tree and {b} fly away. How many birds are still in the tree?"),
+    (_sum, "院子里有{a}只鸡，又跑来{b}只。现在院子里有几只鸡？",
+     "A farm has {a} hens and {b} more hens arrive. How many hens are on the farm now?"),
+    (_difference, "盘子里有{a}个饺子，吃掉了{b}个。盘子里还剩几个饺子？",
+     "A plate has {a} cookies and {b} are eaten. How many cookies are left on the plate?"),
+]]
+TWO: list[Callable[[int, int, bool], Problem]] = [EASY[0], EASY[1], _mul]  # the apples and the books
+THREE: list[Callable[[int, int, int, bool], Problem]] = [_add_sub]
 LEVELS = {"easy": 9, "standard": 20}  # level -> default max_number
 
 
