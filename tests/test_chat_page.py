@@ -41,13 +41,15 @@ def test_the_page_and_its_files_are_public_plain_and_under_a_strict_csp(engine, 
         # Everything the page loads is one of the server's own files, named relative to the page.
         assert re.findall(r'(?:src|href)="([^"]*)"', page.text) == ["static/chat.css", "static/chat.js"]
         assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page.text
-        for name, kind in (("chat.js", "text/javascript"), ("chat.css", "text/css")):
+        for name, kind in (("chat.js", "text/javascript"), ("chatui.js", "text/javascript"),
+                           ("chat.css", "text/css")):
             r = httpx.get(f"{url}/static/{name}", timeout=30)
             assert r.status_code == 200 and r.headers["content-type"] == f"{kind}; charset=utf-8"
             assert r.headers["content-security-policy"] == CSP
             assert not re.search(r"https?:|//[a-z]|url\(|@import", r.text), name  # nothing from elsewhere
-        script = httpx.get(url + "/static/chat.js", timeout=30).text
-        assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(", script)
+        for name in ("chat.js", "chatui.js"):
+            script = httpx.get(f"{url}/static/{name}", timeout=30).text
+            assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(", script), name
         for name in ("chat.html", "nothing.js", "..%2Fpage.py"):
             r = httpx.get(f"{url}/static/{name}", timeout=30)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", name

@@ -60,8 +60,8 @@ def folder(tmp_path_factory, run, runtime) -> Path:
 
 def test_the_folder_holds_the_page_model_and_verified_runtime(folder, run):
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-    assert files == ["_headers", "chat.css", CONFIG_FILE, "index.html", GGUF_FILE, "web.css", "web.js",
-                     "wllama/LICENCE", "wllama/compat/wllama.js", "wllama/compat/wllama.wasm", "wllama/index.js",
+    assert files == ["_headers", "chat.css", "chatui.js", CONFIG_FILE, "index.html", GGUF_FILE, "web.css",
+                     "web.js", "wllama/LICENCE", "wllama/compat/wllama.js", "wllama/compat/wllama.wasm", "wllama/index.js",
                      "wllama/wllama.wasm"]
     for rel, sha in runtime_files().items():
         assert web._sha256(folder / "wllama" / rel) == sha
@@ -76,7 +76,7 @@ def test_the_folder_holds_the_page_model_and_verified_runtime(folder, run):
     assert (folder / GGUF_FILE).read_bytes() == export_gguf(run, folder.parent / "m.gguf", outtype="f32",
                                                             quiet=True).read_bytes()
     # nothing in the page names another origin
-    for name in ("index.html", "web.js", "web.css", "chat.css"):
+    for name in ("index.html", "web.js", "web.css", "chat.css", "chatui.js"):
         assert not re.search(r"https?://|//[a-z]|@import", (folder / name).read_text(encoding="utf-8")), name
     assert "MIT License" in (folder / "wllama" / "LICENCE").read_text(encoding="utf-8")
 
@@ -292,8 +292,8 @@ def test_a_chat_through_the_form_sends_nanolm_s_prompt_and_nothing_leaves_the_fo
     assert {u for u in urls if not u.startswith((base, "blob:", "data:"))} == set()
     assert outside.of(base) == []  # the page's worker included
     # what the page and its worker asked the folder's server for: its own files
-    assert {"/", "/web.js", "/chat.css", "/web.css", "/config.json", "/wllama/index.js", "/wllama/wllama.wasm",
-            "/" + GGUF_FILE} <= set(paths)
+    assert {"/", "/web.js", "/chatui.js", "/chat.css", "/web.css", "/config.json", "/wllama/index.js",
+            "/wllama/wllama.wasm", "/" + GGUF_FILE} <= set(paths)
     # (the browser asks for /favicon.ico of its own accord; the folder has none)
     assert [p for p in paths if not (folder / p.lstrip("/")).is_file() and p not in ("/", "/favicon.ico")] == []
     # and the check can fail: a request for another host does reach the recorder

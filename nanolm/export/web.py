@@ -3,7 +3,8 @@
 `nanolm export web RUN OUT` writes
 
     OUT/index.html, web.js, web.css   the page (nanolm/export/web_static/)
-    OUT/chat.css                      the look of `nanolm serve`'s chat page, copied from there (one owner)
+    OUT/chat.css, chatui.js           the look of `nanolm serve`'s chat page and the script both pages share,
+                                      copied from there (one owner)
     OUT/config.json                   the model's name, file, checksum, chat layout, stops and sampling defaults
     OUT/model.gguf                    the model as GGUF (`nanolm.export.gguf.write_gguf`, q8_0 by default)
     OUT/wllama/                       llama.cpp's WebAssembly build: @wllama/wllama's ES module and .wasm,
@@ -69,7 +70,7 @@ GGUF_FILE = "model.gguf"
 CONFIG_FILE = "config.json"
 RUNTIME_DIR = "wllama"
 PAGE_FILES = ("index.html", "web.js", "web.css")  # in nanolm/export/web_static/
-CHAT_CSS = "chat.css"  # the server chat page's stylesheet, copied beside them
+SHARED_FILES = ("chat.css", "chatui.js")  # the server chat page's stylesheet and shared script, copied beside them
 # Cross-origin isolation, which browsers require before a page may share memory between threads (wllama's
 # multi-threaded build); without it the page runs on one thread.
 ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
@@ -283,7 +284,9 @@ def export_web(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ad
         copy_runtime(tmp / RUNTIME_DIR, quiet=quiet)
         for name in PAGE_FILES:
             write_bytes_atomic(tmp / name, (static / name).read_bytes())
-        write_bytes_atomic(tmp / CHAT_CSS, (resources.files("nanolm.infer.server") / "static" / CHAT_CSS).read_bytes())
+        shared = resources.files("nanolm.infer.server") / "static"
+        for name in SHARED_FILES:
+            write_bytes_atomic(tmp / name, (shared / name).read_bytes())
         config = page_config(name=run_name(ckpt_dir), gguf_sha256=_sha256(tmp / GGUF_FILE),
                              gguf_bytes=(tmp / GGUF_FILE).stat().st_size, layout=layout,
                              context_length=model.config.max_seq_len, sampling=sampling, system=system)

@@ -6,20 +6,18 @@
 // two), and asks llama.cpp for a raw completion of it, streamed. A tokenizer's own Jinja template
 // ("template") is rendered by llama.cpp's Jinja engine through its chat completion. Each turn sends the
 // whole conversation; llama.cpp reuses the cached prefix. The model's output, like everything the user types,
-// is only ever put on the page as text, never parsed as HTML.
+// is only ever put on the page as text, never parsed as HTML. What it shares with `nanolm serve`'s chat page is
+// in chatui.js, copied from there.
 import {Wllama} from "./wllama/index.js";
+import {$, Shown, addMessage, addStats, clearError, dropTurn, reasoningOf, setBusy, showError, speed, state,
+  wireComposer} from "./chatui.js";
 
-const $ = (id) => document.getElementById(id);
 const SAMPLING = ["temperature", "top_k", "top_p", "max_tokens", "seed", "repeat_penalty"];  // config.sampling's
 const IM_START = "<|im_start|>", IM_END = "<|im_end|>", THINK = "<think>", THINK_END = "</think>";
 
 let config = null;  // config.json
 let wllama = null;
-let history = [];  // the conversation so far: {role, content, reasoning?} without the system prompt
-let last = null;  // the last exchange: {start: its index in history, content: the user's message, elements}
-let controller = null;  // aborts the reply being streamed
-
-class Shown extends Error {}  // a failure already worded for the user
+// state.history holds {role, content, reasoning?} messages.
 
 const here = (path) => new URL(path, location.href).href;
 
@@ -40,63 +38,6 @@ function renderPrompt(messages, thinking = false, layout = config.layout) {
   text += IM_START + "assistant\n";
   if (layout === "qwen3") text += THINK + "\n" + (thinking ? "" : "\n" + THINK_END + "\n\n");
   return text;
-}
-
-function showError(text) {
-  $("error").textContent = text;
-  $("error").hidden = false;
-}
-
-function clearError() {
-  $("error").hidden = true;
-  $("error").textContent = "";
-}
-
-// One message on the page; returns its element and the text node that a streamed reply grows.
-function addMessage(role, content) {
-  const el = document.createElement("div");
-  el.className = "msg " + role;
-  const text = document.createElement("div");
-  text.className = "text";
-  const node = document.createTextNode(content);
-  text.append(node);
-  el.append(text);
-  $("log").append(el);
-  $("log").scrollTop = $("log").scrollHeight;
-  return {el, node};
-}
-
-// The folded reasoning of a reply, made at its first piece: a <details> above the answer's text.
-function reasoningOf(reply) {
-  if (!reply.thought) {
-    const details = document.createElement("details");
-    details.className = "reasoning";
-    const summary = document.createElement("summary");
-    summary.textContent = "Reasoning";
-    const text = document.createElement("div");
-    text.className = "thought";
-    reply.thought = document.createTextNode("");
-    text.append(reply.thought);
-    details.append(summary, text);
-    reply.el.prepend(details);
-  }
-  return reply.thought;
-}
-
-function addStats(reply, line) {
-  const stats = document.createElement("div");
-  stats.className = "stats";
-  stats.textContent = line;
-  reply.el.append(stats);
-}
-
-function speed(tokens, seconds) {
-  let line = tokens + " tokens";
-  if (tokens > 1 && seconds > 0) {  // one token has no time to be measured over
-    line += " in " + seconds.toFixed(2) + " s from the first token to the end: " +
-      (tokens / seconds).toFixed(1) + " tokens/s";
-  }
-  return line;
 }
 
 // The request's sampling fields: those filled in, as llama.cpp names them (a field left empty: llama.cpp's
@@ -179,7 +120,7 @@ class ThinkSplitter {
 }
 
 async function ask(content) {
-  const conversation = history;  // "New chat" replaces it: a reply still arriving then goes nowhere
+  const conversation = state.history;  // "New chat" replaces it: a reply still arriving then goes nowhere
   clearError();
   const user = addMessage("user", content);
   const reply = addMessage("assistant", "");
@@ -189,78 +130,41 @@ async function ask(content) {
     {role: "user", content}];
   const thinking = config.layout === "qwen3" && $("thinking").checked;
   const splitter = new ThinkSplitter(reply, thinking);
-  controller = new AbortController();
+  state.controller = new AbortController();
   setBusy(true);
   try {
     let out;
     if (config.layout === "template") {
       out = await chatComplete(messages.map(({role, content}) => ({role, content})), sampling(),
-        (piece) => splitter.push(piece), controller.signal);
+        (piece) => splitter.push(piece), state.controller.signal);
     } else {
       const prompt = renderPrompt(messages, thinking);
       window.nanolmWeb.lastPrompt = prompt;
-      out = await complete(prompt, sampling(), (piece) => splitter.push(piece), controller.signal);
+      out = await complete(prompt, sampling(), (piece) => splitter.push(piece), state.controller.signal);
     }
     const seconds = out.first === null ? 0 : (performance.now() - out.first) / 1000;
     addStats(reply, speed(out.tokens, seconds));
     const {content: answer, reasoning} = splitter.message(thinking);
     conversation.push({role: "user", content}, {role: "assistant", content: answer, reasoning});
-    last = {start: conversation.length - 2, content, elements};
+    state.last = {start: conversation.length - 2, content, elements};
   } catch (e) {
     if (e.name === "AbortError") {
       // Stopped: what came is kept; the chat format has no empty reply, so nothing is kept without text.
       const {content: answer, reasoning} = splitter.message(thinking);
       if (answer.trim() || reasoning.trim()) {
         conversation.push({role: "user", content}, {role: "assistant", content: answer, reasoning});
-        last = {start: conversation.length - 2, content, elements};
+        state.last = {start: conversation.length - 2, content, elements};
       } else {
-        last = null;
+        state.last = null;
       }
       addStats(reply, "stopped");
     } else {
-      // Nothing of this turn is kept: the message goes back into the box, to send again.
-      for (const element of elements) element.remove();
-      if (!$("input").value) $("input").value = content;
-      showError(e instanceof Shown ? e.message : "The model failed: " + e.message);
+      dropTurn(e, elements, content, "The model failed: ");
     }
   } finally {
-    controller = null;
+    state.controller = null;
     setBusy(false);
   }
-}
-
-async function send(event) {
-  event.preventDefault();
-  const content = $("input").value;
-  if (!content.trim() || controller || !wllama) return;
-  $("input").value = "";
-  await ask(content);
-}
-
-// The last reply asked for again: its turn dropped, the same user message sent.
-async function regenerate() {
-  if (controller || last === null || history.length === 0) return;
-  const {start, content, elements} = last;
-  history.length = start;
-  for (const element of elements) element.remove();
-  last = null;
-  await ask(content);
-}
-
-function setBusy(busy) {
-  $("send").hidden = busy;
-  $("stop").hidden = !busy;
-  $("regenerate").disabled = busy || last === null;
-}
-
-function newChat() {
-  if (controller) controller.abort();
-  history = [];
-  last = null;
-  $("regenerate").disabled = true;
-  $("log").replaceChildren();
-  clearError();
-  $("input").focus();
 }
 
 // The model file, downloaded once: kept in wllama's cache (the origin's private file system) where the
@@ -323,14 +227,5 @@ window.nanolmWeb = {
   complete: async (prompt, options) => complete(prompt, options, () => {}),
 };
 
-$("composer").addEventListener("submit", send);
-$("stop").addEventListener("click", () => controller && controller.abort());
-$("new").addEventListener("click", newChat);
-$("regenerate").addEventListener("click", regenerate);
-$("input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
-    e.preventDefault();
-    $("composer").requestSubmit();
-  }
-});
+wireComposer(ask, () => wllama !== null);
 start();

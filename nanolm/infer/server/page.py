@@ -1,11 +1,12 @@
-"""The chat web page of `nanolm serve`: `GET /` and the two files it loads, shipped in static/.
+"""The chat web page of `nanolm serve`: `GET /` and the files it loads, shipped in static/.
 
 Plain HTML, CSS and JavaScript with no build step and nothing fetched from anywhere else. The page is
 a client of the same /v1 API as any other (it streams /v1/chat/completions, and has the server run calls of
 its built-in tools through /v1/tools/run, never anything the model wrote as code); it needs no API key to be
 loaded, and the user types the key, if the server has one, into the page. The Content-Security-Policy
 lets the page load and connect to this server only and run no inline script, a second line of defence:
-chat.js only ever sets the model's output as text, so it cannot run as code.
+chat.js and chatui.js (what it shares with `nanolm export web`'s page) only ever set the model's output as
+text, so it cannot run as code.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from starlette.exceptions import HTTPException
 CSP = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 # The files under /static/ and their content types; nothing else in the package is served.
-STATIC_TYPES = {"chat.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8"}
+STATIC_TYPES = {"chat.js": "text/javascript; charset=utf-8", "chatui.js": "text/javascript; charset=utf-8",
+                "chat.css": "text/css; charset=utf-8"}
 
 
 def _read(name: str) -> bytes:

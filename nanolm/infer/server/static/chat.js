@@ -6,37 +6,23 @@
 // the model wrote as code), and the results go back as `tool` messages for the model to continue, up to
 // MAX_ROUNDS times a turn. With Thinking on, the reasoning streams into a folded <details> apart from the
 // answer. The model's output, like everything the user types, is only ever put on the page as text (text
-// nodes, textContent), never parsed as HTML.
-"use strict";
+// nodes, textContent), never parsed as HTML. What it shares with `nanolm export web`'s page is in chatui.js.
+import {$, Shown, addMessage, addStats, clearError, dropTurn, reasoningOf, setBusy, showError, speed, state,
+  wireComposer} from "./chatui.js";
 
-const $ = (id) => document.getElementById(id);
 const SAMPLING = ["temperature", "top_p", "max_tokens", "seed", "repetition_penalty"];  // input ids, named as the request fields
 
 const MAX_ROUNDS = 5;  // continuations after tool results in one turn, as `nanolm chat --max-tool-rounds`
 
-let history = [];  // the conversation so far: OpenAI messages (tool calls and results too), without the system prompt
-let last = null;  // the last exchange: {start: its index in history, content: the user's message, elements}
+// state.history holds OpenAI messages (tool calls and results too).
 let builtins = [];  // OpenAI tool objects, from GET /v1/tools/builtin
-let controller = null;  // aborts the reply being streamed
 let modelName = null;  // from GET /v1/models
-
-class Shown extends Error {}  // a failure already worded for the user
 
 function headers() {
   const h = {"Content-Type": "application/json"};
   const key = $("key").value.trim();
   if (key) h.Authorization = "Bearer " + key;
   return h;
-}
-
-function showError(text) {
-  $("error").textContent = text;
-  $("error").hidden = false;
-}
-
-function clearError() {
-  $("error").hidden = true;
-  $("error").textContent = "";
 }
 
 // A failed response as one readable line: the message of OpenAI's error body when there is one.
@@ -96,44 +82,6 @@ function offered() {
   return builtins.filter((tool) => names.includes(tool.function.name));
 }
 
-// One message on the page; returns its element and the text node that a streamed reply grows.
-function addMessage(role, content) {
-  const el = document.createElement("div");
-  el.className = "msg " + role;
-  const text = document.createElement("div");
-  text.className = "text";
-  const node = document.createTextNode(content);
-  text.append(node);
-  el.append(text);
-  $("log").append(el);
-  $("log").scrollTop = $("log").scrollHeight;
-  return {el, node};
-}
-
-// The folded reasoning of a reply, made at its first piece: a <details> above the answer's text.
-function reasoningOf(reply) {
-  if (!reply.thought) {
-    const details = document.createElement("details");
-    details.className = "reasoning";
-    const summary = document.createElement("summary");
-    summary.textContent = "Reasoning";
-    const text = document.createElement("div");
-    text.className = "thought";
-    reply.thought = document.createTextNode("");
-    text.append(reply.thought);
-    details.append(summary, text);
-    reply.el.prepend(details);
-  }
-  return reply.thought;
-}
-
-function addStats(reply, line) {
-  const stats = document.createElement("div");
-  stats.className = "stats";
-  stats.textContent = line;
-  reply.el.append(stats);
-}
-
 // The `data:` payloads of a server-sent event stream, parsed, up to [DONE].
 async function* events(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -174,19 +122,10 @@ function request(messages) {
   return body;
 }
 
-function speed(tokens, seconds) {
-  let line = tokens + " tokens";
-  if (tokens > 1 && seconds > 0) {  // one token has no time to be measured over
-    line += " in " + seconds.toFixed(2) + " s from the first token to the end: " +
-      (tokens / seconds).toFixed(1) + " tokens/s";
-  }
-  return line;
-}
-
 // One reply streamed into the page: {content, reasoning, calls (OpenAI tool_calls), usage, first}.
 async function stream(messages, reply) {
   const response = await fetch("v1/chat/completions", {
-    method: "POST", headers: headers(), body: JSON.stringify(request(messages)), signal: controller.signal,
+    method: "POST", headers: headers(), body: JSON.stringify(request(messages)), signal: state.controller.signal,
   });
   if (!response.ok) throw new Shown(await errorText(response));
   const out = {content: "", reasoning: "", calls: [], usage: null, first: null};
@@ -220,7 +159,7 @@ async function stream(messages, reply) {
 // A call of a built-in tool, run by the server; its result text.
 async function runTool(call) {
   const response = await fetch("v1/tools/run", {
-    method: "POST", headers: headers(), signal: controller.signal,
+    method: "POST", headers: headers(), signal: state.controller.signal,
     body: JSON.stringify({name: call.function.name, arguments: call.function.arguments}),
   });
   if (!response.ok) throw new Shown(await errorText(response));
@@ -241,12 +180,12 @@ function kept(turn) {
 }
 
 async function ask(content) {
-  const conversation = history;  // "New chat" replaces it: a reply still arriving then goes nowhere
+  const conversation = state.history;  // "New chat" replaces it: a reply still arriving then goes nowhere
   clearError();
   const elements = [addMessage("user", content).el];
   const turn = [{role: "user", content}];
   const names = new Set(offered().map((tool) => tool.function.name));
-  controller = new AbortController();
+  state.controller = new AbortController();
   setBusy(true);
   let out = null;
   try {
@@ -275,7 +214,7 @@ async function ask(content) {
       }
     }
     conversation.push(...turn);
-    last = {start: conversation.length - turn.length, content, elements};
+    state.last = {start: conversation.length - turn.length, content, elements};
   } catch (e) {
     if (e.name === "AbortError") {
       // Stopped: what came is kept, and the server has stopped generating it.
@@ -283,63 +222,17 @@ async function ask(content) {
       if (out === null && partial.trim()) turn.push({role: "assistant", content: partial});
       const keep = kept(turn);
       conversation.push(...keep);
-      last = keep.length ? {start: conversation.length - keep.length, content, elements} : null;
+      state.last = keep.length ? {start: conversation.length - keep.length, content, elements} : null;
       addStats({el: elements.at(-1)}, "stopped");
     } else {
-      // Nothing of this turn is kept: the message goes back into the box, to send again.
-      for (const element of elements) element.remove();
-      if (!$("input").value) $("input").value = content;
-      showError(e instanceof Shown ? e.message : "The request failed: " + e.message);
+      dropTurn(e, elements, content, "The request failed: ");
     }
   } finally {
-    controller = null;
+    state.controller = null;
     setBusy(false);
   }
 }
 
-async function send(event) {
-  event.preventDefault();
-  const content = $("input").value;
-  if (!content.trim() || controller) return;
-  $("input").value = "";
-  await ask(content);
-}
-
-// The last reply asked for again: its assistant and tool turns dropped, the same user message sent.
-async function regenerate() {
-  if (controller || last === null || history.length === 0) return;
-  const {start, content, elements} = last;
-  history.length = start;
-  for (const element of elements) element.remove();
-  last = null;
-  await ask(content);
-}
-
-function setBusy(busy) {
-  $("send").hidden = busy;
-  $("stop").hidden = !busy;
-  $("regenerate").disabled = busy || last === null;
-}
-
-function newChat() {
-  if (controller) controller.abort();
-  history = [];
-  last = null;
-  $("regenerate").disabled = true;
-  $("log").replaceChildren();
-  clearError();
-  $("input").focus();
-}
-
-$("composer").addEventListener("submit", send);
-$("stop").addEventListener("click", () => controller && controller.abort());
-$("new").addEventListener("click", newChat);
-$("regenerate").addEventListener("click", regenerate);
+wireComposer(ask);
 $("key").addEventListener("change", loadModel);
-$("input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
-    e.preventDefault();
-    $("composer").requestSubmit();
-  }
-});
 loadModel();
