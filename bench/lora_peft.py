@@ -17,6 +17,9 @@ mark, and that mark less the memory after imports, before the model is built).
     PYTHONPATH=. python bench/lora_peft.py --rounds 3 --steps 3 --seq-len 256
 
 Prints one line per process and a JSON summary (medians) as its last line.
+
+The same on a real model (SmolLM2-135M-Instruct's weights, sequences 256 and 512, against the matmul ceiling):
+bench/lora_real.py.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 QWEN25_05B = dict(vocab=151_936, hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, ffn=4864)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,6 +46,8 @@ def current_rss_mib() -> float:
 
 def child(args: argparse.Namespace) -> None:
     import torch
+
+    from lora_real import timed_steps  # bench/, beside this
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     s = {**QWEN25_05B, "layers": args.layers}
@@ -91,20 +95,11 @@ def child(args: argparse.Namespace) -> None:
     seq = torch.randint(0, s["vocab"], (args.batch, args.seq_len + 1), generator=gen)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
-    times = []
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        with autocast:
-            loss = loss_of(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(loss_of, opt, x, y, autocast, args.warmup, args.steps)
     step_s = statistics.median(times)
     print(json.dumps({"variant": args.variant, "step_s": step_s, "tokens_per_s": args.batch * args.seq_len / step_s,
                       "peak_mib": peak_rss_mib(), "peak_over_imports_mib": peak_rss_mib() - base_mib,
-                      "trainable": sum(p.numel() for p in trainable), "loss": float(loss)}), flush=True)
+                      "trainable": sum(p.numel() for p in trainable), "loss": losses[-1]}), flush=True)
 
 
 def main() -> None:
