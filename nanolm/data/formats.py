@@ -308,6 +308,26 @@ def _records(path: Path, parse: Callable[[Any], Any], skip_bad: bool,
     return ((r.value, r.nbytes) for r in read_jsonl(path, parse, skip_bad=skip_bad, stats=stats))
 
 
+def _jsonl_path(path: Path, what: str, example: str, fix: str = "convert it") -> Path:
+    """`path` as a Path, if its suffix is .jsonl; else the UserError saying that `what` must be one (`example`:
+    what its lines hold) and `fix`."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        raise UserError(f"{path}: {what} must be a .jsonl file ({example}), not {path.suffix or '(no suffix)'!r}; "
+                        f"{fix}")
+    return path
+
+
+def _format_checked(parse: Callable[[Any], Any], fmt: ChatFormat | None, tokenizer: str,
+                    conversation: Callable[[Any], Conversation] = lambda record: record) -> Callable[[Any], Any]:
+    """`parse`, then the check that `fmt` can render the parsed record's conversation (`conversation(record)`)."""
+    def checked(obj: Any) -> Any:
+        record = parse(obj)
+        _check_format(fmt, tokenizer, conversation(record))
+        return record
+    return checked
+
+
 def _iter_jsonl_text(path: Path, skip_bad: bool, stats: ReadStats) -> Iterator[Piece]:
     for text, nbytes in _records(path, _text_of, skip_bad, stats):
         if not text:
@@ -390,18 +410,9 @@ def iter_chat_records(path: Path, *, skip_bad: bool = False, stats: ReadStats | 
     fmt: the chat layout the data is for (that of `tokenizer`): a conversation it cannot render (tools with the
     plain ChatML of old tokenizers) is a bad line.
     """
-    path = Path(path)
-    stats = stats if stats is not None else ReadStats()
-    if path.suffix.lower() != ".jsonl":
-        raise UserError(f"{path}: chat data must be a .jsonl file (one conversation per line, e.g. "
-                        f'{{"conversations": [...]}}), not {path.suffix or "(no suffix)"!r}; '
-                        "convert it, or prepare it with --format text")
-
-    def parse(obj: Any) -> Conversation:
-        conv = _conversation_of(obj)
-        _check_format(fmt, tokenizer, conv)
-        return conv
-    return _records(path, parse, skip_bad, stats)
+    path = _jsonl_path(path, "chat data", 'one conversation per line, e.g. {"conversations": [...]}',
+                       "convert it, or prepare it with --format text")
+    return _records(path, _format_checked(_conversation_of, fmt, tokenizer), skip_bad, stats)
 
 
 def _check_format(fmt: ChatFormat | None, tokenizer: str, conv: Conversation) -> None:
@@ -426,17 +437,8 @@ def iter_preference_records(path: Path, *, skip_bad: bool = False, stats: ReadSt
                             ) -> Iterator[tuple[tuple[Conversation, Conversation], int]]:
     """((chosen, rejected), bytes of the file read since the previous one) for each pair of a .jsonl file;
     fmt as for `iter_chat_records`."""
-    path = Path(path)
-    stats = stats if stats is not None else ReadStats()
-    if path.suffix.lower() != ".jsonl":
-        raise UserError(f"{path}: preference data must be a .jsonl file (one pair per line, e.g. "
-                        f'{{"chosen": [...], "rejected": [...]}}), not {path.suffix or "(no suffix)"!r}; convert it')
-
-    def parse(obj: Any) -> tuple[Conversation, Conversation]:
-        pair = _pair_of(obj)
-        _check_format(fmt, tokenizer, pair[0])
-        return pair
-    return _records(path, parse, skip_bad, stats)
+    path = _jsonl_path(path, "preference data", 'one pair per line, e.g. {"chosen": [...], "rejected": [...]}')
+    return _records(path, _format_checked(_pair_of, fmt, tokenizer, lambda pair: pair[0]), skip_bad, stats)
 
 
 def iter_preferences(path: Path, *, skip_bad: bool = False, stats: ReadStats | None = None
@@ -494,17 +496,8 @@ def iter_prompt_records(path: Path, *, skip_bad: bool = False, stats: ReadStats 
                         ) -> Iterator[tuple[tuple[Conversation, dict[str, Any]], int]]:
     """((prompt conversation, record), bytes read since the previous one) for each RL prompt of a .jsonl file;
     fmt as for `iter_chat_records`."""
-    path = Path(path)
-    stats = stats if stats is not None else ReadStats()
-    if path.suffix.lower() != ".jsonl":
-        raise UserError(f"{path}: RL prompts must be a .jsonl file (one prompt per line, e.g. "
-                        f'{{"prompt": "...", "answer": "..."}}), not {path.suffix or "(no suffix)"!r}; convert it')
-
-    def parse(obj: Any) -> tuple[Conversation, dict[str, Any]]:
-        conv, record = _prompt_of(obj)
-        _check_format(fmt, tokenizer, conv)
-        return conv, record
-    return _records(path, parse, skip_bad, stats)
+    path = _jsonl_path(path, "RL prompts", 'one prompt per line, e.g. {"prompt": "...", "answer": "..."}')
+    return _records(path, _format_checked(_prompt_of, fmt, tokenizer, lambda pair: pair[0]), skip_bad, stats)
 
 
 _BLOCK_SHAPE = '{"input": "...", "output": "..."} or, cut at --block-len, {"text": "..."}'
@@ -543,10 +536,7 @@ def iter_block_records(path: Path, *, skip_bad: bool = False, stats: ReadStats |
     """(record, bytes read since the previous one) for each record of a .jsonl file of blocks (`nanolm prepare
     --format blocks`): (input, output) or, for Nano's layout, (text, None); with `encode`, (input ids, output
     ids), a text cut at block_len tokens, each checked to fit block_len (0: any length; a text needs one)."""
-    path = Path(path)
-    if path.suffix.lower() != ".jsonl":
-        raise UserError(f"{path}: block records must be a .jsonl file (one record per line, {_BLOCK_SHAPE}), not "
-                        f"{path.suffix or '(no suffix)'!r}; convert it")
+    path = _jsonl_path(path, "block records", f"one record per line, {_BLOCK_SHAPE}")
 
     def parse(obj: Any) -> tuple[Any, Any]:
         a, b = _block_of(obj)
