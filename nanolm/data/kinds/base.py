@@ -271,6 +271,23 @@ def pinned(batch: Batch, pin: bool) -> Batch:
     return batch.pin_memory() if pin else batch
 
 
+class CountedUnits:
+    """The loader's phrases for units counted one by one whatever seq_len is (block records, RL prompts): the
+    count in `name` (the UnitKind's), and `held`: what `holds` calls them."""
+
+    name: str
+    held: str
+
+    def holds(self, n_units: int) -> str:
+        return f"{n_units} {self.held}"
+
+    def needs(self, step: int) -> str:
+        return f"{step} {self.name}; prepare more {self.name}, or lower batch_size"
+
+    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
+        return f"{count} {self.name}"
+
+
 # --- the kind ----------------------------------------------------------------------------
 
 class DataKind:
@@ -304,6 +321,13 @@ class DataKind:
     mix_fix: ClassVar[str] = ""
     unscorable: ClassVar[str] = ""  # why `nanolm eval` cannot score its data as text, and the fix ("": it can)
     texts_help: ClassVar[str] = "the documents"  # what a tokenizer trains on from its files (`texts`)
+    # The PrepareConfig fields that `options` records after the format, in the manifest's order.
+    option_fields: ClassVar[tuple[str, ...]] = ("max_tokens", "val_fraction", "skip_bad", "shard_tokens")
+    # What `texts` reads: a reader of one of its files giving (record, bytes read) per record, as
+    # `formats.iter_chat_records` does, and the texts of one such record (both staticmethods); no reader: the
+    # documents of .txt and {"text": ...} .jsonl files.
+    read_records: ClassVar[Callable[..., Iterator[tuple[Any, int]]] | None] = None
+    record_texts: ClassVar[Callable[[Any], Iterator[str]]]
 
     def __init__(self, cfg: PrepareConfig, tok: Tokenizer) -> None:
         for name in ("system_ratio", "empty_think_ratio"):
@@ -326,11 +350,15 @@ class DataKind:
     @classmethod
     def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
               ) -> Iterator[str]:
-        """What a tokenizer for this kind trains on from `files`, in order, in pieces of bounded size: here the
-        documents of .txt and {"text": ...} .jsonl files."""
+        """What a tokenizer for this kind trains on from `files`, in order, in pieces of bounded size: the texts
+        of each record `read_records` gives (`record_texts`), or the documents of .txt and {"text": ...} .jsonl
+        files."""
         for f in files:
-            for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats):
-                yield piece.text
+            if cls.read_records is None:
+                yield from (piece.text for piece in iter_pieces(f, skip_bad=skip_bad, stats=stats))
+            else:
+                for record, _ in cls.read_records(f, skip_bad=skip_bad, stats=stats):
+                    yield from cls.record_texts(record)
 
     # --- the prepare side
 
@@ -346,8 +374,9 @@ class DataKind:
         """Warn of what the tokenizer lacks for this kind."""
 
     def options(self) -> dict[str, Any]:
-        """The manifest's "options": what makes the data what it is (beside the sources and the tokenizer)."""
-        raise NotImplementedError
+        """The manifest's "options": what makes the data what it is (beside the sources and the tokenizer): here
+        the kind's name as "format", then its `option_fields` of the PrepareConfig."""
+        return {"format": self.name, **{name: getattr(self.cfg, name) for name in self.option_fields}}
 
     def plan(self) -> str:
         """What is made, for the line prepare starts with: "chat, max 1024 tokens per conversation, "."""

@@ -34,14 +34,13 @@ y[:, T - 1 + i].
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from nanolm.data.formats import iter_block_records
-from nanolm.data.jsonl import ReadStats
-from nanolm.data.kinds.base import DataKind, Splits
+from nanolm.data.kinds.base import CountedUnits, DataKind, Splits
 from nanolm.data.provenance import val_every
 from nanolm.data.shards import IGNORE_INDEX, MANIFEST, SPLITS, Batch, Manifest, PackedData, SplitWriter
 from nanolm.errors import UserError
@@ -61,6 +60,7 @@ class BlocksKind(DataKind):
     mixes_as = ""  # rows of two blocks, read apart by a non-causal model
     mix_fix = "block data trains alone: give it as the one data set of its run"
     texts_help = "the inputs and outputs of block records (or their texts)"
+    option_fields = ("block_len", "val_fraction", "skip_bad", "shard_tokens")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -71,18 +71,8 @@ class BlocksKind(DataKind):
     def units(cls, data: PackedData, seq_len: int) -> Blocks:
         return Blocks(data, seq_len)
 
-    @classmethod
-    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
-              ) -> Iterator[str]:
-        for f in files:
-            for (a, b), _ in iter_block_records(f, skip_bad=skip_bad, stats=stats):
-                yield a
-                if b is not None:
-                    yield b
-
-    def options(self) -> dict[str, Any]:
-        return {"format": self.name, "block_len": self.cfg.block_len, "val_fraction": self.cfg.val_fraction,
-                "skip_bad": self.cfg.skip_bad, "shard_tokens": self.cfg.shard_tokens}
+    read_records = staticmethod(iter_block_records)
+    record_texts = staticmethod(lambda record: (t for t in record if t is not None))  # (input, output), (text, None)
 
     def plan(self) -> str:
         return f"input and output blocks of at most {self.cfg.block_len or 'any number of'} tokens, "
@@ -139,11 +129,12 @@ def block_views(batch: Batch, causal: bool) -> Batch:
     return Batch(batch.x[:, :T], batch.y[:, T - 1:-1])
 
 
-class Blocks:
+class Blocks(CountedUnits):
     """Block records (`BlocksKind`): the unit is a record, a row its input and output blocks side by side
     (module doc). Epoch e's order of the records that fit is `np.random.default_rng([seed, e]).permutation(n)`."""
 
     name = "records"
+    held = "block records"
     state_key = "n_records"
 
     def __init__(self, data: PackedData, seq_len: int) -> None:
@@ -197,15 +188,6 @@ class Blocks:
                 f"({self.n_targets:,} target tokens)"
                 + (f"; {self.n_dropped} left out (an input or output longer than {self.T} tokens)"
                    if self.n_dropped else ""))
-
-    def holds(self, n_units: int) -> str:
-        return f"{n_units} block records"
-
-    def needs(self, step: int) -> str:
-        return f"{step} records; prepare more records, or lower batch_size"
-
-    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
-        return f"{count} records"
 
     def empty(self) -> str:
         return (f"none of its {self.n_state} records has an input and an output of at most seq_len {self.T} tokens; "

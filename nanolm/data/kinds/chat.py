@@ -45,7 +45,7 @@ import random
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -114,12 +114,8 @@ class ChatKind(DataKind):
     def units(cls, data: PackedData, seq_len: int) -> PackedConversations:
         return PackedConversations(data, seq_len)
 
-    @classmethod
-    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
-              ) -> Iterator[str]:
-        for f in files:
-            for conv, _ in iter_chat_records(f, skip_bad=skip_bad, stats=stats):
-                yield from conversation_texts(conv)
+    read_records = staticmethod(iter_chat_records)
+    record_texts = staticmethod(lambda conv: conversation_texts(conv))  # defined below: looked up when called
 
     def check_tokenizer(self) -> None:
         tok = self.tok
@@ -132,8 +128,7 @@ class ChatKind(DataKind):
     def options(self) -> dict[str, Any]:
         augment = ({"system_ratio": self.cfg.system_ratio, "empty_think_ratio": self.cfg.empty_think_ratio,
                     "seed": self.cfg.seed} if self.cfg.system_ratio or self.cfg.empty_think_ratio else {})
-        return {"format": self.name, "max_tokens": self.cfg.max_tokens, "val_fraction": self.cfg.val_fraction,
-                "skip_bad": self.cfg.skip_bad, "shard_tokens": self.cfg.shard_tokens, **augment}
+        return {**super().options(), **augment}
 
     def plan(self) -> str:
         return f"chat, max {self.cfg.max_tokens} tokens per conversation, "
@@ -233,15 +228,10 @@ def encode_chats(state: dict[str, Any], convs: list[Conversation],
     rendered = encode_spans(state, [empty_think_trained(fmt.spans(c.messages, c.tools)) if c.empty_think
                                     else fmt.spans(c.messages, c.tools) for c in convs])
     out = Documents(len(convs), state["dtype"], state["eot"])
-    for i, (ids, mask) in enumerate(rendered):
-        if len(ids) > max_tokens:
-            fitted = fit_conversation(ids, mask, max_tokens)
-            if fitted is None:
-                out.too_long += 1
-                continue
-            out.truncated += 1
-            ids, mask = fitted
-        out.add(i, ids, mask)
+    for i, doc in enumerate(rendered):
+        fitted = out.fitted(doc, len(doc[0]), max_tokens, fit_conversation)
+        if fitted is not None:
+            out.add(i, *fitted)
     return out.result()
 
 
@@ -283,6 +273,19 @@ class Documents:
         self.mask: list[np.ndarray] = []
         self.lens = np.zeros(n, dtype=np.int64)  # 0 for a document left out
         self.truncated = self.too_long = 0
+
+    def fitted(self, doc: Any, longest: int, max_tokens: int, fit: Callable[..., Any]) -> Any:
+        """`doc` (a conversation's (ids, mask), or a pair of them) as it is written: itself where its longest
+        conversation (`longest` tokens) fits max_tokens, else fit(*doc, max_tokens) counted as truncated, or None
+        counted as too long where it cannot be cut to fit."""
+        if longest <= max_tokens:
+            return doc
+        fitted = fit(*doc, max_tokens)
+        if fitted is None:
+            self.too_long += 1
+        else:
+            self.truncated += 1
+        return fitted
 
     def add(self, i: int, ids: np.ndarray, mask: np.ndarray) -> None:
         self.ids += [ids, self.eot]

@@ -37,7 +37,7 @@ much of the batches is padding.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -83,13 +83,12 @@ class PairsKind(ChatKind):
     def units(cls, data: PackedData, seq_len: int) -> PreferencePairs:  # type: ignore[override]
         return PreferencePairs(data, seq_len)
 
-    @classmethod
-    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
-              ) -> Iterator[str]:
-        for f in files:
-            for (chosen, rejected), _ in iter_preference_records(f, skip_bad=skip_bad, stats=stats):
-                yield from conversation_texts(chosen)
-                yield from message_texts(rejected.messages[-1])
+    read_records = staticmethod(iter_preference_records)
+
+    @staticmethod
+    def record_texts(pair: tuple[Conversation, Conversation]) -> Iterator[str]:
+        yield from conversation_texts(pair[0])
+        yield from message_texts(pair[1].messages[-1])
 
     def plan(self) -> str:
         return f"preference pairs, max {self.cfg.max_tokens} tokens per conversation, "
@@ -151,16 +150,11 @@ def encode_pairs(state: dict[str, Any], pairs: list[tuple[Conversation, Conversa
     rendered = encode_spans(state, [fmt.spans(c.messages, c.tools, final_only=True) for pair in pairs for c in pair])
     out = Documents(2 * len(pairs), state["dtype"], state["eot"])
     for i in range(len(pairs)):
-        chosen, rejected = rendered[2 * i], rendered[2 * i + 1]
-        if max(len(chosen[0]), len(rejected[0])) > max_tokens:
-            fitted = fit_pair(chosen, rejected, max_tokens)
-            if fitted is None:
-                out.too_long += 1
-                continue
-            out.truncated += 1
-            chosen, rejected = fitted
-        out.add(2 * i, *chosen)
-        out.add(2 * i + 1, *rejected)
+        pair = rendered[2 * i], rendered[2 * i + 1]
+        fitted = out.fitted(pair, max(len(pair[0][0]), len(pair[1][0])), max_tokens, fit_pair)
+        if fitted is not None:
+            out.add(2 * i, *fitted[0])
+            out.add(2 * i + 1, *fitted[1])
     return out.result()
 
 

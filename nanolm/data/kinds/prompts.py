@@ -24,13 +24,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from nanolm.data.formats import iter_prompt_records
-from nanolm.data.jsonl import ReadStats, read_jsonl
-from nanolm.data.kinds.base import DataKind, Order, Splits
+from nanolm.data.jsonl import read_jsonl
+from nanolm.data.kinds.base import CountedUnits, DataKind, Order, Splits
 from nanolm.data.kinds.chat import conversation_texts
 from nanolm.data.provenance import val_every
 from nanolm.data.shards import SPLITS, Manifest, PackedData, SplitWriter
@@ -60,16 +60,8 @@ class PromptsKind(DataKind):
     def units(cls, data: PackedData, seq_len: int) -> Prompts:
         return Prompts(data, seq_len)
 
-    @classmethod
-    def texts(cls, files: Sequence[Path], *, skip_bad: bool = False, stats: ReadStats | None = None
-              ) -> Iterator[str]:
-        for f in files:
-            for (conv, _), _ in iter_prompt_records(f, skip_bad=skip_bad, stats=stats):
-                yield from conversation_texts(conv)
-
-    def options(self) -> dict[str, Any]:
-        return {"format": self.name, "max_tokens": self.cfg.max_tokens, "val_fraction": self.cfg.val_fraction,
-                "skip_bad": self.cfg.skip_bad, "shard_tokens": self.cfg.shard_tokens}
+    read_records = staticmethod(iter_prompt_records)
+    record_texts = staticmethod(lambda prompt: conversation_texts(prompt[0]))  # (conversation, record)
 
     def plan(self) -> str:
         return f"RL prompts, max {self.cfg.max_tokens} tokens each, "
@@ -167,12 +159,12 @@ def last_user_text(messages: Sequence[dict[str, Any]]) -> str:
     return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
 
 
-class Prompts:
+class Prompts(CountedUnits):
     """RL prompts (`PromptsKind`): the unit is a prompt, its conversation's ids
     and its record; a batch is a `PromptBatch` of batch_size of them. Epoch e's order is
     `np.random.default_rng([seed, e]).permutation(n)`."""
 
-    name = "prompts"
+    name = held = "prompts"
     state_key = "n_prompts"
 
     def __init__(self, data: PackedData, seq_len: int) -> None:
@@ -203,15 +195,6 @@ class Prompts:
     def describe(self, order: Order, batch_size: int) -> str:
         return (f"{self.n_state} prompts ({int(self.length.sum()):,} tokens, {int(self.length.max())} the longest), "
                 f"{batch_size} a micro-batch")
-
-    def holds(self, n_units: int) -> str:
-        return f"{n_units} prompts"
-
-    def needs(self, step: int) -> str:
-        return f"{step} prompts; prepare more prompts, or lower batch_size"
-
-    def amount(self, count: Any, seq_len: Any, again: bool = False) -> str:
-        return f"{count} prompts"
 
     def empty(self) -> str:
         return "no prompts; run `nanolm prepare --format prompts` on a file that holds some"
