@@ -61,8 +61,8 @@ def folder(tmp_path_factory, run, runtime) -> Path:
 def test_the_folder_holds_the_page_model_and_verified_runtime(folder, run):
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     assert files == ["_headers", "chat.css", "chatui.js", CONFIG_FILE, "index.html", GGUF_FILE, "web.css",
-                     "web.js", "wllama/LICENCE", "wllama/compat/wllama.js", "wllama/compat/wllama.wasm", "wllama/index.js",
-                     "wllama/wllama.wasm"]
+                     "web.js", "wllama/LICENCE", "wllama/compat/wllama.js", "wllama/compat/wllama.wasm",
+                     "wllama/index.js", "wllama/wllama.wasm"]
     for rel, sha in runtime_files().items():
         assert web._sha256(folder / "wllama" / rel) == sha
     config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))

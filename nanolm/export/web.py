@@ -2,9 +2,10 @@
 
 `nanolm export web RUN OUT` writes
 
-    OUT/index.html, web.js, web.css   the page (nanolm/export/web_static/)
-    OUT/chat.css, chatui.js           the look of `nanolm serve`'s chat page and the script both pages share,
-                                      copied from there (one owner)
+    OUT/web.js, web.css               the page's own script and look (nanolm/export/web_static/)
+    OUT/index.html, chat.css,         the page's markup, the look and the script it shares with `nanolm serve`'s
+        chatui.js                     chat page, from there (one owner: nanolm/infer/server/static/, the markup
+                                      through `markup.page_markup`)
     OUT/config.json                   the model's name, file, checksum, chat layout, stops and sampling defaults
     OUT/model.gguf                    the model as GGUF (`nanolm.export.gguf.write_gguf`, q8_0 by default)
     OUT/wllama/                       llama.cpp's WebAssembly build: @wllama/wllama's ES module and .wasm,
@@ -69,7 +70,7 @@ DEFAULT_OUTTYPE = "q8_0"
 GGUF_FILE = "model.gguf"
 CONFIG_FILE = "config.json"
 RUNTIME_DIR = "wllama"
-PAGE_FILES = ("index.html", "web.js", "web.css")  # in nanolm/export/web_static/
+PAGE_FILES = ("web.js", "web.css")  # in nanolm/export/web_static/
 SHARED_FILES = ("chat.css", "chatui.js")  # the server chat page's stylesheet and shared script, copied beside them
 # Cross-origin isolation, which browsers require before a page may share memory between threads (wllama's
 # multi-threaded build); without it the page runs on one thread.
@@ -267,6 +268,7 @@ def export_web(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ad
     """
     from nanolm.checkpoint import load_model, require_causal, run_name
     from nanolm.export.gguf import check_outtype, write_gguf
+    from nanolm.infer.server.markup import page_markup
     from nanolm.io import check_new_directory
     from nanolm.tokenizer import Tokenizer
 
@@ -287,6 +289,7 @@ def export_web(checkpoint: str | Path, out_dir: Path, *, which: str = "best", ad
         shared = resources.files("nanolm.infer.server") / "static"
         for name in SHARED_FILES:
             write_bytes_atomic(tmp / name, (shared / name).read_bytes())
+        write_text_atomic(tmp / "index.html", page_markup("web"))
         config = page_config(name=run_name(ckpt_dir), gguf_sha256=_sha256(tmp / GGUF_FILE),
                              gguf_bytes=(tmp / GGUF_FILE).stat().st_size, layout=layout,
                              context_length=model.config.max_seq_len, sampling=sampling, system=system)

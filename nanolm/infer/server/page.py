@@ -1,4 +1,5 @@
-"""The chat web page of `nanolm serve`: `GET /` and the files it loads, shipped in static/.
+"""The chat web page of `nanolm serve`: `GET /` (static/chat.html's serve lines, `markup.page_markup`) and the
+files it loads, shipped in static/.
 
 Plain HTML, CSS and JavaScript with no build step and nothing fetched from anywhere else. The page is
 a client of the same /v1 API as any other (it streams /v1/chat/completions, and has the server run calls of
@@ -16,6 +17,8 @@ from importlib.resources import files
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from nanolm.infer.server.markup import page_markup
+
 # What the page may do: load this server's files and talk to this server, nothing inline, no <base> or
 # form targets, and not be framed by another site.
 CSP = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -30,7 +33,7 @@ def _read(name: str) -> bytes:
 
 
 def chat_page() -> Response:
-    return Response(_read("chat.html"), media_type="text/html; charset=utf-8", headers=HEADERS)
+    return Response(page_markup("serve").encode("utf-8"), media_type="text/html; charset=utf-8", headers=HEADERS)
 
 
 def static_file(name: str) -> Response:
