@@ -7,12 +7,14 @@ and importing nanolm.train.stages registers the built-in ones. The layers below 
 under the stage's name, so a stage with settings touches no shared module), whether it trains LoRA adapters,
 whether it fine-tunes, and what its report-card row measures.
 
-A lookup before any stage is registered is a programming error (the entry point forgot to import
-nanolm.train.stages), reported as such rather than as a configuration with no stages.
+The built-in stages are found the way plugins are: the first lookup in an empty registry loads the module
+named by `BUILTIN_STAGES` (by name, as an entry point is loaded), so `Config()` works from any entry point while
+nothing at this floor imports the trainer when it is itself imported.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 from nanolm.errors import UserError
@@ -35,6 +37,7 @@ class StageSpec(Protocol):
 
 
 _STAGES: dict[str, StageSpec] = {}
+BUILTIN_STAGES = "nanolm.train.stages"  # registers the built-in stages when imported
 
 
 def add(stage: StageSpec) -> None:
@@ -46,8 +49,7 @@ def add(stage: StageSpec) -> None:
 
 def _registered() -> dict[str, StageSpec]:
     if not _STAGES:
-        raise RuntimeError("no training stage is registered: import nanolm.train.stages (it registers the built-in "
-                           "ones) before building or reading a training configuration")
+        importlib.import_module(BUILTIN_STAGES)
     return _STAGES
 
 
