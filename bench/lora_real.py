@@ -216,7 +216,7 @@ def report(rows: list[dict], args: argparse.Namespace, variants: list[str]) -> d
     summary = {k: {m: statistics.median(r[m] for r in rs) if all(r[m] is not None for r in rs) else None
                    for m in keys} for k, rs in med.items()}
     print(f"\nLoRA r{args.rank} on {MODEL} (real weights), batch {args.batch}, median of {args.rounds} rounds x "
-          f"{args.steps} steps; ceiling: a {args.ceiling_size}^3 matmul in the step's dtype, same process")
+          f"{args.steps} steps; ceiling: a {args.ceiling_size}^3 F.linear in the step's dtype, same process")
     print("| dtype | seq | variant | tokens/s | s/step | GFLOP/s | ceiling GFLOP/s | of ceiling | peak MiB "
           "(RSS before) | vs peft |")
     print("|---|---|---|---|---|---|---|---|---|---|")
