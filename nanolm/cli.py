@@ -80,7 +80,6 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
     from nanolm.config.load import override_fields
-    from nanolm.train import stages  # noqa: F401  registers the stages, whose sections are options (--grpo.*)
     g = p.add_argument_group("config fields (override the preset and the config file)")
     for name, typ in override_fields().items():
         if name == "data.sets":  # given as --data DIR:key=value,... (see _config_from_args)
@@ -267,7 +266,6 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         print(format_result(result))
     if args.task or args.degeneration:
         from nanolm.eval.runner import format_degeneration, format_table, run_eval
-        from nanolm.train import stages  # noqa: F401  registers the stages a run's config.json is read with
         report = run_eval(args.checkpoint, args.task, which=which, batch_size=args.batch_size, device=args.device,
                           adapter=args.adapter, chat={"auto": None, "on": True, "off": False}[args.chat],
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -286,7 +284,6 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 def _cmd_report(args: argparse.Namespace) -> None:
     from nanolm.eval.card import format_report, write_report
     from nanolm.eval.report import DEFAULT_TASKS, build_report
-    from nanolm.train import stages  # noqa: F401  registers the stages the runs' config.json are read with
     card = build_report(args.runs, tasks=args.task or DEFAULT_TASKS, n=args.n, text_train=args.text_train,
                         text_heldout=args.text_heldout, device=args.device, batch_size=args.batch_size)
     print(format_report(card))
