@@ -372,7 +372,6 @@ def _add_builtin_commands(sub: argparse._SubParsersAction) -> None:
     mo.set_defaults(func=_cmd_models)
 
 
-
 def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     """tokenizer, prepare, train."""
     from nanolm.config import PRESETS
@@ -414,7 +413,6 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     tr.set_defaults(func=_cmd_train)
 
 
-
 def _add_chat_commands(sub: argparse._SubParsersAction) -> None:
     """generate, chat."""
     from nanolm.infer.tools import MAX_TOOL_ROUNDS
@@ -436,7 +434,6 @@ def _add_chat_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--free-calls", action="store_true",
                    help="read the model's tool calls as it writes them; by default, once it opens a call, what it "
                         "writes is held to the offered tools' schemas")
-
 
 
 def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
@@ -497,7 +494,6 @@ def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
     ig.add_argument("file")
     ig.add_argument("out", help="the nanolm checkpoint directory to write")
     im.set_defaults(func=_cmd_import)
-
 
 
 def _add_serve_and_eval_commands(sub: argparse._SubParsersAction) -> None:

@@ -20,7 +20,6 @@ def check(cond: bool, msg: str) -> None:
         raise UserError(msg)
 
 
-
 @functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # slow (it evaluates the annotations), and the same every time

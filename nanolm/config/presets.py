@@ -123,7 +123,6 @@ PRESETS: dict[str, Callable[[], Config]] = {
 }
 
 
-
 def preset(name: str) -> Config:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")

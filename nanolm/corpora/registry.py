@@ -110,7 +110,6 @@ class Corpus(PinnedArchive):
             raise ValueError(f"{where}: members must name at least one pattern")
 
 
-
 def _load(text: str) -> dict[str, Corpus]:
     """The entries of registry.toml as Corpus objects, in the file's order."""
     registry: dict[str, Corpus] = {}

@@ -117,7 +117,6 @@ def http_config(app: FastAPI, config: ServeConfig, **kw: Any) -> Any:
     return uvicorn.Config(app, http=Guarded, **kw)
 
 
-
 def _bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

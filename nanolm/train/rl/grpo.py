@@ -99,7 +99,6 @@ class GRPOConfig:
                f"grpo.length_max must be > 0 and >= grpo.length_min ({self.length_min}), got {self.length_max}")
 
 
-
 @dataclass
 class Rollouts:
     """One micro-batch of completions: R = prompts x group_size rows, prompt then completion, right-padded.

@@ -122,7 +122,6 @@ class PPOConfig:
                f"ppo.length_max must be > 0 and >= ppo.length_min ({self.length_min}), got {self.length_max}")
 
 
-
 @dataclass
 class PPORollouts:
     """One micro-batch of completions: R = prompts x samples_per_prompt rows, prompt then completion, right-padded.

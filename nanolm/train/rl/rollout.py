@@ -215,7 +215,6 @@ class RolloutSums:
             s[f"reward_sq/{name}"] = s.get(f"reward_sq/{name}", 0.0) + sum(v * v for v in values)
 
 
-
 def over_ranks(sums: dict[str, float], info: distributed.DistInfo, device: torch.device) -> dict[str, float]:
     """A rank's sums of a step's metrics summed over all ranks (every rank holds the same keys)."""
     keys = sorted(sums)
